@@ -1,0 +1,329 @@
+//! Configuration: one TOML file plus `GRAVITON_<SECTION>__<KEY>` environment overrides.
+//!
+//! Every key has a documented default (see `docs/configuration.md`), so `graviton serve`
+//! with no file is a complete single node. Loading merges, in order: built-in defaults,
+//! the TOML file (if given), then environment variables whose names contain `__`
+//! (`GRAVITON_NODE__LISTEN=0.0.0.0:7070`, `GRAVITON_SESSIONS__MAX_HOT=10000`). Unknown
+//! keys are errors, and every error names the offending key.
+
+mod secret;
+mod units;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Serialize};
+
+pub use secret::Secret;
+pub use units::{ByteSize, HumanDuration, UnitError};
+
+/// Default public listen address of `graviton serve`.
+pub const LISTEN_DEFAULT: &str = "127.0.0.1:7070";
+/// Default data directory (blocks and manifests of the embedded store).
+pub const DATA_DIR_DEFAULT: &str = "./graviton-data";
+/// Default bound on session-owner actors kept in memory per node.
+pub const HOT_SESSIONS_MAX_DEFAULT: usize = 4096;
+
+/// The whole configuration of one `graviton` process.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub node: NodeConfig,
+    pub storage: StorageConfig,
+    pub sessions: SessionsConfig,
+    pub upload: UploadConfig,
+    pub log: LogConfig,
+    pub admin: AdminConfig,
+}
+
+/// `[node]`: identity and listeners.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Node id shown in responses (`owner`) and in cluster tables.
+    pub id: String,
+    /// Public HTTP listener.
+    pub listen: SocketAddr,
+    /// How long SIGTERM/SIGINT waits for in-flight requests before aborting them.
+    pub shutdown_grace: HumanDuration,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            id: "local".to_string(),
+            listen: LISTEN_DEFAULT.parse().expect("valid default listen address"),
+            shutdown_grace: HumanDuration::secs(30),
+        }
+    }
+}
+
+/// `[storage]`: the embedded filesystem block and manifest stores.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StorageConfig {
+    /// Root of `blocks/` and `manifests/`.
+    pub data_dir: PathBuf,
+    /// `fsync` each new block and manifest (and their directories) before acknowledging.
+    pub fsync: bool,
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        Self { data_dir: PathBuf::from(DATA_DIR_DEFAULT), fsync: true }
+    }
+}
+
+/// `[sessions]`: hot state of upload sessions owned by this node.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SessionsConfig {
+    /// Most session-owner actors alive at once; idle ones are evicted first at the bound.
+    pub max_hot: usize,
+    /// An owner with no activity for this long stops itself.
+    pub idle_timeout: HumanDuration,
+    /// How often the region looks for idle owners.
+    pub sweep_interval: HumanDuration,
+}
+
+impl Default for SessionsConfig {
+    fn default() -> Self {
+        Self {
+            max_hot: HOT_SESSIONS_MAX_DEFAULT,
+            idle_timeout: HumanDuration::secs(300),
+            sweep_interval: HumanDuration::secs(5),
+        }
+    }
+}
+
+/// `[upload]`: limits on one upload.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UploadConfig {
+    /// Largest accepted blob; a larger `Content-Length` is refused before the body is read.
+    pub max_blob_size: ByteSize,
+    /// An upload whose body delivers nothing for this long is aborted.
+    pub body_idle_timeout: HumanDuration,
+}
+
+impl Default for UploadConfig {
+    fn default() -> Self {
+        Self { max_blob_size: ByteSize::gib(64), body_idle_timeout: HumanDuration::secs(60) }
+    }
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
+
+/// `[log]`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// `tracing` filter directive; `RUST_LOG` wins when set.
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { format: LogFormat::Human, level: "info".to_string() }
+    }
+}
+
+/// `[admin]`
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Bearer token for `/v1/admin/...`. Unset: admin endpoints answer 403.
+    pub token: Option<Secret>,
+}
+
+/// A configuration problem, naming the key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path}: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("{0}")]
+    Parse(String),
+    #[error("invalid configuration:\n{}", .0.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+    Invalid(Vec<Problem>),
+}
+
+/// One validation failure: the dotted key and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub key: &'static str,
+    pub message: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.key, self.message)
+    }
+}
+
+impl Problem {
+    pub fn new(key: &'static str, message: impl Into<String>) -> Self {
+        Self { key, message: message.into() }
+    }
+}
+
+impl Config {
+    /// Load defaults, then `file` (when given; it must exist), then the environment, and
+    /// validate the result.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        if let Some(path) = file {
+            if !path.is_file() {
+                return Err(ConfigError::File {
+                    path: path.to_path_buf(),
+                    message: "no such file".to_string(),
+                });
+            }
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        figment = figment.merge(Self::env_provider());
+        let config: Config = figment.extract().map_err(|err| ConfigError::Parse(describe(err)))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parse a TOML document (no environment) and validate it. Used by tests and tools.
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        let config: Config = Figment::from(Serialized::defaults(Config::default()))
+            .merge(Toml::string(text))
+            .extract()
+            .map_err(|err| ConfigError::Parse(describe(err)))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn env_provider() -> Env {
+        // Only variables with a section separator are config keys; GRAVITON_REQUIRE_SERVICES
+        // and friends belong to the test harness.
+        Env::prefixed("GRAVITON_")
+            .filter(|key| key.as_str().contains("__"))
+            .split("__")
+    }
+
+    /// Every validation problem at once, so an operator fixes the file in one pass.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut problems = Vec::new();
+        if self.node.id.trim().is_empty() {
+            problems.push(Problem::new("node.id", "must not be empty"));
+        }
+        if !self
+            .node
+            .id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        {
+            problems.push(Problem::new("node.id", "only ASCII letters, digits, '-', '_' and '.' are allowed"));
+        }
+        if self.storage.data_dir.as_os_str().is_empty() {
+            problems.push(Problem::new("storage.data_dir", "must not be empty"));
+        }
+        if self.sessions.max_hot == 0 {
+            problems.push(Problem::new("sessions.max_hot", "must be at least 1"));
+        }
+        if self.sessions.idle_timeout.get().is_zero() {
+            problems.push(Problem::new("sessions.idle_timeout", "must be greater than zero"));
+        }
+        if self.sessions.sweep_interval.get().is_zero() {
+            problems.push(Problem::new("sessions.sweep_interval", "must be greater than zero"));
+        }
+        if self.upload.max_blob_size.bytes() == 0 {
+            problems.push(Problem::new("upload.max_blob_size", "must be greater than zero"));
+        }
+        if self.upload.body_idle_timeout.get().is_zero() {
+            problems.push(Problem::new("upload.body_idle_timeout", "must be greater than zero"));
+        }
+        if let Some(token) = &self.admin.token {
+            if token.expose().len() < 16 {
+                problems.push(Problem::new("admin.token", "must be at least 16 characters"));
+            }
+        }
+        problems
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let problems = self.problems();
+        if problems.is_empty() { Ok(()) } else { Err(ConfigError::Invalid(problems)) }
+    }
+
+    /// A configuration for tests: random loopback port, the given data directory, no fsync.
+    pub fn for_test(data_dir: &Path) -> Self {
+        let mut config = Config::default();
+        config.node.listen = "127.0.0.1:0".parse().expect("loopback");
+        config.storage.data_dir = data_dir.to_path_buf();
+        config.storage.fsync = false;
+        config.node.shutdown_grace = HumanDuration::secs(5);
+        config
+    }
+}
+
+fn describe(err: figment::Error) -> String {
+    err.into_iter()
+        .map(|e| {
+            let key = e.path.join(".");
+            let mut kind = e.kind.to_string();
+            // figment phrases custom errors without the key; we always name it.
+            if !key.is_empty() {
+                kind = format!("{key}: {kind}");
+            }
+            match e.metadata.as_ref().and_then(|m| m.source.as_ref()) {
+                Some(source) => format!("{kind} (from {source})"),
+                None => kind,
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_complete() {
+        let config = Config::default();
+        assert!(config.problems().is_empty(), "{:?}", config.problems());
+        assert_eq!(config.sessions.max_hot, HOT_SESSIONS_MAX_DEFAULT);
+        assert_eq!(config.storage.data_dir, PathBuf::from(DATA_DIR_DEFAULT));
+    }
+
+    #[test]
+    fn toml_values_use_human_units() {
+        let config = Config::from_toml_str(
+            "[sessions]\nidle_timeout = \"90s\"\nmax_hot = 10\n[upload]\nmax_blob_size = \"1GiB\"\n",
+        )
+        .unwrap();
+        assert_eq!(config.sessions.idle_timeout, HumanDuration::secs(90));
+        assert_eq!(config.upload.max_blob_size, ByteSize::gib(1));
+    }
+
+    #[test]
+    fn errors_name_the_offending_key() {
+        let err = Config::from_toml_str("[upload]\nmax_blob_size = \"lots\"\n").unwrap_err().to_string();
+        assert!(err.contains("upload.max_blob_size"), "{err}");
+        let err = Config::from_toml_str("[sessions]\nmax_hot = 0\n").unwrap_err().to_string();
+        assert!(err.contains("sessions.max_hot"), "{err}");
+        let err = Config::from_toml_str("[node]\nlisten_typo = \"x\"\n").unwrap_err().to_string();
+        assert!(err.contains("listen_typo"), "{err}");
+    }
+
+    #[test]
+    fn short_admin_token_is_rejected_without_echoing_it() {
+        let err = Config::from_toml_str("[admin]\ntoken = \"abc\"\n").unwrap_err().to_string();
+        assert!(err.contains("admin.token"), "{err}");
+        assert!(!err.contains("abc\""), "{err}");
+    }
+}

@@ -1,0 +1,20 @@
+//! Graviton: the upload path of a content-addressed blob store, on one node or a cluster.
+//!
+//! # Layout
+//! - [`config`]: the TOML + environment configuration, defaults and validation.
+//! - [`ids`]: tenant, session and node identifiers.
+//! - [`cas`]: pure content addressing: chunking parameters, block and blob keys, manifests,
+//!   range planning, and the streaming ingest pipeline.
+//! - [`storage`]: I/O adapters that hold no policy: block and manifest stores (filesystem).
+//! - [`session`]: pure hot-state logic of upload sessions (phases, counters, the bounded table).
+//! - [`actors`]: ractor actors (node supervisor, session region and owners) as thin shells
+//!   over the pure modules. Bytes never travel through actor mailboxes.
+//! - [`http`]: the axum/hyper server: public API, ops endpoints, error mapping.
+//! - [`metrics`]: the Prometheus registry and the metric handles.
+//! - [`node`]: assembles one running node and shuts it down.
+//! - [`client`]: the HTTP client used by `graviton put` and `graviton get`.
+//! - `lua/` and `sql/` at the crate root hold the Redis script and PostgreSQL migrations.
+
+pub mod config;
+pub mod http;
+pub mod ids;
