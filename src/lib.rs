@@ -18,3 +18,5 @@
 pub mod config;
 pub mod http;
 pub mod ids;
+pub mod cas;
+pub mod storage;
