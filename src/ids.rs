@@ -108,7 +108,7 @@ impl fmt::Debug for SessionId {
 }
 
 /// The `(tenant, session)` pair that has exactly one owner node at a time.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Serialize, Deserialize)]
 pub struct SessionKey {
     pub tenant: TenantId,
     pub session: SessionId,

@@ -20,3 +20,6 @@ pub mod http;
 pub mod ids;
 pub mod cas;
 pub mod storage;
+pub mod session;
+pub mod metrics;
+pub mod actors;
