@@ -23,3 +23,6 @@ pub mod storage;
 pub mod session;
 pub mod metrics;
 pub mod actors;
+pub mod node;
+pub mod telemetry;
+pub mod client;
