@@ -60,16 +60,27 @@ async fn error_of(response: reqwest::Response) -> anyhow::Error {
 }
 
 /// Upload `file`; returns the server's answer.
-pub async fn put(server: &str, file: &Path, session: Option<SessionKey>) -> anyhow::Result<UploadResponse> {
-    let handle = tokio::fs::File::open(file).await.with_context(|| format!("open {}", file.display()))?;
-    let size = handle.metadata().await.with_context(|| format!("stat {}", file.display()))?.len();
+pub async fn put(
+    server: &str,
+    file: &Path,
+    session: Option<SessionKey>,
+) -> anyhow::Result<UploadResponse> {
+    let handle = tokio::fs::File::open(file)
+        .await
+        .with_context(|| format!("open {}", file.display()))?;
+    let size = handle
+        .metadata()
+        .await
+        .with_context(|| format!("stat {}", file.display()))?
+        .len();
     let bar = progress_bar(Some(size), "uploading");
     let progress = bar.clone();
-    let stream = tokio_util::io::ReaderStream::with_capacity(handle, 256 * 1024).inspect(move |chunk| {
-        if let Ok(chunk) = chunk {
-            progress.inc(chunk.len() as u64);
-        }
-    });
+    let stream =
+        tokio_util::io::ReaderStream::with_capacity(handle, 256 * 1024).inspect(move |chunk| {
+            if let Ok(chunk) = chunk {
+                progress.inc(chunk.len() as u64);
+            }
+        });
     let mut request = http_client()?
         .post(format!("{}/v1/blobs", server.trim_end_matches('/')))
         .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
@@ -78,9 +89,15 @@ pub async fn put(server: &str, file: &Path, session: Option<SessionKey>) -> anyh
     if let Some(key) = session {
         request = request
             .header(crate::http::headers::TENANT_HEADER, key.tenant.to_string())
-            .header(crate::http::headers::SESSION_HEADER, key.session.to_string());
+            .header(
+                crate::http::headers::SESSION_HEADER,
+                key.session.to_string(),
+            );
     }
-    let response = request.send().await.with_context(|| format!("upload to {server}"))?;
+    let response = request
+        .send()
+        .await
+        .with_context(|| format!("upload to {server}"))?;
     bar.finish_and_clear();
     if !response.status().is_success() {
         return Err(error_of(response).await);
@@ -91,7 +108,9 @@ pub async fn put(server: &str, file: &Path, session: Option<SessionKey>) -> anyh
 
 /// Download `key` into `output` (or stdout when `None`), verifying it.
 pub async fn get(server: &str, key: &str, output: Option<&Path>) -> anyhow::Result<u64> {
-    let key: BlobKey = key.parse().with_context(|| format!("{key:?} is not a blob key"))?;
+    let key: BlobKey = key
+        .parse()
+        .with_context(|| format!("{key:?} is not a blob key"))?;
     let response = http_client()?
         .get(format!("{}/v1/blobs/{key}", server.trim_end_matches('/')))
         .send()
@@ -103,12 +122,22 @@ pub async fn get(server: &str, key: &str, output: Option<&Path>) -> anyhow::Resu
     let bar = progress_bar(Some(key.size), "downloading");
     let mut hasher = blake3::Hasher::new();
     let mut received = 0u64;
-    let (mut sink, temp): (Box<dyn Write + Send>, Option<(tempfile::NamedTempFile, PathBuf)>) = match output {
+    let (mut sink, temp): (
+        Box<dyn Write + Send>,
+        Option<(tempfile::NamedTempFile, PathBuf)>,
+    ) = match output {
         Some(path) => {
-            let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-            let temp = tempfile::NamedTempFile::new_in(dir).with_context(|| format!("create a file in {}", dir.display()))?;
+            let dir = path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            let temp = tempfile::NamedTempFile::new_in(dir)
+                .with_context(|| format!("create a file in {}", dir.display()))?;
             let file = temp.reopen().context("open temporary file")?;
-            (Box::new(std::io::BufWriter::new(file)), Some((temp, path.to_path_buf())))
+            (
+                Box::new(std::io::BufWriter::new(file)),
+                Some((temp, path.to_path_buf())),
+            )
         }
         None => (Box::new(std::io::stdout()), None),
     };
@@ -124,10 +153,13 @@ pub async fn get(server: &str, key: &str, output: Option<&Path>) -> anyhow::Resu
     drop(sink);
     bar.finish_and_clear();
     if received != key.size || *hasher.finalize().as_bytes() != key.hash {
-        bail!("downloaded content does not match {key} ({received} bytes received); nothing was written");
+        bail!(
+            "downloaded content does not match {key} ({received} bytes received); nothing was written"
+        );
     }
     if let Some((temp, path)) = temp {
-        temp.persist(&path).with_context(|| format!("move download into {}", path.display()))?;
+        temp.persist(&path)
+            .with_context(|| format!("move download into {}", path.display()))?;
     }
     Ok(received)
 }

@@ -15,14 +15,14 @@
 //! - [`client`]: the HTTP client used by `graviton put` and `graviton get`.
 //! - `lua/` and `sql/` at the crate root hold the Redis script and PostgreSQL migrations.
 
+pub mod actors;
+pub mod cas;
+pub mod client;
 pub mod config;
 pub mod http;
 pub mod ids;
-pub mod cas;
-pub mod storage;
-pub mod session;
 pub mod metrics;
-pub mod actors;
 pub mod node;
+pub mod session;
+pub mod storage;
 pub mod telemetry;
-pub mod client;

@@ -10,7 +10,11 @@ use graviton::config::{Config, LogFormat};
 use graviton::ids::SessionKey;
 
 #[derive(Parser)]
-#[command(name = "graviton", version, about = "Upload path of a content-addressed blob store")]
+#[command(
+    name = "graviton",
+    version,
+    about = "Upload path of a content-addressed blob store"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -64,7 +68,10 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(err) => {
             eprintln!("error: start runtime: {err}");
@@ -82,7 +89,12 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Serve { config, listen, data_dir, log_format } => {
+        Command::Serve {
+            config,
+            listen,
+            data_dir,
+            log_format,
+        } => {
             let mut config = Config::load(config.as_deref())?;
             if let Some(listen) = listen {
                 config.node.listen = listen;
@@ -91,7 +103,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 config.storage.data_dir = dir;
             }
             if let Some(format) = log_format {
-                config.log.format = if format == "json" { LogFormat::Json } else { LogFormat::Human };
+                config.log.format = if format == "json" {
+                    LogFormat::Json
+                } else {
+                    LogFormat::Human
+                };
             }
             config.validate()?;
             graviton::telemetry::init(config.log.format, &config.log.level);
@@ -109,11 +125,20 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Ok(ExitCode::from(2))
             }
         },
-        Command::Put { file, server, tenant, session } => {
+        Command::Put {
+            file,
+            server,
+            tenant,
+            session,
+        } => {
             let session = match (tenant, session) {
                 (Some(tenant), Some(session)) => Some(SessionKey {
-                    tenant: tenant.parse().map_err(|e| anyhow::anyhow!("--tenant {e}"))?,
-                    session: session.parse().map_err(|e| anyhow::anyhow!("--session {e}"))?,
+                    tenant: tenant
+                        .parse()
+                        .map_err(|e| anyhow::anyhow!("--tenant {e}"))?,
+                    session: session
+                        .parse()
+                        .map_err(|e| anyhow::anyhow!("--session {e}"))?,
                 }),
                 _ => None,
             };
@@ -121,11 +146,19 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}", answer.key);
             eprintln!(
                 "{} bytes, {} blocks ({} new, {} already stored), owner {}",
-                answer.size, answer.blocks, answer.fresh_blocks, answer.duplicate_blocks, answer.owner
+                answer.size,
+                answer.blocks,
+                answer.fresh_blocks,
+                answer.duplicate_blocks,
+                answer.owner
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Get { key, output, server } => {
+        Command::Get {
+            key,
+            output,
+            server,
+        } => {
             let bytes = graviton::client::get(&server, &key, output.as_deref()).await?;
             if let Some(path) = output {
                 eprintln!("{bytes} bytes written to {} (verified)", path.display());

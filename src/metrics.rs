@@ -92,18 +92,66 @@ impl Metrics {
             actor_restarts: Family::default(),
             registry: Arc::new(std::sync::Mutex::new(Registry::default())),
         };
-        registry.register("http_requests", "HTTP requests by route, method and status class", metrics.http_requests.clone());
-        registry.register("http_request_duration_seconds", "HTTP request duration until the response head", metrics.http_duration.clone());
-        registry.register("upload_bytes", "Body bytes accepted by uploads", metrics.upload_bytes.clone());
-        registry.register("uploads", "Finished uploads by outcome", metrics.uploads.clone());
-        registry.register("upload_duration_seconds", "Duration of successful uploads", metrics.upload_duration.clone());
-        registry.register("download_bytes", "Bytes sent by downloads", metrics.download_bytes.clone());
-        registry.register("downloads", "Finished downloads by outcome", metrics.downloads.clone());
-        registry.register("blocks", "Blocks ingested, fresh or duplicate", metrics.blocks.clone());
-        registry.register("hot_sessions", "Session owners held in memory", metrics.hot_sessions.clone());
-        registry.register("active_sessions", "Sessions with an upload in progress", metrics.active_sessions.clone());
-        registry.register("session_stops", "Session owners stopped, by reason", metrics.session_stops.clone());
-        registry.register("actor_restarts", "Actor restarts by the node supervisor", metrics.actor_restarts.clone());
+        registry.register(
+            "http_requests",
+            "HTTP requests by route, method and status class",
+            metrics.http_requests.clone(),
+        );
+        registry.register(
+            "http_request_duration_seconds",
+            "HTTP request duration until the response head",
+            metrics.http_duration.clone(),
+        );
+        registry.register(
+            "upload_bytes",
+            "Body bytes accepted by uploads",
+            metrics.upload_bytes.clone(),
+        );
+        registry.register(
+            "uploads",
+            "Finished uploads by outcome",
+            metrics.uploads.clone(),
+        );
+        registry.register(
+            "upload_duration_seconds",
+            "Duration of successful uploads",
+            metrics.upload_duration.clone(),
+        );
+        registry.register(
+            "download_bytes",
+            "Bytes sent by downloads",
+            metrics.download_bytes.clone(),
+        );
+        registry.register(
+            "downloads",
+            "Finished downloads by outcome",
+            metrics.downloads.clone(),
+        );
+        registry.register(
+            "blocks",
+            "Blocks ingested, fresh or duplicate",
+            metrics.blocks.clone(),
+        );
+        registry.register(
+            "hot_sessions",
+            "Session owners held in memory",
+            metrics.hot_sessions.clone(),
+        );
+        registry.register(
+            "active_sessions",
+            "Sessions with an upload in progress",
+            metrics.active_sessions.clone(),
+        );
+        registry.register(
+            "session_stops",
+            "Session owners stopped, by reason",
+            metrics.session_stops.clone(),
+        );
+        registry.register(
+            "actor_restarts",
+            "Actor restarts by the node supervisor",
+            metrics.actor_restarts.clone(),
+        );
         *metrics.registry.lock().expect("fresh mutex") = registry;
         metrics
     }
@@ -118,7 +166,8 @@ impl Metrics {
     pub fn encode(&self) -> String {
         let registry = self.registry.lock().expect("metrics registry lock");
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &registry).expect("encoding into a String");
+        prometheus_client::encoding::text::encode(&mut out, &registry)
+            .expect("encoding into a String");
         out
     }
 }
@@ -142,13 +191,23 @@ mod tests {
     #[test]
     fn metrics_encode_with_bounded_labels() {
         let metrics = Metrics::new();
-        metrics.blocks.get_or_create(&BlockLabels { kind: "fresh" }).inc_by(3);
+        metrics
+            .blocks
+            .get_or_create(&BlockLabels { kind: "fresh" })
+            .inc_by(3);
         metrics
             .http_requests
-            .get_or_create(&HttpLabels { route: "/v1/blobs".into(), method: "POST".into(), status: status_class(201) })
+            .get_or_create(&HttpLabels {
+                route: "/v1/blobs".into(),
+                method: "POST".into(),
+                status: status_class(201),
+            })
             .inc();
         let text = metrics.encode();
-        assert!(text.contains("graviton_blocks_total{kind=\"fresh\"} 3"), "{text}");
+        assert!(
+            text.contains("graviton_blocks_total{kind=\"fresh\"} 3"),
+            "{text}"
+        );
         assert!(text.contains("status=\"2xx\""), "{text}");
         assert!(text.ends_with("# EOF\n"));
     }

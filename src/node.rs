@@ -12,9 +12,9 @@ use std::time::Instant;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::actors::SupervisorHandle;
 use crate::actors::session_region::RegionArgs;
 use crate::actors::supervisor::SupervisorArgs;
-use crate::actors::SupervisorHandle;
 use crate::config::Config;
 use crate::http::{AppState, ops::Readiness, router};
 use crate::ids::NodeId;
@@ -72,20 +72,29 @@ pub async fn start(config: Config) -> Result<RunningNode, StartError> {
 
 pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningNode, StartError> {
     let data_dir = config.storage.data_dir.clone();
-    let storage_err = |source| StartError::Storage { path: data_dir.display().to_string(), source };
+    let storage_err = |source| StartError::Storage {
+        path: data_dir.display().to_string(),
+        source,
+    };
     let blocks: Arc<dyn BlockStore> = match options.blocks {
         Some(blocks) => blocks,
         None => Arc::new(FsBlockStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?),
     };
     let manifests: Arc<dyn ManifestStore> = match options.manifests {
         Some(manifests) => manifests,
-        None => Arc::new(FsManifestStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?),
+        None => {
+            Arc::new(FsManifestStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?)
+        }
     };
 
     let metrics = Metrics::new();
     let node_id = NodeId(config.node.id.clone());
     let supervisor = SupervisorHandle::start(SupervisorArgs {
-        region_name: format!("graviton.{}.{}.session-region", node_id, uuid::Uuid::new_v4().simple()),
+        region_name: format!(
+            "graviton.{}.{}.session-region",
+            node_id,
+            uuid::Uuid::new_v4().simple()
+        ),
         region: RegionArgs {
             max_hot: config.sessions.max_hot,
             idle_timeout: config.sessions.idle_timeout.get(),
@@ -97,8 +106,16 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     .map_err(|e| StartError::Actors(e.to_string()))?;
 
     let listen = config.node.listen;
-    let listener = TcpListener::bind(listen).await.map_err(|source| StartError::Bind { addr: listen, source })?;
-    let addr = listener.local_addr().map_err(|source| StartError::Bind { addr: listen, source })?;
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: listen,
+        source,
+    })?;
 
     let state = Arc::new(AppState {
         node_id,
@@ -119,7 +136,13 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     );
     state.readiness.set(true);
     tracing::info!(%addr, node = %state.node_id, data_dir = %state.config.storage.data_dir.display(), "graviton node serving");
-    Ok(RunningNode { addr, state, stop_accepting, server, supervisor })
+    Ok(RunningNode {
+        addr,
+        state,
+        stop_accepting,
+        server,
+        supervisor,
+    })
 }
 
 impl RunningNode {
@@ -144,7 +167,10 @@ impl RunningNode {
         let outcome = match tokio::time::timeout(grace, &mut self.server).await {
             Ok(_) => ShutdownOutcome::Drained,
             Err(_) => {
-                tracing::warn!(?grace, "in-flight requests outlived the shutdown grace; aborting them");
+                tracing::warn!(
+                    ?grace,
+                    "in-flight requests outlived the shutdown grace; aborting them"
+                );
                 self.server.abort();
                 let _ = (&mut self.server).await;
                 ShutdownOutcome::Aborted

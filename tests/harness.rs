@@ -8,7 +8,9 @@ use sqlx::{Connection, Row};
 
 #[tokio::test]
 async fn private_redis_stops_and_restarts_on_the_same_port() {
-    let Some(mut server) = support::RedisServer::start("private_redis_stops_and_restarts_on_the_same_port") else {
+    let Some(mut server) =
+        support::RedisServer::start("private_redis_stops_and_restarts_on_the_same_port")
+    else {
         return;
     };
     let client = redis::Client::open(server.url()).unwrap();
@@ -30,7 +32,10 @@ async fn each_test_gets_its_own_database() {
         return;
     };
     let mut conn = sqlx::PgConnection::connect(db.url()).await.unwrap();
-    let row = sqlx::query("SELECT current_database() AS name").fetch_one(&mut conn).await.unwrap();
+    let row = sqlx::query("SELECT current_database() AS name")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
     let name: String = row.get("name");
     assert_eq!(name, db.name());
     conn.close().await.unwrap();

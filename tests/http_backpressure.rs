@@ -42,11 +42,18 @@ impl BlockStore for GatedStore {
 }
 
 /// Write `data` as the body of a POST, counting bytes accepted by the socket.
-fn spawn_writer(addr: std::net::SocketAddr, data: Vec<u8>, written: Arc<AtomicU64>) -> tokio::task::JoinHandle<String> {
+fn spawn_writer(
+    addr: std::net::SocketAddr,
+    data: Vec<u8>,
+    written: Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<String> {
     tokio::spawn(async move {
         use tokio::io::AsyncReadExt;
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let head = format!("POST /v1/blobs HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n", data.len());
+        let head = format!(
+            "POST /v1/blobs HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+            data.len()
+        );
         stream.write_all(head.as_bytes()).await.unwrap();
         for piece in data.chunks(64 * 1024) {
             if stream.write_all(piece).await.is_err() {
@@ -81,8 +88,19 @@ async fn wait_for_plateau(written: &AtomicU64) -> u64 {
 async fn stopped_block_store_back_pressures_the_client() {
     let dir = tempfile::tempdir().unwrap();
     let (gate, open) = watch::channel(false);
-    let store = Arc::new(GatedStore { inner: FsBlockStore::open(dir.path(), false).unwrap(), open, puts: AtomicU64::new(0) });
-    let node = TestNode::start_with(|_| {}, NodeOptions { blocks: Some(store.clone()), manifests: None }).await;
+    let store = Arc::new(GatedStore {
+        inner: FsBlockStore::open(dir.path(), false).unwrap(),
+        open,
+        puts: AtomicU64::new(0),
+    });
+    let node = TestNode::start_with(
+        |_| {},
+        NodeOptions {
+            blocks: Some(store.clone()),
+            manifests: None,
+        },
+    )
+    .await;
 
     let total = 128usize << 20;
     let data = random_bytes(total, 11);
@@ -91,11 +109,17 @@ async fn stopped_block_store_back_pressures_the_client() {
 
     let stalled_at = wait_for_plateau(&written).await;
     // Kernel socket buffers plus the pipeline's bounded queues: far below the body size.
-    assert!(stalled_at < 48 << 20, "client wrote {stalled_at} bytes into a stopped server");
+    assert!(
+        stalled_at < 48 << 20,
+        "client wrote {stalled_at} bytes into a stopped server"
+    );
     assert_eq!(store.puts.load(Ordering::SeqCst), 0);
 
     gate.send(true).unwrap();
-    let answer = tokio::time::timeout(Duration::from_secs(60), writer).await.unwrap().unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(60), writer)
+        .await
+        .unwrap()
+        .unwrap();
     assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
     assert_eq!(written.load(Ordering::SeqCst), total as u64);
     assert!(store.puts.load(Ordering::SeqCst) > 1000);
@@ -103,7 +127,11 @@ async fn stopped_block_store_back_pressures_the_client() {
 
 #[tokio::test]
 async fn shutdown_aborts_uploads_that_outlive_the_grace_period() {
-    let mut node = TestNode::start_with(|c| c.node.shutdown_grace = HumanDuration::millis(300), NodeOptions::default()).await;
+    let mut node = TestNode::start_with(
+        |c| c.node.shutdown_grace = HumanDuration::millis(300),
+        NodeOptions::default(),
+    )
+    .await;
     let mut stream = tokio::net::TcpStream::connect(node.addr()).await.unwrap();
     stream
         .write_all(b"POST /v1/blobs HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
@@ -111,7 +139,8 @@ async fn shutdown_aborts_uploads_that_outlive_the_grace_period() {
         .unwrap();
     stream.write_all(&random_bytes(300_000, 12)).await.unwrap();
     let started = support::wait_until(Duration::from_secs(5), || async {
-        node.metrics_text().contains("graviton_upload_bytes_total 300000")
+        node.metrics_text()
+            .contains("graviton_upload_bytes_total 300000")
     })
     .await;
     assert!(started);

@@ -13,7 +13,12 @@ fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
 }
 
-async fn session_upload(url: &str, tenant: &str, session: &str, data: Vec<u8>) -> reqwest::Response {
+async fn session_upload(
+    url: &str,
+    tenant: &str,
+    session: &str,
+    data: Vec<u8>,
+) -> reqwest::Response {
     client()
         .post(format!("{url}/v1/blobs"))
         .header("x-graviton-tenant-id", tenant)
@@ -25,8 +30,14 @@ async fn session_upload(url: &str, tenant: &str, session: &str, data: Vec<u8>) -
 }
 
 async fn hot_sessions(url: &str) -> u64 {
-    let snapshot: serde_json::Value =
-        client().get(format!("{url}/v1/ops/cluster")).send().await.unwrap().json().await.unwrap();
+    let snapshot: serde_json::Value = client()
+        .get(format!("{url}/v1/ops/cluster"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     snapshot["sessions"]["hot"].as_u64().unwrap()
 }
 
@@ -46,16 +57,30 @@ async fn hot_state_is_bounded_and_idle_sessions_are_evicted() {
         let session = uuid::Uuid::new_v4().to_string();
         let response = session_upload(&node.url, &tenant, &session, random_bytes(50_000, i)).await;
         assert_eq!(response.status(), 201);
-        assert!(hot_sessions(&node.url).await <= 3, "bound exceeded after {i} sessions");
+        assert!(
+            hot_sessions(&node.url).await <= 3,
+            "bound exceeded after {i} sessions"
+        );
     }
     let stops = |reason: &str| {
         let text = node.metrics_text();
         let prefix = format!("graviton_session_stops_total{{reason=\"{reason}\"}} ");
-        text.lines().find_map(|l| l.strip_prefix(&prefix).map(|v| v.parse::<u64>().unwrap())).unwrap_or(0)
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix).map(|v| v.parse::<u64>().unwrap()))
+            .unwrap_or(0)
     };
-    assert!(stops("evicted") >= 1, "the bound must have evicted idle owners");
-    assert_eq!(hot_sessions(&node.url).await + stops("evicted") + stops("idle"), 10);
-    let drained = support::wait_until(Duration::from_secs(10), || async { hot_sessions(&node.url).await == 0 }).await;
+    assert!(
+        stops("evicted") >= 1,
+        "the bound must have evicted idle owners"
+    );
+    assert_eq!(
+        hot_sessions(&node.url).await + stops("evicted") + stops("idle"),
+        10
+    );
+    let drained = support::wait_until(Duration::from_secs(10), || async {
+        hot_sessions(&node.url).await == 0
+    })
+    .await;
     assert!(drained, "idle owners were not stopped");
     assert_eq!(stops("evicted") + stops("idle"), 10);
     assert!(stops("idle") >= 1);
@@ -75,17 +100,31 @@ async fn a_session_runs_one_upload_at_a_time() {
     stream.write_all(head.as_bytes()).await.unwrap();
     stream.write_all(&random_bytes(100_000, 9)).await.unwrap();
     let busy = support::wait_until(Duration::from_secs(5), || async {
-        session_upload(&node.url, &tenant, &session, b"second".to_vec()).await.status() == 409
+        session_upload(&node.url, &tenant, &session, b"second".to_vec())
+            .await
+            .status()
+            == 409
     })
     .await;
-    assert!(busy, "a concurrent upload of the same session must get 409 session_busy");
+    assert!(
+        busy,
+        "a concurrent upload of the same session must get 409 session_busy"
+    );
     // Another session of the same tenant is unaffected.
     let other = uuid::Uuid::new_v4().to_string();
-    assert_eq!(session_upload(&node.url, &tenant, &other, b"other".to_vec()).await.status(), 201);
+    assert_eq!(
+        session_upload(&node.url, &tenant, &other, b"other".to_vec())
+            .await
+            .status(),
+        201
+    );
     // Abandon the first upload: the session becomes usable again.
     drop(stream);
     let free = support::wait_until(Duration::from_secs(5), || async {
-        session_upload(&node.url, &tenant, &session, b"third".to_vec()).await.status() == 201
+        session_upload(&node.url, &tenant, &session, b"third".to_vec())
+            .await
+            .status()
+            == 201
     })
     .await;
     assert!(free);

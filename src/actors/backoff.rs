@@ -16,7 +16,13 @@ pub struct Backoff {
 
 impl Backoff {
     pub fn new(initial: Duration, max: Duration, stable_after: Duration) -> Self {
-        Self { initial, max, stable_after, attempt: 0, started_at: None }
+        Self {
+            initial,
+            max,
+            stable_after,
+            attempt: 0,
+            started_at: None,
+        }
     }
 
     /// The child started (successfully) at `now`.
@@ -26,10 +32,10 @@ impl Backoff {
 
     /// The child exited at `now`: how long to wait before restarting it.
     pub fn next_delay(&mut self, now: Instant) -> Duration {
-        if let Some(started) = self.started_at.take() {
-            if now.saturating_duration_since(started) >= self.stable_after {
-                self.attempt = 0;
-            }
+        if let Some(started) = self.started_at.take()
+            && now.saturating_duration_since(started) >= self.stable_after
+        {
+            self.attempt = 0;
         }
         let factor = 1u32.checked_shl(self.attempt.min(16)).unwrap_or(u32::MAX);
         self.attempt = self.attempt.saturating_add(1);
@@ -44,12 +50,22 @@ mod tests {
     #[test]
     fn doubles_up_to_the_cap_and_resets_after_a_stable_run() {
         let t = Instant::now();
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(1), Duration::from_secs(30));
+        let mut b = Backoff::new(
+            Duration::from_millis(100),
+            Duration::from_secs(1),
+            Duration::from_secs(30),
+        );
         let delays: Vec<_> = (0..6).map(|_| b.next_delay(t).as_millis()).collect();
         assert_eq!(delays, vec![100, 200, 400, 800, 1000, 1000]);
         b.started(t);
-        assert_eq!(b.next_delay(t + Duration::from_secs(31)), Duration::from_millis(100));
+        assert_eq!(
+            b.next_delay(t + Duration::from_secs(31)),
+            Duration::from_millis(100)
+        );
         b.started(t);
-        assert_eq!(b.next_delay(t + Duration::from_secs(1)), Duration::from_millis(200));
+        assert_eq!(
+            b.next_delay(t + Duration::from_secs(1)),
+            Duration::from_millis(200)
+        );
     }
 }

@@ -42,7 +42,9 @@ impl SessionRegionHandle {
     ) -> Result<T, SessionError> {
         match self.actor()?.call(build, Some(REGION_CALL_TIMEOUT)).await {
             Ok(CallResult::Success(value)) => Ok(value),
-            Ok(CallResult::Timeout) => Err(SessionError::Unavailable("session region timed out".into())),
+            Ok(CallResult::Timeout) => {
+                Err(SessionError::Unavailable("session region timed out".into()))
+            }
             Ok(CallResult::SenderError) | Err(_) => {
                 Err(SessionError::Unavailable("session region stopped".into()))
             }
@@ -54,7 +56,12 @@ impl SessionRegionHandle {
     pub async fn begin(&self, key: SessionKey) -> Result<IngestTicket, SessionError> {
         let region = self.actor()?;
         let owner = self.call(|reply| RegionMsg::Begin(key, reply)).await??;
-        Ok(IngestTicket { region, owner, key, finished: false })
+        Ok(IngestTicket {
+            region,
+            owner,
+            key,
+            finished: false,
+        })
     }
 
     pub async fn stats(&self) -> Result<RegionStats, SessionError> {
@@ -68,7 +75,8 @@ impl SessionRegionHandle {
     /// Stop the owners of all sessions matching `filter` (for example, sessions of shards
     /// this node no longer owns). Returns how many were stopped.
     pub async fn stop_matching(&self, filter: SessionFilter) -> Result<usize, SessionError> {
-        self.call(|reply| RegionMsg::StopMatching(filter, reply)).await
+        self.call(|reply| RegionMsg::StopMatching(filter, reply))
+            .await
     }
 }
 
@@ -94,7 +102,10 @@ impl IngestTicket {
     fn report(&mut self, succeeded: bool) {
         if !self.finished {
             self.finished = true;
-            let _ = self.region.cast(RegionMsg::End { key: self.key, succeeded });
+            let _ = self.region.cast(RegionMsg::End {
+                key: self.key,
+                succeeded,
+            });
         }
     }
 }
@@ -107,6 +118,8 @@ impl Drop for IngestTicket {
 
 impl std::fmt::Debug for IngestTicket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IngestTicket").field("session", &self.key.session).finish()
+        f.debug_struct("IngestTicket")
+            .field("session", &self.key.session)
+            .finish()
     }
 }

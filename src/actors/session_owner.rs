@@ -28,7 +28,11 @@ impl Actor for SessionOwner {
     type State = HotState;
     type Arguments = ();
 
-    async fn pre_start(&self, _myself: ActorRef<OwnerMsg>, _args: ()) -> Result<HotState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<OwnerMsg>,
+        _args: (),
+    ) -> Result<HotState, ActorProcessingErr> {
         Ok(HotState::new(SystemTime::now()))
     }
 

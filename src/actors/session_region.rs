@@ -41,9 +41,15 @@ pub type SessionFilter = Box<dyn Fn(&SessionKey) -> bool + Send + Sync>;
 
 pub enum RegionMsg {
     /// Start an upload of a session; replies with its owner.
-    Begin(SessionKey, RpcReplyPort<Result<ActorRef<OwnerMsg>, SessionError>>),
+    Begin(
+        SessionKey,
+        RpcReplyPort<Result<ActorRef<OwnerMsg>, SessionError>>,
+    ),
     /// The upload of a session ended.
-    End { key: SessionKey, succeeded: bool },
+    End {
+        key: SessionKey,
+        succeeded: bool,
+    },
     /// Stop owners idle for longer than the timeout (timer).
     Sweep,
     /// Stop the owners of every session matching the filter; replies with how many.
@@ -69,13 +75,20 @@ impl RegionState {
         if let Some(owner) = self.owners.remove(key) {
             self.by_actor.remove(&owner.get_id());
             owner.stop(Some(reason.to_string()));
-            self.args.metrics.session_stops.get_or_create(&ReasonLabels { reason }).inc();
+            self.args
+                .metrics
+                .session_stops
+                .get_or_create(&ReasonLabels { reason })
+                .inc();
         }
     }
 
     fn publish_gauges(&self) {
         self.args.metrics.hot_sessions.set(self.index.len() as i64);
-        self.args.metrics.active_sessions.set(self.index.active() as i64);
+        self.args
+            .metrics
+            .active_sessions
+            .set(self.index.active() as i64);
     }
 }
 
@@ -84,7 +97,11 @@ impl Actor for SessionRegion {
     type State = RegionState;
     type Arguments = RegionArgs;
 
-    async fn pre_start(&self, myself: ActorRef<RegionMsg>, args: RegionArgs) -> Result<RegionState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        myself: ActorRef<RegionMsg>,
+        args: RegionArgs,
+    ) -> Result<RegionState, ActorProcessingErr> {
         let sweeper = myself.send_interval(args.sweep_interval, || RegionMsg::Sweep);
         let state = RegionState {
             index: SessionIndex::new(args.max_hot),
@@ -97,7 +114,11 @@ impl Actor for SessionRegion {
         Ok(state)
     }
 
-    async fn post_stop(&self, myself: ActorRef<RegionMsg>, state: &mut RegionState) -> Result<(), ActorProcessingErr> {
+    async fn post_stop(
+        &self,
+        myself: ActorRef<RegionMsg>,
+        state: &mut RegionState,
+    ) -> Result<(), ActorProcessingErr> {
         if let Some(sweeper) = state.sweeper.take() {
             sweeper.abort();
         }
@@ -107,7 +128,12 @@ impl Actor for SessionRegion {
         Ok(())
     }
 
-    async fn handle(&self, myself: ActorRef<RegionMsg>, message: RegionMsg, state: &mut RegionState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        myself: ActorRef<RegionMsg>,
+        message: RegionMsg,
+        state: &mut RegionState,
+    ) -> Result<(), ActorProcessingErr> {
         let now = Instant::now();
         match message {
             RegionMsg::Begin(key, reply) => {
@@ -130,7 +156,9 @@ impl Actor for SessionRegion {
                             }
                             Err(err) => {
                                 state.index.remove(&key);
-                                Err(SessionError::Unavailable(format!("spawn session owner: {err}")))
+                                Err(SessionError::Unavailable(format!(
+                                    "spawn session owner: {err}"
+                                )))
                             }
                         }
                     }
@@ -155,7 +183,8 @@ impl Actor for SessionRegion {
                 state.publish_gauges();
             }
             RegionMsg::StopMatching(filter, reply) => {
-                let keys: Vec<SessionKey> = state.owners.keys().filter(|k| filter(k)).copied().collect();
+                let keys: Vec<SessionKey> =
+                    state.owners.keys().filter(|k| filter(k)).copied().collect();
                 for key in &keys {
                     state.index.remove(key);
                     state.stop_owner(key, "unassigned");
@@ -175,7 +204,9 @@ impl Actor for SessionRegion {
                     let owner = owner.clone();
                     // Ask the owner without blocking the region on it.
                     tokio::spawn(async move {
-                        let snapshot = owner.call(OwnerMsg::Snapshot, Some(Duration::from_secs(2))).await;
+                        let snapshot = owner
+                            .call(OwnerMsg::Snapshot, Some(Duration::from_secs(2)))
+                            .await;
                         let snapshot = match snapshot {
                             Ok(ractor::rpc::CallResult::Success(s)) => Some(s),
                             _ => None,
@@ -207,7 +238,12 @@ impl Actor for SessionRegion {
             state.owners.remove(&key);
             state.index.remove(&key);
             if failed {
-                state.args.metrics.session_stops.get_or_create(&ReasonLabels { reason: "failed" }).inc();
+                state
+                    .args
+                    .metrics
+                    .session_stops
+                    .get_or_create(&ReasonLabels { reason: "failed" })
+                    .inc();
             }
             state.publish_gauges();
         }

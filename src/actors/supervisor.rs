@@ -64,7 +64,11 @@ impl Actor for NodeSupervisor {
     type State = SupervisorState;
     type Arguments = SupervisorArgs;
 
-    async fn pre_start(&self, myself: ActorRef<SupervisorMsg>, args: SupervisorArgs) -> Result<SupervisorState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        args: SupervisorArgs,
+    ) -> Result<SupervisorState, ActorProcessingErr> {
         let mut state = SupervisorState {
             args,
             region: None,
@@ -75,7 +79,12 @@ impl Actor for NodeSupervisor {
         Ok(state)
     }
 
-    async fn handle(&self, myself: ActorRef<SupervisorMsg>, message: SupervisorMsg, state: &mut SupervisorState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        message: SupervisorMsg,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
         match message {
             SupervisorMsg::RestartRegion => {
                 if state.shutting_down || state.region.is_some() {
@@ -92,7 +101,9 @@ impl Actor for NodeSupervisor {
             SupervisorMsg::Shutdown(reply) => {
                 state.shutting_down = true;
                 if let Some(region) = state.region.take() {
-                    let _ = region.stop_and_wait(Some("node shutdown".into()), Some(Duration::from_secs(5))).await;
+                    let _ = region
+                        .stop_and_wait(Some("node shutdown".into()), Some(Duration::from_secs(5)))
+                        .await;
                 }
                 let _ = reply.send(());
             }
@@ -107,11 +118,16 @@ impl Actor for NodeSupervisor {
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
         let (cell, why) = match &event {
-            SupervisionEvent::ActorTerminated(cell, _, reason) => (cell, reason.clone().unwrap_or_else(|| "stopped".into())),
+            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                (cell, reason.clone().unwrap_or_else(|| "stopped".into()))
+            }
             SupervisionEvent::ActorFailed(cell, err) => (cell, format!("failed: {err}")),
             _ => return Ok(()),
         };
-        let is_region = state.region.as_ref().is_some_and(|r| r.get_id() == cell.get_id());
+        let is_region = state
+            .region
+            .as_ref()
+            .is_some_and(|r| r.get_id() == cell.get_id());
         if !is_region {
             return Ok(());
         }
@@ -119,7 +135,15 @@ impl Actor for NodeSupervisor {
         if state.shutting_down {
             return Ok(());
         }
-        state.args.region.metrics.actor_restarts.get_or_create(&ActorLabels { actor: "session_region" }).inc();
+        state
+            .args
+            .region
+            .metrics
+            .actor_restarts
+            .get_or_create(&ActorLabels {
+                actor: "session_region",
+            })
+            .inc();
         let delay = state.backoff.next_delay(Instant::now());
         tracing::warn!(reason = %why, ?delay, "session region exited; restarting");
         myself.send_after(delay, || SupervisorMsg::RestartRegion);
@@ -138,7 +162,11 @@ impl SupervisorHandle {
     pub async fn start(args: SupervisorArgs) -> Result<Self, ractor::SpawnErr> {
         let region = SessionRegionHandle::new(args.region_name.clone());
         let (actor, join) = Actor::spawn(None, NodeSupervisor, args).await?;
-        Ok(Self { actor, join, region })
+        Ok(Self {
+            actor,
+            join,
+            region,
+        })
     }
 
     pub fn sessions(&self) -> SessionRegionHandle {
@@ -147,11 +175,15 @@ impl SupervisorHandle {
 
     /// Stop children (no restarts), then the supervisor itself.
     pub async fn shutdown(self) {
-        let _ = self.actor.call(SupervisorMsg::Shutdown, Some(Duration::from_secs(10))).await.map(|r| {
-            if let CallResult::Timeout = r {
-                tracing::warn!("supervisor shutdown timed out");
-            }
-        });
+        let _ = self
+            .actor
+            .call(SupervisorMsg::Shutdown, Some(Duration::from_secs(10)))
+            .await
+            .map(|r| {
+                if let CallResult::Timeout = r {
+                    tracing::warn!("supervisor shutdown timed out");
+                }
+            });
         self.actor.stop(None);
         let _ = self.join.await;
     }

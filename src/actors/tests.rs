@@ -11,7 +11,10 @@ use crate::metrics::Metrics;
 use crate::session::{Phase, SessionError};
 
 fn key() -> SessionKey {
-    SessionKey { tenant: TenantId::new_random(), session: SessionId::new_random() }
+    SessionKey {
+        tenant: TenantId::new_random(),
+        session: SessionId::new_random(),
+    }
 }
 
 async fn start(max_hot: usize, idle: Duration) -> (SupervisorHandle, Metrics) {
@@ -52,15 +55,19 @@ async fn owner_is_spawned_on_first_use_and_tracks_counters() {
     assert_eq!(snap.phase, Phase::Receiving);
     assert_eq!((snap.bytes_seen, snap.frames_seen), (150, 3));
     ticket.finish(true);
-    assert!(eventually(async || {
-        let s = sessions.snapshot(k).await.unwrap().unwrap();
-        s.phase == Phase::Idle && s.uploads_completed == 1
-    })
-    .await);
+    assert!(
+        eventually(async || {
+            let s = sessions.snapshot(k).await.unwrap().unwrap();
+            s.phase == Phase::Idle && s.uploads_completed == 1
+        })
+        .await
+    );
     // the same session can upload again; a dropped ticket counts as failed
     let ticket = sessions.begin(k).await.unwrap();
     drop(ticket);
-    assert!(eventually(async || sessions.snapshot(k).await.unwrap().unwrap().uploads_failed == 1).await);
+    assert!(
+        eventually(async || sessions.snapshot(k).await.unwrap().unwrap().uploads_failed == 1).await
+    );
     sup.shutdown().await;
 }
 
@@ -71,11 +78,17 @@ async fn bound_evicts_idle_owners_and_refuses_when_all_active() {
     let (a, b, c) = (key(), key(), key());
     let ta = sessions.begin(a).await.unwrap();
     let tb = sessions.begin(b).await.unwrap();
-    assert!(matches!(sessions.begin(c).await, Err(SessionError::AtCapacity)));
+    assert!(matches!(
+        sessions.begin(c).await,
+        Err(SessionError::AtCapacity)
+    ));
     ta.finish(true);
     let tc = sessions.begin(c).await.unwrap();
     let stats = sessions.stats().await.unwrap();
-    assert_eq!((stats.hot_sessions, stats.active_sessions, stats.capacity), (2, 2, 2));
+    assert_eq!(
+        (stats.hot_sessions, stats.active_sessions, stats.capacity),
+        (2, 2, 2)
+    );
     assert_eq!(sessions.snapshot(a).await.unwrap(), None, "a was evicted");
     assert_eq!(metrics.hot_sessions.get(), 2);
     drop((tb, tc));
@@ -91,7 +104,10 @@ async fn idle_owners_stop_after_the_timeout() {
     let busy_ticket = sessions.begin(busy).await.unwrap();
     assert!(eventually(async || sessions.stats().await.unwrap().hot_sessions == 1).await);
     assert_eq!(sessions.snapshot(idle).await.unwrap(), None);
-    assert!(sessions.snapshot(busy).await.unwrap().is_some(), "active sessions never idle out");
+    assert!(
+        sessions.snapshot(busy).await.unwrap().is_some(),
+        "active sessions never idle out"
+    );
     drop(busy_ticket);
     sup.shutdown().await;
 }
@@ -101,20 +117,25 @@ async fn supervisor_restarts_a_killed_region() {
     let (sup, metrics) = start(8, Duration::from_secs(60)).await;
     let sessions = sup.sessions();
     sessions.begin(key()).await.unwrap().finish(true);
-    let region: ActorRef<RegionMsg> = ActorRef::where_is(sessions.actor_name().to_string()).unwrap();
+    let region: ActorRef<RegionMsg> = ActorRef::where_is(sessions.actor_name()).unwrap();
     let old_id = region.get_id();
     region.kill();
-    assert!(eventually(async || {
-        ActorRef::<RegionMsg>::where_is(sessions.actor_name().to_string())
-            .is_some_and(|r| r.get_id() != old_id)
-    })
-    .await);
+    assert!(
+        eventually(async || {
+            ActorRef::<RegionMsg>::where_is(sessions.actor_name())
+                .is_some_and(|r| r.get_id() != old_id)
+        })
+        .await
+    );
     // the handle finds the new incarnation; hot state starts empty (it is reconstructable)
     let stats = sessions.stats().await.unwrap();
     assert_eq!(stats.hot_sessions, 0);
     sessions.begin(key()).await.unwrap().finish(true);
     let text = metrics.encode();
-    assert!(text.contains("graviton_actor_restarts_total{actor=\"session_region\"} 1"), "{text}");
+    assert!(
+        text.contains("graviton_actor_restarts_total{actor=\"session_region\"} 1"),
+        "{text}"
+    );
     sup.shutdown().await;
 }
 
@@ -123,5 +144,8 @@ async fn shutdown_stops_the_region_without_restart() {
     let (sup, _) = start(8, Duration::from_secs(60)).await;
     let sessions = sup.sessions();
     sup.shutdown().await;
-    assert!(matches!(sessions.stats().await, Err(SessionError::Unavailable(_))));
+    assert!(matches!(
+        sessions.stats().await,
+        Err(SessionError::Unavailable(_))
+    ));
 }

@@ -53,7 +53,9 @@ pub struct StreamChunker {
 
 impl StreamChunker {
     pub fn new() -> Self {
-        Self { buffer: BytesMut::with_capacity(4 * MAX_CHUNK) }
+        Self {
+            buffer: BytesMut::with_capacity(4 * MAX_CHUNK),
+        }
     }
 
     /// Append the next piece of input.

@@ -109,7 +109,10 @@ where
             "stored {stored_bytes} bytes of {received} received"
         )));
     }
-    let key = BlobKey { hash: whole_hash, size: received };
+    let key = BlobKey {
+        hash: whole_hash,
+        size: received,
+    };
     let blocks_total = stored.refs.len();
     let manifest = Manifest::new(key, stored.refs, unix_millis());
     let outcome = manifests.create(&manifest).await?;
@@ -146,12 +149,14 @@ where
         }
         received += frame.len() as u64;
         if received > limits.max_size {
-            return Err(IngestError::TooLarge { limit: limits.max_size });
+            return Err(IngestError::TooLarge {
+                limit: limits.max_size,
+            });
         }
-        if let Some(declared) = limits.declared_size {
-            if received > declared {
-                return Err(IngestError::LengthMismatch { declared, received });
-            }
+        if let Some(declared) = limits.declared_size
+            && received > declared
+        {
+            return Err(IngestError::LengthMismatch { declared, received });
         }
         on_bytes(frame.len() as u64);
         if frames.send(Frame::Data(frame)).await.is_err() {
@@ -159,10 +164,10 @@ where
             return Err(IngestError::Pipeline("chunker stopped".into()));
         }
     }
-    if let Some(declared) = limits.declared_size {
-        if received != declared {
-            return Err(IngestError::LengthMismatch { declared, received });
-        }
+    if let Some(declared) = limits.declared_size
+        && received != declared
+    {
+        return Err(IngestError::LengthMismatch { declared, received });
     }
     frames
         .send(Frame::End)
@@ -196,7 +201,6 @@ fn chunk_and_hash(
                 while let Some(chunk) = chunker.next_chunk(true) {
                     emit(chunk)?;
                 }
-                drop(emit);
                 return Some(*whole.finalize().as_bytes());
             }
         }
@@ -214,7 +218,11 @@ async fn store_blocks(
     chunks: mpsc::Receiver<(BlockKey, Bytes)>,
     blocks: Arc<dyn BlockStore>,
 ) -> Result<Stored, IngestError> {
-    let mut stored = Stored { refs: Vec::new(), fresh: 0, fresh_bytes: 0 };
+    let mut stored = Stored {
+        refs: Vec::new(),
+        fresh: 0,
+        fresh_bytes: 0,
+    };
     let mut writes = tokio_stream_from(chunks)
         .map(|(key, data)| {
             let blocks = blocks.clone();
@@ -259,11 +267,21 @@ mod tests {
     }
 
     fn limits(declared: Option<u64>) -> IngestLimits {
-        IngestLimits { max_size: 1 << 30, declared_size: declared, idle_timeout: Duration::from_secs(5) }
+        IngestLimits {
+            max_size: 1 << 30,
+            declared_size: declared,
+            idle_timeout: Duration::from_secs(5),
+        }
     }
 
-    fn body_of(data: &[u8], piece: usize) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Unpin {
-        let pieces: Vec<_> = data.chunks(piece).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
+    fn body_of(
+        data: &[u8],
+        piece: usize,
+    ) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Unpin {
+        let pieces: Vec<_> = data
+            .chunks(piece)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
         futures_util::stream::iter(pieces)
     }
 
@@ -271,7 +289,9 @@ mod tests {
         let mut state = u64::from(seed) + 1;
         (0..len)
             .map(|_| {
-                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 (state >> 33) as u8
             })
             .collect()
@@ -283,18 +303,30 @@ mod tests {
         let (blocks, manifests) = stores(dir.path());
         let content = data(3 << 20, 1);
         let mut seen = 0;
-        let first = ingest(body_of(&content, 50_000), limits(Some(content.len() as u64)), blocks.clone(), manifests.clone(), |n| seen += n)
-            .await
-            .unwrap();
+        let first = ingest(
+            body_of(&content, 50_000),
+            limits(Some(content.len() as u64)),
+            blocks.clone(),
+            manifests.clone(),
+            |n| seen += n,
+        )
+        .await
+        .unwrap();
         assert_eq!(seen, content.len() as u64);
         assert_eq!(first.key, BlobKey::of(&content));
         assert_eq!(first.fresh_blocks, first.blocks);
         assert!(first.blocks > 10);
         assert_eq!(first.manifest, CreateOutcome::Created);
 
-        let second = ingest(body_of(&content, 7_777), limits(None), blocks, manifests.clone(), |_| {})
-            .await
-            .unwrap();
+        let second = ingest(
+            body_of(&content, 7_777),
+            limits(None),
+            blocks,
+            manifests.clone(),
+            |_| {},
+        )
+        .await
+        .unwrap();
         assert_eq!(second.key, first.key);
         assert_eq!(second.fresh_blocks, 0);
         assert_eq!(second.duplicate_blocks, first.blocks);
@@ -308,12 +340,24 @@ mod tests {
         let (blocks, manifests) = stores(dir.path());
         let content = data(1 << 20, 2);
         for declared in [content.len() as u64 + 1, content.len() as u64 - 1] {
-            let err = ingest(body_of(&content, 65_536), limits(Some(declared)), blocks.clone(), manifests.clone(), |_| {})
-                .await
-                .unwrap_err();
+            let err = ingest(
+                body_of(&content, 65_536),
+                limits(Some(declared)),
+                blocks.clone(),
+                manifests.clone(),
+                |_| {},
+            )
+            .await
+            .unwrap_err();
             assert!(matches!(err, IngestError::LengthMismatch { .. }), "{err}");
         }
-        assert!(manifests.get(BlobKey::of(&content)).await.unwrap().is_none());
+        assert!(
+            manifests
+                .get(BlobKey::of(&content))
+                .await
+                .unwrap()
+                .is_none()
+        );
     }
 
     #[tokio::test]
@@ -321,25 +365,55 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (blocks, manifests) = stores(dir.path());
         let content = data(1 << 20, 3);
-        let mut pieces: Vec<Result<Bytes, std::io::Error>> =
-            content.chunks(100_000).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
+        let mut pieces: Vec<Result<Bytes, std::io::Error>> = content
+            .chunks(100_000)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
         pieces.push(Err(std::io::Error::other("client went away")));
-        let err = ingest(futures_util::stream::iter(pieces), limits(None), blocks.clone(), manifests.clone(), |_| {})
-            .await
-            .unwrap_err();
+        let err = ingest(
+            futures_util::stream::iter(pieces),
+            limits(None),
+            blocks.clone(),
+            manifests.clone(),
+            |_| {},
+        )
+        .await
+        .unwrap_err();
         assert!(matches!(err, IngestError::Body(_)), "{err}");
 
-        let small = IngestLimits { max_size: 1000, ..limits(None) };
-        let err = ingest(body_of(&content, 4096), small, blocks, manifests.clone(), |_| {}).await.unwrap_err();
-        assert!(matches!(err, IngestError::TooLarge { limit: 1000 }), "{err}");
-        assert!(manifests.get(BlobKey::of(&content)).await.unwrap().is_none());
+        let small = IngestLimits {
+            max_size: 1000,
+            ..limits(None)
+        };
+        let err = ingest(
+            body_of(&content, 4096),
+            small,
+            blocks,
+            manifests.clone(),
+            |_| {},
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(err, IngestError::TooLarge { limit: 1000 }),
+            "{err}"
+        );
+        assert!(
+            manifests
+                .get(BlobKey::of(&content))
+                .await
+                .unwrap()
+                .is_none()
+        );
     }
 
     #[tokio::test]
     async fn empty_body_is_a_valid_empty_blob() {
         let dir = tempfile::tempdir().unwrap();
         let (blocks, manifests) = stores(dir.path());
-        let report = ingest(body_of(b"", 1), limits(Some(0)), blocks, manifests, |_| {}).await.unwrap();
+        let report = ingest(body_of(b"", 1), limits(Some(0)), blocks, manifests, |_| {})
+            .await
+            .unwrap();
         assert_eq!(report.key, BlobKey::of(b""));
         assert_eq!(report.blocks, 0);
     }

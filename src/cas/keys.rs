@@ -45,7 +45,9 @@ fn parse_lower_hex32(text: &str) -> Option<[u8; 32]> {
 impl FromStr for BlockKey {
     type Err = KeyError;
     fn from_str(text: &str) -> Result<Self, KeyError> {
-        parse_lower_hex32(text).map(Self).ok_or(KeyError::BadBlockKey)
+        parse_lower_hex32(text)
+            .map(Self)
+            .ok_or(KeyError::BadBlockKey)
     }
 }
 
@@ -86,7 +88,10 @@ impl BlobKey {
 
     /// Key of an in-memory byte string (tests and tools).
     pub fn of(data: &[u8]) -> Self {
-        Self { hash: *blake3::hash(data).as_bytes(), size: data.len() as u64 }
+        Self {
+            hash: *blake3::hash(data).as_bytes(),
+            size: data.len() as u64,
+        }
     }
 
     pub fn hash_hex(&self) -> String {
@@ -102,7 +107,9 @@ impl BlobKey {
 impl FromStr for BlobKey {
     type Err = KeyError;
     fn from_str(text: &str) -> Result<Self, KeyError> {
-        let rest = text.strip_prefix(Self::PREFIX).ok_or(KeyError::BadBlobKey)?;
+        let rest = text
+            .strip_prefix(Self::PREFIX)
+            .ok_or(KeyError::BadBlobKey)?;
         let (hash_hex, size_text) = rest.split_once(':').ok_or(KeyError::BadBlobKey)?;
         let hash = parse_lower_hex32(hash_hex).ok_or(KeyError::BadBlobKey)?;
         let canonical_number = !size_text.is_empty()
@@ -172,7 +179,11 @@ mod tests {
             format!("blake3:{}:3", &hex[1..]),
             format!("blake3:{hex}:99999999999999999999999"),
         ] {
-            assert_eq!(text.parse::<BlobKey>(), Err(KeyError::BadBlobKey), "{text:?}");
+            assert_eq!(
+                text.parse::<BlobKey>(),
+                Err(KeyError::BadBlobKey),
+                "{text:?}"
+            );
         }
     }
 

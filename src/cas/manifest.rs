@@ -63,7 +63,13 @@ pub enum ManifestError {
 
 impl Manifest {
     pub fn new(key: BlobKey, blocks: Vec<BlockRef>, created_at_ms: u64) -> Self {
-        Self { format: MANIFEST_FORMAT, key, chunking: ChunkingInfo::current(), blocks, created_at_ms }
+        Self {
+            format: MANIFEST_FORMAT,
+            key,
+            chunking: ChunkingInfo::current(),
+            blocks,
+            created_at_ms,
+        }
     }
 
     pub fn size(&self) -> u64 {
@@ -80,7 +86,10 @@ impl Manifest {
         }
         let sum: u64 = self.blocks.iter().map(|b| u64::from(b.size)).sum();
         if sum != self.key.size {
-            return Err(ManifestError::SizeMismatch { sum, size: self.key.size });
+            return Err(ManifestError::SizeMismatch {
+                sum,
+                size: self.key.size,
+            });
         }
         Ok(())
     }
@@ -106,7 +115,10 @@ mod tests {
         let whole: Vec<u8> = parts.concat();
         let blocks = parts
             .iter()
-            .map(|p| BlockRef { key: BlockKey::of(p), size: p.len() as u32 })
+            .map(|p| BlockRef {
+                key: BlockKey::of(p),
+                size: p.len() as u32,
+            })
             .collect();
         Manifest::new(BlobKey::of(&whole), blocks, 0)
     }
@@ -125,9 +137,15 @@ mod tests {
     fn inconsistent_manifests_are_rejected() {
         let mut manifest = manifest_of(&[b"abc"]);
         manifest.key.size = 4;
-        assert_eq!(manifest.validate(), Err(ManifestError::SizeMismatch { sum: 3, size: 4 }));
+        assert_eq!(
+            manifest.validate(),
+            Err(ManifestError::SizeMismatch { sum: 3, size: 4 })
+        );
         let mut manifest = manifest_of(&[b"abc"]);
         manifest.format = 9;
-        assert_eq!(manifest.validate(), Err(ManifestError::UnsupportedFormat(9)));
+        assert_eq!(
+            manifest.validate(),
+            Err(ManifestError::UnsupportedFormat(9))
+        );
     }
 }

@@ -38,27 +38,41 @@ pub enum RangeRequest {
 
 /// Interpret a `Range` header value for a blob of `size` bytes.
 pub fn parse_range(header: Option<&str>, size: u64) -> RangeRequest {
-    let Some(value) = header else { return RangeRequest::Full };
-    let Some(spec) = value.trim().strip_prefix("bytes=") else { return RangeRequest::Full };
+    let Some(value) = header else {
+        return RangeRequest::Full;
+    };
+    let Some(spec) = value.trim().strip_prefix("bytes=") else {
+        return RangeRequest::Full;
+    };
     if spec.contains(',') {
         return RangeRequest::Full;
     }
-    let Some((start, end)) = spec.trim().split_once('-') else { return RangeRequest::Full };
+    let Some((start, end)) = spec.trim().split_once('-') else {
+        return RangeRequest::Full;
+    };
     let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
     match (start.trim(), end.trim()) {
         (start, "") if digits(start) => {
-            let Ok(first) = start.parse::<u64>() else { return RangeRequest::Unsatisfiable };
+            let Ok(first) = start.parse::<u64>() else {
+                return RangeRequest::Unsatisfiable;
+            };
             if first >= size {
                 return RangeRequest::Unsatisfiable;
             }
-            RangeRequest::Partial(ByteRange { first, last: size - 1 })
+            RangeRequest::Partial(ByteRange {
+                first,
+                last: size - 1,
+            })
         }
         ("", suffix) if digits(suffix) => {
             let suffix: u64 = suffix.parse().unwrap_or(u64::MAX);
             if suffix == 0 || size == 0 {
                 return RangeRequest::Unsatisfiable;
             }
-            RangeRequest::Partial(ByteRange { first: size.saturating_sub(suffix), last: size - 1 })
+            RangeRequest::Partial(ByteRange {
+                first: size.saturating_sub(suffix),
+                last: size - 1,
+            })
         }
         (start, end) if digits(start) && digits(end) => {
             let (Ok(first), Ok(last)) = (start.parse::<u64>(), end.parse::<u64>()) else {
@@ -70,7 +84,10 @@ pub fn parse_range(header: Option<&str>, size: u64) -> RangeRequest {
             if first >= size {
                 return RangeRequest::Unsatisfiable;
             }
-            RangeRequest::Partial(ByteRange { first, last: last.min(size - 1) })
+            RangeRequest::Partial(ByteRange {
+                first,
+                last: last.min(size - 1),
+            })
         }
         _ => RangeRequest::Full,
     }
@@ -101,7 +118,11 @@ pub fn plan_slices(manifest: &Manifest, range: ByteRange) -> Vec<BlockSlice> {
         let block_end = offsets[block + 1]; // exclusive
         let start = range.first.max(block_start) - block_start;
         let end = (last + 1).min(block_end) - block_start;
-        slices.push(BlockSlice { block, start: start as usize, end: end as usize });
+        slices.push(BlockSlice {
+            block,
+            start: start as usize,
+            end: end as usize,
+        });
         block += 1;
     }
     slices
@@ -117,11 +138,35 @@ mod tests {
     fn range_headers_parse_per_rfc9110() {
         let p = |h: &str| parse_range(Some(h), 100);
         assert_eq!(parse_range(None, 100), RangeRequest::Full);
-        assert_eq!(p("bytes=0-9"), RangeRequest::Partial(ByteRange { first: 0, last: 9 }));
-        assert_eq!(p("bytes=90-"), RangeRequest::Partial(ByteRange { first: 90, last: 99 }));
-        assert_eq!(p("bytes=-10"), RangeRequest::Partial(ByteRange { first: 90, last: 99 }));
-        assert_eq!(p("bytes=-1000"), RangeRequest::Partial(ByteRange { first: 0, last: 99 }));
-        assert_eq!(p("bytes=50-1000"), RangeRequest::Partial(ByteRange { first: 50, last: 99 }));
+        assert_eq!(
+            p("bytes=0-9"),
+            RangeRequest::Partial(ByteRange { first: 0, last: 9 })
+        );
+        assert_eq!(
+            p("bytes=90-"),
+            RangeRequest::Partial(ByteRange {
+                first: 90,
+                last: 99
+            })
+        );
+        assert_eq!(
+            p("bytes=-10"),
+            RangeRequest::Partial(ByteRange {
+                first: 90,
+                last: 99
+            })
+        );
+        assert_eq!(
+            p("bytes=-1000"),
+            RangeRequest::Partial(ByteRange { first: 0, last: 99 })
+        );
+        assert_eq!(
+            p("bytes=50-1000"),
+            RangeRequest::Partial(ByteRange {
+                first: 50,
+                last: 99
+            })
+        );
         assert_eq!(p("bytes=100-"), RangeRequest::Unsatisfiable);
         assert_eq!(p("bytes=100-200"), RangeRequest::Unsatisfiable);
         assert_eq!(p("bytes=-0"), RangeRequest::Unsatisfiable);
@@ -129,17 +174,30 @@ mod tests {
         assert_eq!(p("items=0-1"), RangeRequest::Full);
         assert_eq!(p("bytes=9-3"), RangeRequest::Full);
         assert_eq!(p("bytes=a-b"), RangeRequest::Full);
-        assert_eq!(parse_range(Some("bytes=0-0"), 0), RangeRequest::Unsatisfiable);
+        assert_eq!(
+            parse_range(Some("bytes=0-0"), 0),
+            RangeRequest::Unsatisfiable
+        );
     }
 
     fn manifest_with(sizes: &[u32]) -> Manifest {
         let blocks = sizes
             .iter()
             .enumerate()
-            .map(|(i, &size)| BlockRef { key: BlockKey([i as u8; 32]), size })
+            .map(|(i, &size)| BlockRef {
+                key: BlockKey([i as u8; 32]),
+                size,
+            })
             .collect();
         let total = sizes.iter().map(|&s| u64::from(s)).sum();
-        Manifest::new(BlobKey { hash: [0; 32], size: total }, blocks, 0)
+        Manifest::new(
+            BlobKey {
+                hash: [0; 32],
+                size: total,
+            },
+            blocks,
+            0,
+        )
     }
 
     proptest! {

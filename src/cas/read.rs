@@ -38,7 +38,10 @@ pub fn read_blob(
     let size = manifest.size();
     let range = match range {
         Some(range) => Some(range),
-        None if size > 0 => Some(ByteRange { first: 0, last: size - 1 }),
+        None if size > 0 => Some(ByteRange {
+            first: 0,
+            last: size - 1,
+        }),
         None => None,
     };
     let slices = range.map(|r| plan_slices(&manifest, r)).unwrap_or_default();

@@ -12,9 +12,9 @@ use bytes::Bytes;
 use futures_util::Stream;
 
 use super::{ApiError, AppState};
+use crate::cas::BlobKey;
 use crate::cas::range::{RangeRequest, parse_range};
 use crate::cas::read::{ReadError, read_blob};
-use crate::cas::BlobKey;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::storage::StoreError;
 
@@ -24,29 +24,44 @@ pub async fn get_blob(
     Path(key): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    let key: BlobKey = key
-        .parse()
-        .map_err(|e: crate::cas::KeyError| ApiError::bad_request("invalid_blob_key", e.to_string()))?;
+    let key: BlobKey = key.parse().map_err(|e: crate::cas::KeyError| {
+        ApiError::bad_request("invalid_blob_key", e.to_string())
+    })?;
     let manifest = match app.manifests.get(key).await {
         Ok(Some(manifest)) => Arc::new(manifest),
-        Ok(None) => return Err(ApiError::not_found("blob_not_found", "no blob with this key")),
+        Ok(None) => {
+            return Err(ApiError::not_found(
+                "blob_not_found",
+                "no blob with this key",
+            ));
+        }
         Err(StoreError::Corrupt(detail)) => {
             tracing::error!(%detail, "corrupt manifest");
             return Err(ApiError::internal("the blob's manifest is corrupt"));
         }
         Err(err) => {
             tracing::error!(error = %err, "manifest store failed");
-            return Err(ApiError::unavailable("storage_unavailable", "storage is temporarily unavailable")
-                .with_retry_after(std::time::Duration::from_secs(5)));
+            return Err(ApiError::unavailable(
+                "storage_unavailable",
+                "storage is temporarily unavailable",
+            )
+            .with_retry_after(std::time::Duration::from_secs(5)));
         }
     };
     let etag = key.etag();
-    if let Some(candidates) = headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok()) {
-        if candidates.split(',').any(|c| c.trim() == etag || c.trim() == "*") {
-            let mut response = StatusCode::NOT_MODIFIED.into_response();
-            response.headers_mut().insert(header::ETAG, HeaderValue::from_str(&etag).expect("hex etag"));
-            return Ok(response);
-        }
+    if let Some(candidates) = headers
+        .get(header::IF_NONE_MATCH)
+        .and_then(|v| v.to_str().ok())
+        && candidates
+            .split(',')
+            .any(|c| c.trim() == etag || c.trim() == "*")
+    {
+        let mut response = StatusCode::NOT_MODIFIED.into_response();
+        response.headers_mut().insert(
+            header::ETAG,
+            HeaderValue::from_str(&etag).expect("hex etag"),
+        );
+        return Ok(response);
     }
 
     let size = manifest.size();
@@ -74,7 +89,11 @@ pub async fn get_blob(
         Body::empty()
     } else {
         let stream = read_blob(app.blocks.clone(), manifest, range);
-        Body::from_stream(Metered { inner: Box::pin(stream), metrics: app.metrics.clone(), done: false })
+        Body::from_stream(Metered {
+            inner: Box::pin(stream),
+            metrics: app.metrics.clone(),
+            done: false,
+        })
     };
     let mut response = Response::builder()
         .status(status)
@@ -104,7 +123,10 @@ impl Metered {
     fn record(&mut self, outcome: &'static str) {
         if !self.done {
             self.done = true;
-            self.metrics.downloads.get_or_create(&OutcomeLabels { outcome }).inc();
+            self.metrics
+                .downloads
+                .get_or_create(&OutcomeLabels { outcome })
+                .inc();
         }
     }
 }

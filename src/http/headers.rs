@@ -19,11 +19,20 @@ pub struct UploadHeaders {
     pub session: Option<SessionKey>,
 }
 
-fn single_value<'a>(headers: &'a HeaderMap, name: &str, code: &'static str) -> Result<Option<&'a str>, ApiError> {
+fn single_value<'a>(
+    headers: &'a HeaderMap,
+    name: &str,
+    code: &'static str,
+) -> Result<Option<&'a str>, ApiError> {
     let mut values = headers.get_all(name).iter();
-    let Some(first) = values.next() else { return Ok(None) };
+    let Some(first) = values.next() else {
+        return Ok(None);
+    };
     if values.next().is_some() {
-        return Err(ApiError::bad_request(code, format!("{name} must appear at most once")));
+        return Err(ApiError::bad_request(
+            code,
+            format!("{name} must appear at most once"),
+        ));
     }
     first
         .to_str()
@@ -38,7 +47,10 @@ pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
         return Ok(None);
     };
     if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(ApiError::bad_request(CODE, "Content-Length must be ASCII digits only"));
+        return Err(ApiError::bad_request(
+            CODE,
+            "Content-Length must be ASCII digits only",
+        ));
     }
     value
         .parse::<u64>()
@@ -61,7 +73,10 @@ pub fn session_key(headers: &HeaderMap) -> Result<Option<SessionKey>, ApiError> 
                 ApiError::bad_request("invalid_tenant_id", format!("X-Graviton-Tenant-Id {e}"))
             })?;
             let session: SessionId = session.parse().map_err(|e| {
-                ApiError::bad_request("invalid_session_id", format!("X-Graviton-Upload-Session-Id {e}"))
+                ApiError::bad_request(
+                    "invalid_session_id",
+                    format!("X-Graviton-Upload-Session-Id {e}"),
+                )
             })?;
             Ok(Some(SessionKey { tenant, session }))
         }
@@ -71,7 +86,12 @@ pub fn session_key(headers: &HeaderMap) -> Result<Option<SessionKey>, ApiError> 
 /// Refuse bodies that are clearly not a raw blob (a multipart form would be stored as
 /// its envelope). Any other type, or none, is accepted as opaque bytes.
 pub fn content_type(headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(value) = single_value(headers, header::CONTENT_TYPE.as_str(), "invalid_content_type")? else {
+    let Some(value) = single_value(
+        headers,
+        header::CONTENT_TYPE.as_str(),
+        "invalid_content_type",
+    )?
+    else {
         return Ok(());
     };
     if value.trim().to_ascii_lowercase().starts_with("multipart/") {
@@ -87,18 +107,21 @@ pub fn content_type(headers: &HeaderMap) -> Result<(), ApiError> {
 /// All header checks of `POST /v1/blobs`, in order, plus the size limit.
 pub fn upload_headers(headers: &HeaderMap, max_blob_size: u64) -> Result<UploadHeaders, ApiError> {
     let content_length = content_length(headers)?;
-    if let Some(length) = content_length {
-        if length > max_blob_size {
-            return Err(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "blob_too_large",
-                "the blob is larger than this server accepts",
-            ));
-        }
+    if let Some(length) = content_length
+        && length > max_blob_size
+    {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "blob_too_large",
+            "the blob is larger than this server accepts",
+        ));
     }
     content_type(headers)?;
     let session = session_key(headers)?;
-    Ok(UploadHeaders { content_length, session })
+    Ok(UploadHeaders {
+        content_length,
+        session,
+    })
 }
 
 #[cfg(test)]
@@ -119,29 +142,63 @@ mod tests {
 
     #[test]
     fn content_length_accepts_only_digits() {
-        assert_eq!(content_length(&headers(&[("content-length", "123")])).unwrap(), Some(123));
+        assert_eq!(
+            content_length(&headers(&[("content-length", "123")])).unwrap(),
+            Some(123)
+        );
         assert_eq!(content_length(&HeaderMap::new()).unwrap(), None);
-        for bad in ["+1", "-1", "1 ", "0x10", "1,1", "", "99999999999999999999999"] {
+        for bad in [
+            "+1",
+            "-1",
+            "1 ",
+            "0x10",
+            "1,1",
+            "",
+            "99999999999999999999999",
+        ] {
             let err = content_length(&headers(&[("content-length", bad)])).unwrap_err();
             assert_eq!(err.code, "invalid_content_length", "{bad:?}");
         }
-        let err = content_length(&headers(&[("content-length", "1"), ("content-length", "1")])).unwrap_err();
+        let err = content_length(&headers(&[
+            ("content-length", "1"),
+            ("content-length", "1"),
+        ]))
+        .unwrap_err();
         assert_eq!(err.code, "invalid_content_length");
     }
 
     #[test]
     fn locality_headers_are_both_or_none() {
         assert_eq!(session_key(&HeaderMap::new()).unwrap(), None);
-        let key = session_key(&headers(&[(TENANT_HEADER, T), (SESSION_HEADER, S)])).unwrap().unwrap();
+        let key = session_key(&headers(&[(TENANT_HEADER, T), (SESSION_HEADER, S)]))
+            .unwrap()
+            .unwrap();
         assert_eq!(key.session.to_string(), S);
-        assert_eq!(session_key(&headers(&[(TENANT_HEADER, T)])).unwrap_err().code, "incomplete_session_headers");
-        assert_eq!(session_key(&headers(&[(SESSION_HEADER, S)])).unwrap_err().code, "incomplete_session_headers");
         assert_eq!(
-            session_key(&headers(&[(TENANT_HEADER, "tenant-1"), (SESSION_HEADER, S)])).unwrap_err().code,
+            session_key(&headers(&[(TENANT_HEADER, T)]))
+                .unwrap_err()
+                .code,
+            "incomplete_session_headers"
+        );
+        assert_eq!(
+            session_key(&headers(&[(SESSION_HEADER, S)]))
+                .unwrap_err()
+                .code,
+            "incomplete_session_headers"
+        );
+        assert_eq!(
+            session_key(&headers(&[
+                (TENANT_HEADER, "tenant-1"),
+                (SESSION_HEADER, S)
+            ]))
+            .unwrap_err()
+            .code,
             "invalid_tenant_id"
         );
         assert_eq!(
-            session_key(&headers(&[(TENANT_HEADER, T), (SESSION_HEADER, "{x}")])).unwrap_err().code,
+            session_key(&headers(&[(TENANT_HEADER, T), (SESSION_HEADER, "{x}")]))
+                .unwrap_err()
+                .code,
             "invalid_session_id"
         );
     }
@@ -150,8 +207,18 @@ mod tests {
     fn size_limit_and_multipart_are_refused_up_front() {
         let err = upload_headers(&headers(&[("content-length", "1001")]), 1000).unwrap_err();
         assert_eq!(err.status, StatusCode::PAYLOAD_TOO_LARGE);
-        let err = upload_headers(&headers(&[("content-type", "multipart/form-data; boundary=x")]), 1000).unwrap_err();
+        let err = upload_headers(
+            &headers(&[("content-type", "multipart/form-data; boundary=x")]),
+            1000,
+        )
+        .unwrap_err();
         assert_eq!(err.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
-        assert!(upload_headers(&headers(&[("content-type", "application/x-www-form-urlencoded")]), 1000).is_ok());
+        assert!(
+            upload_headers(
+                &headers(&[("content-type", "application/x-www-form-urlencoded")]),
+                1000
+            )
+            .is_ok()
+        );
     }
 }

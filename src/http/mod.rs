@@ -49,6 +49,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
         .route("/v1/ops/cluster", get(ops::cluster))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), observe::record))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            observe::record,
+        ))
         .with_state(state)
 }

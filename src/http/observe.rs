@@ -22,8 +22,15 @@ pub async fn record(State(app): State<Arc<AppState>>, request: Request, next: Ne
         _ => "other".to_string(),
     };
     let response = next.run(request).await;
-    let labels = HttpLabels { route, method, status: status_class(response.status().as_u16()) };
+    let labels = HttpLabels {
+        route,
+        method,
+        status: status_class(response.status().as_u16()),
+    };
     app.metrics.http_requests.get_or_create(&labels).inc();
-    app.metrics.http_duration.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
+    app.metrics
+        .http_duration
+        .get_or_create(&labels)
+        .observe(started.elapsed().as_secs_f64());
     response
 }

@@ -42,13 +42,22 @@ pub async fn readyz(State(app): State<Arc<AppState>>) -> Response {
     if app.readiness.is_ready() {
         (StatusCode::OK, Json(Status { status: "ready" })).into_response()
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, Json(Status { status: "not_ready" })).into_response()
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(Status {
+                status: "not_ready",
+            }),
+        )
+            .into_response()
     }
 }
 
 pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
     (
-        [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         app.metrics.encode(),
     )
         .into_response()
@@ -92,12 +101,18 @@ pub async fn cluster(State(app): State<Arc<AppState>>) -> Response {
         version: env!("CARGO_PKG_VERSION"),
         ready: app.readiness.is_ready(),
         uptime_seconds: app.started_at.elapsed().as_secs(),
-        shards: ShardCounts { configured: EMBEDDED_SHARDS, assigned: EMBEDDED_SHARDS, local: EMBEDDED_SHARDS },
+        shards: ShardCounts {
+            configured: EMBEDDED_SHARDS,
+            assigned: EMBEDDED_SHARDS,
+            local: EMBEDDED_SHARDS,
+        },
         nodes: vec![app.node_id.to_string()],
         sessions: SessionCounts {
             hot: stats.map(|s| s.hot_sessions).unwrap_or(0),
             active: stats.map(|s| s.active_sessions).unwrap_or(0),
-            capacity: stats.map(|s| s.capacity).unwrap_or(app.config.sessions.max_hot),
+            capacity: stats
+                .map(|s| s.capacity)
+                .unwrap_or(app.config.sessions.max_hot),
         },
     };
     Json(snapshot).into_response()

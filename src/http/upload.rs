@@ -53,7 +53,9 @@ impl From<IngestError> for ApiError {
                 "body_timeout",
                 format!("no body data arrived for {}s", after.as_secs()),
             ),
-            IngestError::Body(_) => ApiError::bad_request("body_incomplete", "the request body ended early or failed"),
+            IngestError::Body(_) => {
+                ApiError::bad_request("body_incomplete", "the request body ended early or failed")
+            }
             IngestError::Store(err) => {
                 tracing::error!(error = %err, "block or manifest store failed during upload");
                 ApiError::unavailable("storage_unavailable", "storage is temporarily unavailable")
@@ -75,8 +77,11 @@ impl From<SessionError> for ApiError {
                 "session_busy",
                 "another upload of this session is in progress",
             ),
-            SessionError::AtCapacity => ApiError::unavailable("session_capacity", "too many active upload sessions on this node")
-                .with_retry_after(std::time::Duration::from_secs(1)),
+            SessionError::AtCapacity => ApiError::unavailable(
+                "session_capacity",
+                "too many active upload sessions on this node",
+            )
+            .with_retry_after(std::time::Duration::from_secs(1)),
             SessionError::Unavailable(detail) => {
                 tracing::warn!(%detail, "session owner unavailable");
                 ApiError::unavailable("session_unavailable", "the session owner is unavailable")
@@ -86,7 +91,11 @@ impl From<SessionError> for ApiError {
     }
 }
 
-pub async fn post_blob(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+pub async fn post_blob(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
     let parsed = upload_headers(&headers, app.config.upload.max_blob_size.bytes())?;
     let ticket = match parsed.session {
         Some(key) => Some(app.sessions.begin(key).await?),
@@ -101,12 +110,22 @@ pub async fn post_blob(State(app): State<Arc<AppState>>, headers: HeaderMap, bod
         Ok(report) => report,
         Err(err) => {
             let api: ApiError = err.into();
-            let outcome = if api.status.is_server_error() { "server_error" } else { outcome };
-            app.metrics.uploads.get_or_create(&OutcomeLabels { outcome }).inc();
+            let outcome = if api.status.is_server_error() {
+                "server_error"
+            } else {
+                outcome
+            };
+            app.metrics
+                .uploads
+                .get_or_create(&OutcomeLabels { outcome })
+                .inc();
             return Err(api);
         }
     };
-    app.metrics.uploads.get_or_create(&OutcomeLabels { outcome }).inc();
+    app.metrics
+        .uploads
+        .get_or_create(&OutcomeLabels { outcome })
+        .inc();
     Ok(created(&app, &report))
 }
 
@@ -147,8 +166,13 @@ pub async fn ingest_body(
         ticket.progress(pending_bytes, pending_frames);
     }
     if let Ok(report) = &result {
-        app.metrics.upload_duration.observe(started.elapsed().as_secs_f64());
-        app.metrics.blocks.get_or_create(&BlockLabels { kind: "fresh" }).inc_by(report.fresh_blocks as u64);
+        app.metrics
+            .upload_duration
+            .observe(started.elapsed().as_secs_f64());
+        app.metrics
+            .blocks
+            .get_or_create(&BlockLabels { kind: "fresh" })
+            .inc_by(report.fresh_blocks as u64);
         app.metrics
             .blocks
             .get_or_create(&BlockLabels { kind: "duplicate" })

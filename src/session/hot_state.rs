@@ -86,7 +86,9 @@ impl HotState {
 
     pub fn snapshot(&self) -> HotSnapshot {
         let ms = |t: SystemTime| {
-            t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0)
         };
         HotSnapshot {
             phase: self.phase,

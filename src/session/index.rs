@@ -45,7 +45,12 @@ pub struct SessionIndex<K> {
 impl<K: Clone + Eq + Hash + Ord> SessionIndex<K> {
     pub fn new(capacity: usize) -> Self {
         assert!(capacity > 0, "session index capacity must be positive");
-        Self { capacity, entries: HashMap::new(), idle_order: BTreeSet::new(), next_seq: 0 }
+        Self {
+            capacity,
+            entries: HashMap::new(),
+            idle_order: BTreeSet::new(),
+            next_seq: 0,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -74,7 +79,8 @@ impl<K: Clone + Eq + Hash + Ord> SessionIndex<K> {
             if entry.active {
                 return Admission::Busy;
             }
-            self.idle_order.remove(&(entry.last_activity, entry.seq, key.clone()));
+            self.idle_order
+                .remove(&(entry.last_activity, entry.seq, key.clone()));
             entry.active = true;
             entry.last_activity = now;
             return Admission::Existing;
@@ -88,7 +94,14 @@ impl<K: Clone + Eq + Hash + Ord> SessionIndex<K> {
             evicted = Some(oldest.2);
         }
         let seq = self.bump();
-        self.entries.insert(key.clone(), Entry { active: true, last_activity: now, seq });
+        self.entries.insert(
+            key.clone(),
+            Entry {
+                active: true,
+                last_activity: now,
+                seq,
+            },
+        );
         Admission::Inserted { evicted }
     }
 
@@ -99,7 +112,8 @@ impl<K: Clone + Eq + Hash + Ord> SessionIndex<K> {
             if entry.active {
                 entry.active = false;
             } else {
-                self.idle_order.remove(&(entry.last_activity, entry.seq, key.clone()));
+                self.idle_order
+                    .remove(&(entry.last_activity, entry.seq, key.clone()));
             }
             entry.last_activity = now;
             entry.seq = seq;
@@ -112,7 +126,8 @@ impl<K: Clone + Eq + Hash + Ord> SessionIndex<K> {
         match self.entries.remove(key) {
             Some(entry) => {
                 if !entry.active {
-                    self.idle_order.remove(&(entry.last_activity, entry.seq, key.clone()));
+                    self.idle_order
+                        .remove(&(entry.last_activity, entry.seq, key.clone()));
                 }
                 true
             }
@@ -143,7 +158,10 @@ impl<K: Clone + Eq + Hash + Ord> SessionIndex<K> {
     pub fn consistency_check(&self) -> Result<(), String> {
         let inactive = self.entries.values().filter(|e| !e.active).count();
         if inactive != self.idle_order.len() {
-            return Err(format!("{inactive} inactive entries but {} in idle order", self.idle_order.len()));
+            return Err(format!(
+                "{inactive} inactive entries but {} in idle order",
+                self.idle_order.len()
+            ));
         }
         for (last, seq, key) in &self.idle_order {
             match self.entries.get(key) {
@@ -152,7 +170,11 @@ impl<K: Clone + Eq + Hash + Ord> SessionIndex<K> {
             }
         }
         if self.entries.len() > self.capacity {
-            return Err(format!("{} entries exceed capacity {}", self.entries.len(), self.capacity));
+            return Err(format!(
+                "{} entries exceed capacity {}",
+                self.entries.len(),
+                self.capacity
+            ));
         }
         Ok(())
     }
@@ -173,7 +195,10 @@ mod tests {
         assert_eq!(index.begin(&3, t), Admission::Full, "all active: refuse");
         index.end(&2, t + Duration::from_secs(1));
         index.end(&1, t + Duration::from_secs(2));
-        assert_eq!(index.begin(&3, t + Duration::from_secs(3)), Admission::Inserted { evicted: Some(2) });
+        assert_eq!(
+            index.begin(&3, t + Duration::from_secs(3)),
+            Admission::Inserted { evicted: Some(2) }
+        );
         assert_eq!(index.begin(&1, t), Admission::Existing);
         assert_eq!(index.begin(&1, t), Admission::Busy);
         index.consistency_check().unwrap();

@@ -47,9 +47,12 @@ impl Dirs {
         std::fs::create_dir_all(parent).map_err(|e| StoreError::io("create directory", e))?;
         let mut tmp = tempfile::NamedTempFile::new_in(&self.tmp)
             .map_err(|e| StoreError::io("create temporary file", e))?;
-        tmp.write_all(data).map_err(|e| StoreError::io("write temporary file", e))?;
+        tmp.write_all(data)
+            .map_err(|e| StoreError::io("write temporary file", e))?;
         if self.fsync {
-            tmp.as_file().sync_data().map_err(|e| StoreError::io("fsync file", e))?;
+            tmp.as_file()
+                .sync_data()
+                .map_err(|e| StoreError::io("fsync file", e))?;
         }
         match tmp.persist_noclobber(path) {
             Ok(_) => {
@@ -96,7 +99,9 @@ pub struct FsBlockStore {
 
 impl FsBlockStore {
     pub fn open(data_dir: &Path, fsync: bool) -> Result<Self, StoreError> {
-        Ok(Self { dirs: Arc::new(Dirs::open(data_dir, "blocks", fsync)?) })
+        Ok(Self {
+            dirs: Arc::new(Dirs::open(data_dir, "blocks", fsync)?),
+        })
     }
 
     /// Path of a block's file.
@@ -111,7 +116,11 @@ impl BlockStore for FsBlockStore {
         let path = self.path_of(&key);
         let dirs = self.dirs.clone();
         Box::pin(blocking(move || {
-            Ok(if dirs.publish(&path, &data)? { PutOutcome::Fresh } else { PutOutcome::Duplicate })
+            Ok(if dirs.publish(&path, &data)? {
+                PutOutcome::Fresh
+            } else {
+                PutOutcome::Duplicate
+            })
         }))
     }
 
@@ -134,12 +143,17 @@ pub struct FsManifestStore {
 
 impl FsManifestStore {
     pub fn open(data_dir: &Path, fsync: bool) -> Result<Self, StoreError> {
-        Ok(Self { dirs: Arc::new(Dirs::open(data_dir, "manifests", fsync)?) })
+        Ok(Self {
+            dirs: Arc::new(Dirs::open(data_dir, "manifests", fsync)?),
+        })
     }
 
     pub fn path_of(&self, key: &BlobKey) -> PathBuf {
         let hex = key.hash_hex();
-        self.dirs.root.join(&hex[..2]).join(format!("{hex}-{}.json", key.size))
+        self.dirs
+            .root
+            .join(&hex[..2])
+            .join(format!("{hex}-{}.json", key.size))
     }
 }
 
@@ -161,11 +175,16 @@ impl ManifestStore for FsManifestStore {
     fn get(&self, key: BlobKey) -> StoreFuture<'_, Option<Manifest>> {
         let path = self.path_of(&key);
         Box::pin(blocking(move || {
-            let Some(data) = read_optional(&path)? else { return Ok(None) };
-            let manifest: Manifest = serde_json::from_slice(&data)
-                .map_err(|e| StoreError::Corrupt(format!("manifest of {key} does not parse: {e}")))?;
+            let Some(data) = read_optional(&path)? else {
+                return Ok(None);
+            };
+            let manifest: Manifest = serde_json::from_slice(&data).map_err(|e| {
+                StoreError::Corrupt(format!("manifest of {key} does not parse: {e}"))
+            })?;
             if manifest.key != key {
-                return Err(StoreError::Corrupt(format!("manifest file of {key} names another blob")));
+                return Err(StoreError::Corrupt(format!(
+                    "manifest file of {key} names another blob"
+                )));
             }
             manifest
                 .validate()
@@ -186,13 +205,22 @@ mod tests {
         let store = FsBlockStore::open(dir.path(), true).unwrap();
         let data = Bytes::from_static(b"block bytes");
         let key = BlockKey::of(&data);
-        assert_eq!(store.put(key, data.clone()).await.unwrap(), PutOutcome::Fresh);
-        assert_eq!(store.put(key, data.clone()).await.unwrap(), PutOutcome::Duplicate);
+        assert_eq!(
+            store.put(key, data.clone()).await.unwrap(),
+            PutOutcome::Fresh
+        );
+        assert_eq!(
+            store.put(key, data.clone()).await.unwrap(),
+            PutOutcome::Duplicate
+        );
         assert_eq!(store.get(key).await.unwrap(), Some(data));
         assert!(store.contains(key).await.unwrap());
         assert_eq!(store.get(BlockKey([7; 32])).await.unwrap(), None);
         // nothing left behind in tmp/
-        assert_eq!(std::fs::read_dir(dir.path().join("tmp")).unwrap().count(), 0);
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("tmp")).unwrap().count(),
+            0
+        );
     }
 
     #[tokio::test]
@@ -202,14 +230,29 @@ mod tests {
         let content = b"hello manifest";
         let manifest = Manifest::new(
             BlobKey::of(content),
-            vec![BlockRef { key: BlockKey::of(content), size: content.len() as u32 }],
+            vec![BlockRef {
+                key: BlockKey::of(content),
+                size: content.len() as u32,
+            }],
             1,
         );
-        assert_eq!(store.create(&manifest).await.unwrap(), CreateOutcome::Created);
-        assert_eq!(store.create(&manifest).await.unwrap(), CreateOutcome::AlreadyExists);
-        assert_eq!(store.get(manifest.key).await.unwrap(), Some(manifest.clone()));
+        assert_eq!(
+            store.create(&manifest).await.unwrap(),
+            CreateOutcome::Created
+        );
+        assert_eq!(
+            store.create(&manifest).await.unwrap(),
+            CreateOutcome::AlreadyExists
+        );
+        assert_eq!(
+            store.get(manifest.key).await.unwrap(),
+            Some(manifest.clone())
+        );
         // a tampered file is reported as corrupt, not served
         std::fs::write(store.path_of(&manifest.key), b"{not json").unwrap();
-        assert!(matches!(store.get(manifest.key).await, Err(StoreError::Corrupt(_))));
+        assert!(matches!(
+            store.get(manifest.key).await,
+            Err(StoreError::Corrupt(_))
+        ));
     }
 }

@@ -20,9 +20,15 @@ impl TestNode {
         let mut config = Config::for_test(dir.path());
         tweak(&mut config);
         config.validate().expect("valid test config");
-        let node = graviton::node::start_with(config, options).await.expect("start node");
+        let node = graviton::node::start_with(config, options)
+            .await
+            .expect("start node");
         let url = node.base_url();
-        Self { node: Some(node), dir, url }
+        Self {
+            node: Some(node),
+            dir,
+            url,
+        }
     }
 
     pub fn addr(&self) -> std::net::SocketAddr {
@@ -30,7 +36,12 @@ impl TestNode {
     }
 
     pub fn metrics_text(&self) -> String {
-        self.node.as_ref().expect("running").state().metrics.encode()
+        self.node
+            .as_ref()
+            .expect("running")
+            .state()
+            .metrics
+            .encode()
     }
 
     /// Number of manifest files on disk.
@@ -48,7 +59,9 @@ impl TestNode {
 }
 
 pub fn count_files(dir: &std::path::Path) -> usize {
-    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
     entries
         .flatten()
         .map(|e| {
@@ -74,10 +87,16 @@ pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
 
 /// Send raw bytes on a fresh connection and read whatever the server answers first
 /// (status line and headers, up to the end of the head), without closing our side.
-pub async fn raw_exchange(addr: std::net::SocketAddr, head_and_partial_body: &[u8]) -> (tokio::net::TcpStream, String) {
+pub async fn raw_exchange(
+    addr: std::net::SocketAddr,
+    head_and_partial_body: &[u8],
+) -> (tokio::net::TcpStream, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    stream.write_all(head_and_partial_body).await.expect("write request");
+    stream
+        .write_all(head_and_partial_body)
+        .await
+        .expect("write request");
     let mut buf = Vec::new();
     let mut chunk = [0u8; 4096];
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -95,7 +114,11 @@ pub async fn raw_exchange(addr: std::net::SocketAddr, head_and_partial_body: &[u
             let head = String::from_utf8_lossy(&buf[..end]).to_string();
             let body_len = head
                 .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0)))
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                })
                 .unwrap_or(0);
             if buf.len() >= end + 4 + body_len {
                 break;
