@@ -9,6 +9,7 @@
 //! - [`session`]: pure hot-state logic of upload sessions (phases, counters, the bounded table).
 //! - [`actors`]: ractor actors (node supervisor, session region and owners) as thin shells
 //!   over the pure modules. Bytes never travel through actor mailboxes.
+//! - [`control`]: node-to-node control plane (envelopes, transport over ractor_cluster).
 //! - [`http`]: the axum/hyper server: public API, ops endpoints, error mapping.
 //! - [`metrics`]: the Prometheus registry and the metric handles.
 //! - [`node`]: assembles one running node and shuts it down.
@@ -16,5 +17,6 @@
 //! - `lua/` and `sql/` at the crate root hold the Redis script and PostgreSQL migrations.
 
 pub mod config;
+pub mod control;
 pub mod http;
 pub mod ids;

@@ -36,6 +36,8 @@ pub struct Config {
     pub upload: UploadConfig,
     pub log: LogConfig,
     pub admin: AdminConfig,
+    /// `[control]`: cluster control plane and internal listener (see `control::config`).
+    pub control: crate::control::config::ControlConfig,
 }
 
 /// `[node]`: identity and listeners.
@@ -251,6 +253,7 @@ impl Config {
                 problems.push(Problem::new("admin.token", "must be at least 16 characters"));
             }
         }
+        problems.extend(self.control.problems());
         problems
     }
 
