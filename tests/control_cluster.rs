@@ -54,7 +54,9 @@ async fn start(id: &str, port: u16, token: &str) -> ClusterTransport {
         backoff: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
         dial_timeout: Duration::from_millis(500),
     };
-    ClusterTransport::start(options, owner_handler(id)).await.expect("start control plane")
+    ClusterTransport::start(options, owner_handler(id))
+        .await
+        .expect("start control plane")
 }
 
 fn activate() -> Envelope {
@@ -95,12 +97,32 @@ async fn two_nodes_exchange_calls_both_ways() {
     a.set_peers(peers.clone());
     b.set_peers(peers);
 
-    assert_eq!(owner_within(&a, &node("node-b"), Duration::from_secs(10)).await.owner, node("node-b"));
-    assert_eq!(owner_within(&b, &node("node-a"), Duration::from_secs(10)).await.owner, node("node-a"));
+    assert_eq!(
+        owner_within(&a, &node("node-b"), Duration::from_secs(10))
+            .await
+            .owner,
+        node("node-b")
+    );
+    assert_eq!(
+        owner_within(&b, &node("node-a"), Duration::from_secs(10))
+            .await
+            .owner,
+        node("node-a")
+    );
     // Hints are fire-and-forget but must not error on a connected peer.
-    a.cast(&node("node-b"), Envelope::AssignmentChanged { term: 3, epoch_hint: Some(9) }).unwrap();
+    a.cast(
+        &node("node-b"),
+        Envelope::AssignmentChanged {
+            term: 3,
+            epoch_hint: Some(9),
+        },
+    )
+    .unwrap();
     // The local node answers through the same codec without the network.
-    assert!(matches!(a.call(&node("node-a"), activate(), CALL).await, Ok(Reply::Owner(_))));
+    assert!(matches!(
+        a.call(&node("node-a"), activate(), CALL).await,
+        Ok(Reply::Owner(_))
+    ));
     // Unlisted peers are typed errors.
     assert_eq!(
         a.call(&node("node-z"), activate(), CALL).await,
@@ -118,7 +140,11 @@ async fn three_nodes_reach_every_peer() {
     for (id, port) in ids.iter().zip(ports) {
         nodes.push(start(id, port, TOKEN).await);
     }
-    let peers: Vec<_> = ids.iter().zip(ports).map(|(id, p)| (node(id), addr(p))).collect();
+    let peers: Vec<_> = ids
+        .iter()
+        .zip(ports)
+        .map(|(id, p)| (node(id), addr(p)))
+        .collect();
     for n in &nodes {
         n.set_peers(peers.clone());
     }
@@ -139,13 +165,21 @@ async fn three_nodes_reach_every_peer() {
 async fn wrong_cookie_is_refused_and_redialed_with_backoff() {
     let (pa, pb) = (free_port(), free_port());
     let a = start("node-a", pa, TOKEN).await;
-    let b = start("node-b", pb, "another-token-0123456789abcdefghijklmnopqrstuvwxyz").await;
+    let b = start(
+        "node-b",
+        pb,
+        "another-token-0123456789abcdefghijklmnopqrstuvwxyz",
+    )
+    .await;
     a.set_peers(vec![(node("node-b"), addr(pb))]);
 
     // Each failed handshake schedules a re-dial; wait for several.
     let until = Instant::now() + Duration::from_secs(15);
     while a.redials() < 3 {
-        assert!(Instant::now() < until, "no re-dials after refused handshakes");
+        assert!(
+            Instant::now() < until,
+            "no re-dials after refused handshakes"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(a.connected_peers().is_empty());
@@ -174,16 +208,32 @@ async fn malformed_and_oversized_payloads_get_typed_errors_and_the_session_survi
     deep.push(0x01);
     let mut trailing = envelope::encode_request(&activate()).unwrap();
     trailing.extend_from_slice(b"xx");
-    for bad in [b"\xc1\xc1garbage".to_vec(), Vec::new(), oversized, deep, trailing] {
-        let reply = a.call_raw(&peer, bad, CALL).await.expect("a reply, not a dead session");
+    for bad in [
+        b"\xc1\xc1garbage".to_vec(),
+        Vec::new(),
+        oversized,
+        deep,
+        trailing,
+    ] {
+        let reply = a
+            .call_raw(&peer, bad, CALL)
+            .await
+            .expect("a reply, not a dead session");
         match envelope::decode_reply(&reply).unwrap() {
             Reply::Error { code, .. } => assert_eq!(code, ReplyErrorCode::BadRequest),
             other => panic!("unexpected {other:?}"),
         }
     }
     // Same session, still serving.
-    assert!(matches!(a.call(&peer, activate(), CALL).await, Ok(Reply::Owner(_))));
-    assert_eq!(a.redials(), redials_before, "the session must not have been dropped");
+    assert!(matches!(
+        a.call(&peer, activate(), CALL).await,
+        Ok(Reply::Owner(_))
+    ));
+    assert_eq!(
+        a.redials(),
+        redials_before,
+        "the session must not have been dropped"
+    );
     a.shutdown().await;
     b.shutdown().await;
 }
@@ -194,7 +244,13 @@ impl ChildNode {
     fn spawn(id: &str, port: u16) -> Self {
         let exe = std::env::current_exe().expect("test binary path");
         let child = Command::new(exe)
-            .args(["child_node_entry", "--exact", "--nocapture", "--test-threads", "1"])
+            .args([
+                "child_node_entry",
+                "--exact",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
             .env(CHILD_ENV, format!("{id} {port}"))
             .spawn()
             .expect("spawn child node");
@@ -217,7 +273,9 @@ impl Drop for ChildNode {
 /// Without the environment variable (a normal run) it returns at once.
 #[test]
 fn child_node_entry() {
-    let Ok(spec) = std::env::var(CHILD_ENV) else { return };
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
     let (id, port) = spec.split_once(' ').expect("id port");
     let port: u16 = port.parse().expect("port");
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
@@ -246,7 +304,10 @@ async fn a_killed_and_restarted_peer_is_redialed() {
         match a.call(&peer, activate(), CALL).await {
             Err(ControlError::NotConnected(_)) => break,
             Err(ControlError::Transport { .. } | ControlError::Timeout { .. }) | Ok(_) => {
-                assert!(Instant::now() < until, "the dead peer still looks connected");
+                assert!(
+                    Instant::now() < until,
+                    "the dead peer still looks connected"
+                );
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             Err(other) => panic!("unexpected {other}"),
@@ -254,10 +315,17 @@ async fn a_killed_and_restarted_peer_is_redialed() {
     }
     let restarted = ChildNode::spawn("node-b", pb);
     let second = owner_within(&a, &peer, Duration::from_secs(20)).await;
-    assert_eq!(second.shard_epoch, u64::from(restarted.0.id()), "answered by the new process");
+    assert_eq!(
+        second.shard_epoch,
+        u64::from(restarted.0.id()),
+        "answered by the new process"
+    );
     // The child has no peer list (isolated mode), so only node-a's dialer can have
     // re-established the session.
-    assert!(a.redials() >= 1, "a re-dial was scheduled after the session dropped");
+    assert!(
+        a.redials() >= 1,
+        "a re-dial was scheduled after the session dropped"
+    );
     drop(restarted);
     a.shutdown().await;
 }

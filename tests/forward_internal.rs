@@ -11,7 +11,7 @@ use futures_util::future::BoxFuture;
 use graviton::config::Secret;
 use graviton::http::ApiError;
 use graviton::http::internal::{
-    self, EpochVerdict, IngestRequest, InternalState, OwnerIngest, CURRENT_OWNER_HEADER,
+    self, CURRENT_OWNER_HEADER, EpochVerdict, IngestRequest, InternalState, OwnerIngest,
 };
 use graviton::ids::{NodeId, SessionKey};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -30,18 +30,24 @@ struct CountingIngest {
 }
 
 impl OwnerIngest for CountingIngest {
-    fn ingest(&self, request: IngestRequest) -> BoxFuture<'static, Result<serde_json::Value, ApiError>> {
+    fn ingest(
+        &self,
+        request: IngestRequest,
+    ) -> BoxFuture<'static, Result<serde_json::Value, ApiError>> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         let bytes = self.bytes.clone();
         Box::pin(async move {
             let mut stream = request.body.into_data_stream();
             let mut total = 0u64;
             while let Some(frame) = stream.next().await {
-                let frame = frame.map_err(|_| ApiError::bad_request("upload_interrupted", "body failed"))?;
+                let frame = frame
+                    .map_err(|_| ApiError::bad_request("upload_interrupted", "body failed"))?;
                 total += frame.len() as u64;
                 bytes.fetch_add(frame.len() as u64, Ordering::SeqCst);
             }
-            Ok(serde_json::json!({ "size": total, "content_type": request.content_type, "epoch": request.epoch }))
+            Ok(
+                serde_json::json!({ "size": total, "content_type": request.content_type, "epoch": request.epoch }),
+            )
         })
     }
 }
@@ -51,13 +57,24 @@ async fn owner(ingest: CountingIngest) -> std::net::SocketAddr {
         if epoch >= 5 {
             EpochVerdict::Current
         } else {
-            EpochVerdict::Stale { current_owner: Some(NodeId("node-c".into())), current_epoch: 5 }
+            EpochVerdict::Stale {
+                current_owner: Some(NodeId("node-c".into())),
+                current_epoch: 5,
+            }
         }
     };
-    let state = InternalState { token: Secret::new(TOKEN), epochs: Arc::new(epochs), ingest: Arc::new(ingest) };
+    let state = InternalState {
+        token: Secret::new(TOKEN),
+        epochs: Arc::new(epochs),
+        ingest: Arc::new(ingest),
+    };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(internal::serve(listener, internal::router(state), std::future::pending()));
+    tokio::spawn(internal::serve(
+        listener,
+        internal::router(state),
+        std::future::pending(),
+    ));
     addr
 }
 
@@ -69,7 +86,11 @@ struct RawResponse {
 
 /// Send `head` plus `partial` body bytes (of a larger declared body) and read one
 /// response while the body stays incomplete; the write side is kept open.
-async fn send_partial(addr: std::net::SocketAddr, head: &str, partial: &[u8]) -> (RawResponse, TcpStream) {
+async fn send_partial(
+    addr: std::net::SocketAddr,
+    head: &str,
+    partial: &[u8],
+) -> (RawResponse, TcpStream) {
     let mut stream = TcpStream::connect(addr).await.unwrap();
     stream.write_all(head.as_bytes()).await.unwrap();
     stream.write_all(partial).await.unwrap();
@@ -88,7 +109,11 @@ async fn read_response(stream: &mut TcpStream) -> RawResponse {
             let head = String::from_utf8_lossy(&buf[..end]).to_string();
             let length = head
                 .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_string()))
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().to_string())
+                })
                 .map(|v| v.parse::<usize>().unwrap())
                 .unwrap_or(0);
             while buf.len() < end + 4 + length {
@@ -121,7 +146,8 @@ fn path() -> String {
 }
 
 const BIG: &str = "Content-Length: 10485760";
-const TOKEN_LINE: &str = "X-Graviton-Internal-Token: internal-token-0123456789abcdefghijklmnopqrstuvwxyz";
+const TOKEN_LINE: &str =
+    "X-Graviton-Internal-Token: internal-token-0123456789abcdefghijklmnopqrstuvwxyz";
 
 #[tokio::test]
 async fn unauthenticated_requests_are_refused_before_the_body_is_read() {
@@ -135,9 +161,14 @@ async fn unauthenticated_requests_are_refused_before_the_body_is_read() {
     ] {
         let mut extra = vec![BIG, "X-Graviton-Shard: 1", "X-Graviton-Shard-Epoch: 5"];
         extra.extend(auth);
-        let (response, _open) = send_partial(addr, &request_head(&path(), &extra), &[7u8; 1000]).await;
+        let (response, _open) =
+            send_partial(addr, &request_head(&path(), &extra), &[7u8; 1000]).await;
         assert_eq!(response.status, 401, "{auth:?}");
-        assert!(response.body.contains("\"unauthorized\""), "{}", response.body);
+        assert!(
+            response.body.contains("\"unauthorized\""),
+            "{}",
+            response.body
+        );
         assert!(!response.body.contains("internal-token"), "no token echo");
     }
     assert_eq!(ingest.calls.load(Ordering::SeqCst), 0);
@@ -150,14 +181,25 @@ async fn stale_epoch_is_refused_before_the_body_is_read_and_names_the_owner() {
     let addr = owner(ingest.clone()).await;
     let bearer = format!("Authorization: Bearer {TOKEN}");
     for auth in [TOKEN_LINE, bearer.as_str()] {
-        let extra = [BIG, auth, "X-Graviton-Shard: 1", "X-Graviton-Shard-Epoch: 4"];
-        let (response, _open) = send_partial(addr, &request_head(&path(), &extra), &[7u8; 1000]).await;
+        let extra = [
+            BIG,
+            auth,
+            "X-Graviton-Shard: 1",
+            "X-Graviton-Shard-Epoch: 4",
+        ];
+        let (response, _open) =
+            send_partial(addr, &request_head(&path(), &extra), &[7u8; 1000]).await;
         assert_eq!(response.status, 409);
         let json: serde_json::Value = serde_json::from_str(&response.body).unwrap();
         assert_eq!(json["error"], "stale_epoch");
         assert_eq!(json["current_owner"], "node-c");
         assert_eq!(json["current_epoch"], 5);
-        assert!(response.head.to_ascii_lowercase().contains(&format!("{CURRENT_OWNER_HEADER}: node-c")));
+        assert!(
+            response
+                .head
+                .to_ascii_lowercase()
+                .contains(&format!("{CURRENT_OWNER_HEADER}: node-c"))
+        );
     }
     assert_eq!(ingest.calls.load(Ordering::SeqCst), 0);
 }
@@ -168,16 +210,80 @@ async fn malformed_heads_get_400_before_the_body_is_read() {
     let addr = owner(ingest.clone()).await;
     let good_path = path();
     let bad_path = format!("/internal/v1/sessions/{{{TENANT}}}/{SESSION}/blobs");
-    let nil_path = format!("/internal/v1/sessions/00000000-0000-0000-0000-000000000000/{SESSION}/blobs");
+    let nil_path =
+        format!("/internal/v1/sessions/00000000-0000-0000-0000-000000000000/{SESSION}/blobs");
     let cases: Vec<(&str, Vec<&str>, &str)> = vec![
-        (&bad_path, vec![BIG, TOKEN_LINE, "X-Graviton-Shard: 1", "X-Graviton-Shard-Epoch: 5"], "invalid_session"),
-        (&nil_path, vec![BIG, TOKEN_LINE, "X-Graviton-Shard: 1", "X-Graviton-Shard-Epoch: 5"], "invalid_session"),
-        (&good_path, vec![BIG, TOKEN_LINE, "X-Graviton-Shard-Epoch: 5"], "invalid_shard"),
-        (&good_path, vec![BIG, TOKEN_LINE, "X-Graviton-Shard: -1", "X-Graviton-Shard-Epoch: 5"], "invalid_shard"),
-        (&good_path, vec![BIG, TOKEN_LINE, "X-Graviton-Shard: 1"], "invalid_epoch"),
-        (&good_path, vec![BIG, TOKEN_LINE, "X-Graviton-Shard: 1", "X-Graviton-Shard-Epoch: 5e0"], "invalid_epoch"),
-        (&good_path, vec![BIG, TOKEN_LINE, "X-Graviton-Shard: 1", "X-Graviton-Shard-Epoch: +5"], "invalid_epoch"),
-        (&good_path, vec![BIG, TOKEN_LINE, "X-Graviton-Shard: 1", "X-Graviton-Shard-Epoch: 5", "Content-Type: nonsense"], "invalid_content_type"),
+        (
+            &bad_path,
+            vec![
+                BIG,
+                TOKEN_LINE,
+                "X-Graviton-Shard: 1",
+                "X-Graviton-Shard-Epoch: 5",
+            ],
+            "invalid_session",
+        ),
+        (
+            &nil_path,
+            vec![
+                BIG,
+                TOKEN_LINE,
+                "X-Graviton-Shard: 1",
+                "X-Graviton-Shard-Epoch: 5",
+            ],
+            "invalid_session",
+        ),
+        (
+            &good_path,
+            vec![BIG, TOKEN_LINE, "X-Graviton-Shard-Epoch: 5"],
+            "invalid_shard",
+        ),
+        (
+            &good_path,
+            vec![
+                BIG,
+                TOKEN_LINE,
+                "X-Graviton-Shard: -1",
+                "X-Graviton-Shard-Epoch: 5",
+            ],
+            "invalid_shard",
+        ),
+        (
+            &good_path,
+            vec![BIG, TOKEN_LINE, "X-Graviton-Shard: 1"],
+            "invalid_epoch",
+        ),
+        (
+            &good_path,
+            vec![
+                BIG,
+                TOKEN_LINE,
+                "X-Graviton-Shard: 1",
+                "X-Graviton-Shard-Epoch: 5e0",
+            ],
+            "invalid_epoch",
+        ),
+        (
+            &good_path,
+            vec![
+                BIG,
+                TOKEN_LINE,
+                "X-Graviton-Shard: 1",
+                "X-Graviton-Shard-Epoch: +5",
+            ],
+            "invalid_epoch",
+        ),
+        (
+            &good_path,
+            vec![
+                BIG,
+                TOKEN_LINE,
+                "X-Graviton-Shard: 1",
+                "X-Graviton-Shard-Epoch: 5",
+                "Content-Type: nonsense",
+            ],
+            "invalid_content_type",
+        ),
     ];
     for (path, extra, code) in cases {
         let (response, _open) = send_partial(addr, &request_head(path, &extra), &[7u8; 1000]).await;
@@ -188,8 +294,14 @@ async fn malformed_heads_get_400_before_the_body_is_read() {
     // it at the protocol level, with 400 as well.
     for length in ["+10", "1e3", "0x10", "-1"] {
         let line = format!("Content-Length: {length}");
-        let extra = [line.as_str(), TOKEN_LINE, "X-Graviton-Shard: 1", "X-Graviton-Shard-Epoch: 5"];
-        let (response, _open) = send_partial(addr, &request_head(&path(), &extra), b"0123456789").await;
+        let extra = [
+            line.as_str(),
+            TOKEN_LINE,
+            "X-Graviton-Shard: 1",
+            "X-Graviton-Shard-Epoch: 5",
+        ];
+        let (response, _open) =
+            send_partial(addr, &request_head(&path(), &extra), b"0123456789").await;
         assert_eq!(response.status, 400, "{length}");
     }
     assert_eq!(ingest.calls.load(Ordering::SeqCst), 0);

@@ -248,12 +248,13 @@ impl Config {
         if self.upload.body_idle_timeout.get().is_zero() {
             problems.push(Problem::new("upload.body_idle_timeout", "must be greater than zero"));
         }
-        if let Some(token) = &self.admin.token {
-            if token.expose().len() < 16 {
-                problems.push(Problem::new("admin.token", "must be at least 16 characters"));
-            }
+        if let Some(token) = &self.admin.token
+            && token.expose().len() < 16
+        {
+            problems.push(Problem::new("admin.token", "must be at least 16 characters"));
         }
-        problems.extend(self.control.problems());
+        // Integration: pass the cluster switch (`self.cluster.enabled`) once it exists.
+        problems.extend(self.control.problems_in(false));
         problems
     }
 

@@ -18,13 +18,19 @@ pub struct Backoff {
 
 impl Backoff {
     pub fn new(min: Duration, max: Duration) -> Self {
-        Self { min, max: max.max(min) }
+        Self {
+            min,
+            max: max.max(min),
+        }
     }
 
     /// The un-jittered ceiling for `attempt`.
     pub fn ceiling(&self, attempt: u32) -> Duration {
         let factor = 1u32.checked_shl(attempt.min(31)).unwrap_or(u32::MAX);
-        self.min.checked_mul(factor).unwrap_or(self.max).min(self.max)
+        self.min
+            .checked_mul(factor)
+            .unwrap_or(self.max)
+            .min(self.max)
     }
 
     /// The delay before re-dial `attempt`, jittered with `rng`.

@@ -143,7 +143,10 @@ impl ClusterOptions {
         node: NodeId,
         config: &crate::control::ControlConfig,
     ) -> Result<Self, ControlError> {
-        let token = config.internal_token.clone().ok_or(ControlError::Shutdown)?;
+        let token = config
+            .internal_token
+            .clone()
+            .ok_or(ControlError::Shutdown)?;
         Ok(Self {
             node,
             listen: config.control_listen,
@@ -177,7 +180,11 @@ struct PeerTable {
 
 impl PeerTable {
     fn sessions_of(&self, peer: &NodeId) -> HashSet<u64> {
-        self.sessions.iter().filter(|(_, p)| *p == peer).map(|(id, _)| *id).collect()
+        self.sessions
+            .iter()
+            .filter(|(_, p)| *p == peer)
+            .map(|(id, _)| *id)
+            .collect()
     }
 }
 
@@ -191,11 +198,25 @@ fn lock(shared: &Shared) -> MutexGuard<'_, PeerTable> {
 #[derive(RactorMessage)]
 pub enum DialerMsg {
     SetPeers(Vec<(NodeId, SocketAddr)>),
-    SessionReady { session: u64, peer_name: Option<String> },
-    SessionDown { session: u64 },
-    Dial { peer: NodeId, generation: u64 },
-    DialFailed { peer: NodeId, generation: u64 },
-    HandshakeDeadline { peer: NodeId, generation: u64 },
+    SessionReady {
+        session: u64,
+        peer_name: Option<String>,
+    },
+    SessionDown {
+        session: u64,
+    },
+    Dial {
+        peer: NodeId,
+        generation: u64,
+    },
+    DialFailed {
+        peer: NodeId,
+        generation: u64,
+    },
+    HandshakeDeadline {
+        peer: NodeId,
+        generation: u64,
+    },
 }
 
 /// Dials listed peers and re-dials them with backoff.
@@ -212,7 +233,9 @@ pub struct DialerArgs {
 impl PeerDialer {
     fn schedule(myself: &ActorRef<DialerMsg>, args: &DialerArgs, peer: &NodeId, now: bool) {
         let mut table = lock(&args.shared);
-        let Some(entry) = table.listed.get_mut(peer) else { return };
+        let Some(entry) = table.listed.get_mut(peer) else {
+            return;
+        };
         entry.generation += 1;
         let generation = entry.generation;
         let delay = if now {
@@ -258,8 +281,10 @@ impl Actor for PeerDialer {
                 let mut fresh = Vec::new();
                 {
                     let mut table = lock(&state.shared);
-                    let wanted: HashMap<NodeId, SocketAddr> =
-                        peers.into_iter().filter(|(id, _)| *id != state.me).collect();
+                    let wanted: HashMap<NodeId, SocketAddr> = peers
+                        .into_iter()
+                        .filter(|(id, _)| *id != state.me)
+                        .collect();
                     table.listed.retain(|id, _| wanted.contains_key(id));
                     for (id, addr) in wanted {
                         let entry = table.listed.entry(id.clone()).or_default();
@@ -315,7 +340,10 @@ impl Actor for PeerDialer {
             | DialerMsg::HandshakeDeadline { peer, generation } => {
                 let retry = {
                     let table = lock(&state.shared);
-                    table.listed.get(&peer).is_some_and(|e| e.generation == generation)
+                    table
+                        .listed
+                        .get(&peer)
+                        .is_some_and(|e| e.generation == generation)
                         && !Self::is_connected(&table, &peer)
                 };
                 if retry {
@@ -365,7 +393,9 @@ impl NodeEventSubscription for Events {
     fn node_session_opened(&self, _: ractor_cluster::node::NodeServerSessionInformation) {}
 
     fn node_session_disconnected(&self, ses: ractor_cluster::node::NodeServerSessionInformation) {
-        let _ = self.0.cast(DialerMsg::SessionDown { session: ses.node_id });
+        let _ = self.0.cast(DialerMsg::SessionDown {
+            session: ses.node_id,
+        });
     }
 
     fn node_session_authenticated(&self, _: ractor_cluster::node::NodeServerSessionInformation) {}
@@ -417,7 +447,10 @@ impl ClusterTransport {
         let (control, _) = Actor::spawn(
             None,
             ControlActor,
-            ControlActorArgs { node: options.node.clone(), handler: handler.clone() },
+            ControlActorArgs {
+                node: options.node.clone(),
+                handler: handler.clone(),
+            },
         )
         .await
         .map_err(|e| stop_server(format!("control actor: {e}")))?;
@@ -489,17 +522,26 @@ impl ClusterTransport {
         bytes: Vec<u8>,
         timeout: Duration,
     ) -> Result<Vec<u8>, ControlError> {
-        let actor = self.remote_control(peer).ok_or_else(|| self.missing(peer))?;
-        match actor.call(|port| ControlMsg::Call(Wire(bytes), port), Some(timeout)).await {
+        let actor = self
+            .remote_control(peer)
+            .ok_or_else(|| self.missing(peer))?;
+        match actor
+            .call(|port| ControlMsg::Call(Wire(bytes), port), Some(timeout))
+            .await
+        {
             Ok(CallResult::Success(wire)) => Ok(wire.0),
-            Ok(CallResult::Timeout) => Err(ControlError::Timeout { peer: peer.clone(), after: timeout }),
+            Ok(CallResult::Timeout) => Err(ControlError::Timeout {
+                peer: peer.clone(),
+                after: timeout,
+            }),
             Ok(CallResult::SenderError) => Err(ControlError::Transport {
                 peer: peer.clone(),
                 reason: "reply channel dropped".to_string(),
             }),
-            Err(error) => {
-                Err(ControlError::Transport { peer: peer.clone(), reason: error.to_string() })
-            }
+            Err(error) => Err(ControlError::Transport {
+                peer: peer.clone(),
+                reason: error.to_string(),
+            }),
         }
     }
 
@@ -538,21 +580,31 @@ impl ControlTransport for ClusterTransport {
                 // Local short-cut through the same codec.
                 tokio::time::timeout(timeout, serve_bytes(self.handler.as_ref(), &bytes))
                     .await
-                    .map_err(|_| ControlError::Timeout { peer: peer.clone(), after: timeout })?
+                    .map_err(|_| ControlError::Timeout {
+                        peer: peer.clone(),
+                        after: timeout,
+                    })?
             } else {
                 self.call_raw(peer, bytes, timeout).await?
             };
-            envelope::decode_reply(&reply)
-                .map_err(|error| ControlError::Decode { peer: peer.clone(), error })
+            envelope::decode_reply(&reply).map_err(|error| ControlError::Decode {
+                peer: peer.clone(),
+                error,
+            })
         })
     }
 
     fn cast(&self, peer: &NodeId, request: Envelope) -> Result<(), ControlError> {
         let bytes = envelope::encode_request(&request).map_err(ControlError::Encode)?;
-        let actor = self.remote_control(peer).ok_or_else(|| self.missing(peer))?;
+        let actor = self
+            .remote_control(peer)
+            .ok_or_else(|| self.missing(peer))?;
         actor
             .cast(ControlMsg::Cast(Wire(bytes)))
-            .map_err(|e| ControlError::Transport { peer: peer.clone(), reason: e.to_string() })
+            .map_err(|e| ControlError::Transport {
+                peer: peer.clone(),
+                reason: e.to_string(),
+            })
     }
 
     fn set_peers(&self, peers: Vec<(NodeId, SocketAddr)>) {
@@ -561,8 +613,10 @@ impl ControlTransport for ClusterTransport {
 
     fn connected_peers(&self) -> Vec<NodeId> {
         let listed: Vec<NodeId> = lock(&self.shared).listed.keys().cloned().collect();
-        let mut out: Vec<NodeId> =
-            listed.into_iter().filter(|p| self.remote_control(p).is_some()).collect();
+        let mut out: Vec<NodeId> = listed
+            .into_iter()
+            .filter(|p| self.remote_control(p).is_some())
+            .collect();
         out.sort();
         out
     }

@@ -23,16 +23,12 @@ pub const TOKEN_MAX_LEN: usize = 256;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ControlConfig {
-    /// Cluster mode: start the control plane and the internal listener. When false the
-    /// node is a single embedded node and the rest of the section is ignored.
-    pub enabled: bool,
     /// Internal HTTP listener (owner ingest of forwarded uploads). Private network only.
+    /// Peers learn the address to use from the node table (`cluster.internal_addr`).
     pub internal_listen: SocketAddr,
-    /// Address peers use to reach `internal_listen` (defaults to `internal_listen`).
-    pub internal_advertise: Option<SocketAddr>,
     /// ractor_cluster `NodeServer` listener. Private network only.
     pub control_listen: SocketAddr,
-    /// Shared node token (32..=256 of `A-Z a-z 0-9 . _ ~ -`). Required when `enabled`.
+    /// Shared node token (32..=256 of `A-Z a-z 0-9 . _ ~ -`). Required in cluster mode.
     pub internal_token: Option<Secret>,
     /// First re-dial delay after a peer session drops (doubles, with jitter).
     pub dial_backoff_min: HumanDuration,
@@ -49,9 +45,7 @@ pub struct ControlConfig {
 impl Default for ControlConfig {
     fn default() -> Self {
         Self {
-            enabled: false,
             internal_listen: INTERNAL_LISTEN_DEFAULT.parse().expect("valid default"),
-            internal_advertise: None,
             control_listen: CONTROL_LISTEN_DEFAULT.parse().expect("valid default"),
             internal_token: None,
             dial_backoff_min: HumanDuration::millis(100),
@@ -72,18 +66,15 @@ pub fn token_is_well_formed(token: &str) -> bool {
 }
 
 impl ControlConfig {
-    /// The address peers should use for forwarded uploads.
-    pub fn internal_advertise(&self) -> SocketAddr {
-        self.internal_advertise.unwrap_or(self.internal_listen)
-    }
-
-    /// Validation problems of this section. Messages never echo the token.
-    pub fn problems(&self) -> Vec<Problem> {
+    /// Validation problems of this section. `cluster_mode` is the node's cluster switch
+    /// (`cluster.enabled`): the token and distinct listeners are required only then.
+    /// Messages never echo the token.
+    pub fn problems_in(&self, cluster_mode: bool) -> Vec<Problem> {
         let mut problems = Vec::new();
         match &self.internal_token {
-            None if self.enabled => problems.push(Problem::new(
+            None if cluster_mode => problems.push(Problem::new(
                 "control.internal_token",
-                "is required in cluster mode (control.enabled = true)",
+                "is required in cluster mode (cluster.enabled = true)",
             )),
             Some(token) if !token_is_well_formed(token.expose()) => problems.push(Problem::new(
                 "control.internal_token",
@@ -93,14 +84,17 @@ impl ControlConfig {
             )),
             _ => {}
         }
-        if self.enabled && self.internal_listen == self.control_listen {
+        if cluster_mode && self.internal_listen == self.control_listen {
             problems.push(Problem::new(
                 "control.control_listen",
                 "must differ from control.internal_listen",
             ));
         }
         if self.dial_backoff_min.get().is_zero() {
-            problems.push(Problem::new("control.dial_backoff_min", "must be greater than zero"));
+            problems.push(Problem::new(
+                "control.dial_backoff_min",
+                "must be greater than zero",
+            ));
         }
         if self.dial_backoff_max.get() < self.dial_backoff_min.get() {
             problems.push(Problem::new(
@@ -110,7 +104,10 @@ impl ControlConfig {
         }
         for (key, value) in [
             ("control.call_timeout", self.call_timeout),
-            ("control.forward_connect_timeout", self.forward_connect_timeout),
+            (
+                "control.forward_connect_timeout",
+                self.forward_connect_timeout,
+            ),
             ("control.forward_read_timeout", self.forward_read_timeout),
         ] {
             if value.get().is_zero() {
@@ -129,28 +126,39 @@ mod tests {
 
     #[test]
     fn defaults_are_valid_outside_cluster_mode() {
-        assert!(ControlConfig::default().problems().is_empty());
+        assert!(ControlConfig::default().problems_in(false).is_empty());
     }
 
     #[test]
     fn cluster_mode_requires_a_token() {
-        let config = ControlConfig { enabled: true, ..ControlConfig::default() };
-        let problems = config.problems();
+        let config = ControlConfig::default();
+        let problems = config.problems_in(true);
         assert_eq!(problems.len(), 1);
         assert_eq!(problems[0].key, "control.internal_token");
-        let config = ControlConfig { internal_token: Some(Secret::new(GOOD)), ..config };
-        assert!(config.problems().is_empty(), "{:?}", config.problems());
+        let config = ControlConfig {
+            internal_token: Some(Secret::new(GOOD)),
+            ..config
+        };
+        assert!(
+            config.problems_in(true).is_empty(),
+            "{:?}",
+            config.problems_in(true)
+        );
     }
 
     #[test]
     fn malformed_tokens_are_rejected_without_echo() {
-        for bad in ["short", &"a".repeat(257), &format!("{}+", &GOOD[..32]), &format!("{} ", &GOOD[..32])] {
+        for bad in [
+            "short",
+            &"a".repeat(257),
+            &format!("{}+", &GOOD[..32]),
+            &format!("{} ", &GOOD[..32]),
+        ] {
             let config = ControlConfig {
-                enabled: true,
                 internal_token: Some(Secret::new(bad)),
                 ..ControlConfig::default()
             };
-            let problems = config.problems();
+            let problems = config.problems_in(false);
             assert_eq!(problems.len(), 1, "{bad:?}");
             assert!(!problems[0].message.contains(bad));
         }
@@ -165,6 +173,6 @@ mod tests {
             dial_backoff_max: HumanDuration::secs(1),
             ..ControlConfig::default()
         };
-        assert_eq!(config.problems()[0].key, "control.dial_backoff_max");
+        assert_eq!(config.problems_in(false)[0].key, "control.dial_backoff_max");
     }
 }

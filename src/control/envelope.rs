@@ -42,7 +42,10 @@ pub enum EnvelopeError {
     #[error("control envelope version {0} is not supported (this node speaks {ENVELOPE_VERSION})")]
     UnsupportedVersion(u16),
     #[error("control envelope field {field} is invalid: {reason}")]
-    Invalid { field: &'static str, reason: &'static str },
+    Invalid {
+        field: &'static str,
+        reason: &'static str,
+    },
 }
 
 /// The outer frame of every message.
@@ -67,7 +70,10 @@ pub struct SessionRequest {
 
 impl SessionRequest {
     pub fn key(&self) -> SessionKey {
-        SessionKey { tenant: self.tenant, session: self.session }
+        SessionKey {
+            tenant: self.tenant,
+            session: self.session,
+        }
     }
 }
 
@@ -103,14 +109,17 @@ impl Envelope {
     }
 }
 
-/// Phase of an upload session's hot state.
+/// Phase of an upload session's hot state (mirrors `session::Phase`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SessionPhase {
+    /// Known, no upload running.
     Idle,
-    Active,
-    Completed,
-    Failed,
+    /// An upload is streaming into the owner.
+    Receiving,
+    /// A phase added by a newer node; tolerated so new phases need no version bump.
+    #[serde(other)]
+    Unknown,
 }
 
 /// Owner-side hot state of a session: phase and counters, never bytes.
@@ -120,6 +129,10 @@ pub struct HotStateSnapshot {
     pub bytes_seen: u64,
     #[serde(default)]
     pub frames_seen: u64,
+    #[serde(default)]
+    pub uploads_completed: u32,
+    #[serde(default)]
+    pub uploads_failed: u32,
     /// Unix milliseconds.
     pub started_at_ms: u64,
     /// Unix milliseconds; never before `started_at_ms`.
@@ -161,7 +174,10 @@ pub enum Reply {
     Owner(OwnerReply),
     /// Accepted (hints and drains).
     Ack,
-    Error { code: ReplyErrorCode, message: String },
+    Error {
+        code: ReplyErrorCode,
+        message: String,
+    },
 }
 
 /// Encode a request frame, refusing output over the cap.
@@ -191,7 +207,10 @@ pub fn decode_reply(buf: &[u8]) -> Result<Reply, EnvelopeError> {
 }
 
 fn encode<T: Serialize + Clone>(msg: &T) -> Result<Vec<u8>, EnvelopeError> {
-    let frame = Frame { v: ENVELOPE_VERSION, msg };
+    let frame = Frame {
+        v: ENVELOPE_VERSION,
+        msg,
+    };
     let bytes =
         rmp_serde::to_vec_named(&frame).map_err(|e| EnvelopeError::Malformed(e.to_string()))?;
     if bytes.len() > MAX_ENVELOPE_BYTES {
@@ -240,8 +259,14 @@ pub fn validate_node_id(node: &NodeId) -> Result<(), EnvelopeError> {
     if text.is_empty() || text.len() > MAX_NODE_ID_LEN {
         return Err(invalid("node", "must be 1 to 128 characters"));
     }
-    if !text.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
-        return Err(invalid("node", "only ASCII letters, digits, '-', '_' and '.'"));
+    if !text
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return Err(invalid(
+            "node",
+            "only ASCII letters, digits, '-', '_' and '.'",
+        ));
     }
     Ok(())
 }
@@ -261,10 +286,10 @@ fn validate_reply(msg: &Reply) -> Result<(), EnvelopeError> {
             if owner.owner_internal_addr.port() == 0 {
                 return Err(invalid("owner_internal_addr", "port must not be 0"));
             }
-            if let Some(hot) = &owner.hot_state {
-                if hot.last_activity_ms < hot.started_at_ms {
-                    return Err(invalid("hot_state", "last activity before start"));
-                }
+            if let Some(hot) = &owner.hot_state
+                && hot.last_activity_ms < hot.started_at_ms
+            {
+                return Err(invalid("hot_state", "last activity before start"));
             }
             Ok(())
         }
@@ -289,7 +314,8 @@ mod addr_as_string {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
         let text = String::deserialize(d)?;
-        text.parse().map_err(|_| de::Error::custom("not a socket address"))
+        text.parse()
+            .map_err(|_| de::Error::custom("not a socket address"))
     }
 }
 
@@ -313,9 +339,11 @@ mod tests {
             owner_internal_addr: "127.0.0.1:7071".parse().unwrap(),
             shard_epoch: 3,
             hot_state: Some(HotStateSnapshot {
-                phase: SessionPhase::Active,
+                phase: SessionPhase::Receiving,
                 bytes_seen: 10,
                 frames_seen: 1,
+                uploads_completed: 0,
+                uploads_failed: 0,
                 started_at_ms: 5,
                 last_activity_ms: 6,
             }),
@@ -342,20 +370,35 @@ mod tests {
     #[test]
     fn oversized_input_is_rejected_before_parsing() {
         let bytes = vec![0xc1; MAX_ENVELOPE_BYTES + 1];
-        assert_eq!(decode_request(&bytes), Err(EnvelopeError::TooLarge(MAX_ENVELOPE_BYTES + 1)));
+        assert_eq!(
+            decode_request(&bytes),
+            Err(EnvelopeError::TooLarge(MAX_ENVELOPE_BYTES + 1))
+        );
     }
 
     #[test]
     fn oversized_output_is_refused() {
-        let reply = Reply::Error { code: ReplyErrorCode::Internal, message: "x".repeat(2000) };
-        assert!(matches!(encode_reply(&reply), Err(EnvelopeError::Invalid { .. })));
+        let reply = Reply::Error {
+            code: ReplyErrorCode::Internal,
+            message: "x".repeat(2000),
+        };
+        assert!(matches!(
+            encode_reply(&reply),
+            Err(EnvelopeError::Invalid { .. })
+        ));
     }
 
     #[test]
     fn unknown_version_is_typed() {
-        let frame = Frame { v: 9, msg: Reply::Ack };
+        let frame = Frame {
+            v: 9,
+            msg: Reply::Ack,
+        };
         let bytes = rmp_serde::to_vec_named(&frame).unwrap();
-        assert_eq!(decode_reply(&bytes), Err(EnvelopeError::UnsupportedVersion(9)));
+        assert_eq!(
+            decode_reply(&bytes),
+            Err(EnvelopeError::UnsupportedVersion(9))
+        );
     }
 
     #[test]
@@ -363,7 +406,10 @@ mod tests {
         // 100 nested one-element arrays.
         let mut bytes = vec![0x91; 100];
         bytes.push(0x01);
-        assert!(matches!(decode_request(&bytes), Err(EnvelopeError::Malformed(_))));
+        assert!(matches!(
+            decode_request(&bytes),
+            Err(EnvelopeError::Malformed(_))
+        ));
     }
 
     #[test]
@@ -387,12 +433,23 @@ mod tests {
             epoch: 1,
         });
         let bytes = encode(&raw).unwrap();
-        assert!(matches!(decode_request(&bytes), Err(EnvelopeError::Malformed(_))));
+        assert!(matches!(
+            decode_request(&bytes),
+            Err(EnvelopeError::Malformed(_))
+        ));
 
-        let bad = Envelope::Drain { node: NodeId("a b".into()) };
-        assert!(matches!(encode_request(&bad), Err(EnvelopeError::Invalid { .. })));
+        let bad = Envelope::Drain {
+            node: NodeId("a b".into()),
+        };
+        assert!(matches!(
+            encode_request(&bad),
+            Err(EnvelopeError::Invalid { .. })
+        ));
         let bytes = encode(&bad).unwrap();
-        assert!(matches!(decode_request(&bytes), Err(EnvelopeError::Invalid { .. })));
+        assert!(matches!(
+            decode_request(&bytes),
+            Err(EnvelopeError::Invalid { .. })
+        ));
     }
 
     #[test]
@@ -400,7 +457,10 @@ mod tests {
         for reply in [
             owner_reply(),
             Reply::Ack,
-            Reply::Error { code: ReplyErrorCode::NotOwner, message: "moved".into() },
+            Reply::Error {
+                code: ReplyErrorCode::NotOwner,
+                message: "moved".into(),
+            },
         ] {
             let bytes = encode_reply(&reply).unwrap();
             assert_eq!(decode_reply(&bytes).unwrap(), reply);
@@ -408,7 +468,9 @@ mod tests {
     }
 
     fn arb_uuid_text() -> impl Strategy<Value = String> {
-        any::<u128>().prop_filter("non-nil", |v| *v != 0).prop_map(|v| uuid::Uuid::from_u128(v).to_string())
+        any::<u128>()
+            .prop_filter("non-nil", |v| *v != 0)
+            .prop_map(|v| uuid::Uuid::from_u128(v).to_string())
     }
 
     fn arb_request() -> impl Strategy<Value = SessionRequest> {
@@ -435,19 +497,28 @@ mod tests {
     fn arb_reply() -> impl Strategy<Value = Reply> {
         let phase = prop_oneof![
             Just(SessionPhase::Idle),
-            Just(SessionPhase::Active),
-            Just(SessionPhase::Completed),
-            Just(SessionPhase::Failed)
+            Just(SessionPhase::Receiving),
+            Just(SessionPhase::Unknown)
         ];
-        let hot = (phase, any::<u64>(), any::<u64>(), 0u64..1 << 50, 0u64..1 << 20).prop_map(
-            |(phase, bytes_seen, frames_seen, started_at_ms, delta)| HotStateSnapshot {
-                phase,
-                bytes_seen,
-                frames_seen,
-                started_at_ms,
-                last_activity_ms: started_at_ms + delta,
-            },
-        );
+        let hot = (
+            phase,
+            any::<u64>(),
+            any::<u64>(),
+            0u64..1 << 50,
+            0u64..1 << 20,
+            any::<(u32, u32)>(),
+        )
+            .prop_map(
+                |(phase, bytes_seen, frames_seen, started_at_ms, delta, counts)| HotStateSnapshot {
+                    phase,
+                    bytes_seen,
+                    frames_seen,
+                    uploads_completed: counts.0,
+                    uploads_failed: counts.1,
+                    started_at_ms,
+                    last_activity_ms: started_at_ms + delta,
+                },
+            );
         let owner = (
             "[A-Za-z0-9._-]{1,128}",
             (any::<std::net::IpAddr>(), 1u16..).prop_map(|(ip, port)| SocketAddr::new(ip, port)),
@@ -465,7 +536,10 @@ mod tests {
         prop_oneof![
             owner,
             Just(Reply::Ack),
-            ".{0,200}".prop_map(|m| Reply::Error { code: ReplyErrorCode::Unavailable, message: m }),
+            ".{0,200}".prop_map(|m| Reply::Error {
+                code: ReplyErrorCode::Unavailable,
+                message: m
+            }),
         ]
     }
 

@@ -97,7 +97,11 @@ impl InMemoryNetwork {
     /// Attach `node` with its handler and return its transport.
     pub fn join(&self, node: NodeId, handler: Arc<dyn ControlHandler>) -> InMemoryTransport {
         self.lock().insert(node.clone(), handler);
-        InMemoryTransport { me: node, network: self.clone(), peers: Arc::default() }
+        InMemoryTransport {
+            me: node,
+            network: self.clone(),
+            peers: Arc::default(),
+        }
     }
 
     /// Detach `node` (simulates a crash or partition): calls to it fail `NotConnected`.
@@ -106,7 +110,9 @@ impl InMemoryNetwork {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, Arc<dyn ControlHandler>>> {
-        self.nodes.lock().unwrap_or_else(|poison| poison.into_inner())
+        self.nodes
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
     }
 
     fn handler(&self, node: &NodeId) -> Option<Arc<dyn ControlHandler>> {
@@ -125,7 +131,11 @@ pub struct InMemoryTransport {
 impl InMemoryTransport {
     fn is_listed(&self, peer: &NodeId) -> bool {
         *peer == self.me
-            || self.peers.lock().unwrap_or_else(|p| p.into_inner()).contains_key(peer)
+            || self
+                .peers
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(peer)
     }
 }
 
@@ -145,7 +155,10 @@ pub(crate) async fn serve_bytes(handler: &dyn ControlHandler, bytes: &[u8]) -> V
 }
 
 pub(crate) fn bad_request(error: &EnvelopeError) -> Reply {
-    Reply::Error { code: envelope::ReplyErrorCode::BadRequest, message: error.to_string() }
+    Reply::Error {
+        code: envelope::ReplyErrorCode::BadRequest,
+        message: error.to_string(),
+    }
 }
 
 impl ControlTransport for InMemoryTransport {
@@ -164,13 +177,20 @@ impl ControlTransport for InMemoryTransport {
                 return Err(ControlError::UnknownPeer(peer.clone()));
             }
             let bytes = envelope::encode_request(&request).map_err(ControlError::Encode)?;
-            let handler =
-                self.network.handler(peer).ok_or_else(|| ControlError::NotConnected(peer.clone()))?;
+            let handler = self
+                .network
+                .handler(peer)
+                .ok_or_else(|| ControlError::NotConnected(peer.clone()))?;
             let reply = tokio::time::timeout(timeout, serve_bytes(handler.as_ref(), &bytes))
                 .await
-                .map_err(|_| ControlError::Timeout { peer: peer.clone(), after: timeout })?;
-            envelope::decode_reply(&reply)
-                .map_err(|error| ControlError::Decode { peer: peer.clone(), error })
+                .map_err(|_| ControlError::Timeout {
+                    peer: peer.clone(),
+                    after: timeout,
+                })?;
+            envelope::decode_reply(&reply).map_err(|error| ControlError::Decode {
+                peer: peer.clone(),
+                error,
+            })
         })
     }
 
@@ -179,8 +199,10 @@ impl ControlTransport for InMemoryTransport {
             return Err(ControlError::UnknownPeer(peer.clone()));
         }
         let bytes = envelope::encode_request(&request).map_err(ControlError::Encode)?;
-        let handler =
-            self.network.handler(peer).ok_or_else(|| ControlError::NotConnected(peer.clone()))?;
+        let handler = self
+            .network
+            .handler(peer)
+            .ok_or_else(|| ControlError::NotConnected(peer.clone()))?;
         tokio::spawn(async move {
             let _ = serve_bytes(handler.as_ref(), &bytes).await;
         });
@@ -194,8 +216,11 @@ impl ControlTransport for InMemoryTransport {
 
     fn connected_peers(&self) -> Vec<NodeId> {
         let listed = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out: Vec<_> =
-            listed.keys().filter(|id| self.network.handler(id).is_some()).cloned().collect();
+        let mut out: Vec<_> = listed
+            .keys()
+            .filter(|id| self.network.handler(id).is_some())
+            .cloned()
+            .collect();
         out.sort();
         out
     }
@@ -236,7 +261,10 @@ mod tests {
         let a = net.join(NodeId("a".into()), owner_of("a"));
         let _b = net.join(NodeId("b".into()), owner_of("b"));
         a.set_peers(vec![(NodeId("b".into()), "127.0.0.1:1".parse().unwrap())]);
-        let reply = a.call(&NodeId("b".into()), req(), Duration::from_secs(1)).await.unwrap();
+        let reply = a
+            .call(&NodeId("b".into()), req(), Duration::from_secs(1))
+            .await
+            .unwrap();
         match reply {
             Reply::Owner(owner) => {
                 assert_eq!(owner.owner.0, "b");
@@ -269,7 +297,10 @@ mod tests {
             }
         }
         let _b = net.join(b.clone(), Arc::new(Never));
-        let err = a.call(&b, req(), Duration::from_millis(20)).await.unwrap_err();
+        let err = a
+            .call(&b, req(), Duration::from_millis(20))
+            .await
+            .unwrap_err();
         assert!(matches!(err, ControlError::Timeout { .. }), "{err:?}");
     }
 

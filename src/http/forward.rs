@@ -194,17 +194,30 @@ impl Forwarder {
         request
     }
 
-    async fn preflight(&self, target: &OwnerTarget, key: &SessionKey, headers: &HeaderMap) -> Preflight {
-        let send = self.request(reqwest::Method::HEAD, target, key, headers).send();
+    async fn preflight(
+        &self,
+        target: &OwnerTarget,
+        key: &SessionKey,
+        headers: &HeaderMap,
+    ) -> Preflight {
+        let send = self
+            .request(reqwest::Method::HEAD, target, key, headers)
+            .send();
         let response = match tokio::time::timeout(self.head_deadline, send).await {
             Ok(Ok(response)) => response,
             Ok(Err(error)) => {
                 tracing::warn!(owner = %target.node, error = %error.without_url(), "forward: owner unreachable");
-                return Preflight::Refuse(self.unavailable(StatusCode::SERVICE_UNAVAILABLE, "the owner node is unreachable"));
+                return Preflight::Refuse(self.unavailable(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the owner node is unreachable",
+                ));
             }
             Err(_) => {
                 tracing::warn!(owner = %target.node, "forward: owner pre-flight timed out");
-                return Preflight::Refuse(self.unavailable(StatusCode::SERVICE_UNAVAILABLE, "the owner node did not answer in time"));
+                return Preflight::Refuse(self.unavailable(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the owner node did not answer in time",
+                ));
             }
         };
         match response.status() {
@@ -212,7 +225,10 @@ impl Forwarder {
             StatusCode::CONFLICT => Preflight::Stale(stale_from(target, response.headers())),
             status => {
                 tracing::error!(owner = %target.node, %status, "forward: owner refused the pre-flight");
-                Preflight::Refuse(self.unavailable(StatusCode::SERVICE_UNAVAILABLE, "the owner node refused the upload"))
+                Preflight::Refuse(self.unavailable(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the owner node refused the upload",
+                ))
             }
         }
     }
@@ -241,7 +257,10 @@ impl Forwarder {
         }
         if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
             tracing::error!(owner = %target.node, "forward: owner rejected the internal token");
-            return Ok(self.unavailable(StatusCode::SERVICE_UNAVAILABLE, "the owner node refused the upload"));
+            return Ok(self.unavailable(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the owner node refused the upload",
+            ));
         }
         let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
         match read_capped(response).await {
@@ -258,25 +277,38 @@ impl Forwarder {
 
     fn failure(&self, target: &OwnerTarget, source: &Source, error: &reqwest::Error) -> Response {
         if source.failed() {
-            return ApiError::bad_request("upload_interrupted", "the upload body ended with an error")
-                .into_response();
+            return ApiError::bad_request(
+                "upload_interrupted",
+                "the upload body ended with an error",
+            )
+            .into_response();
         }
         tracing::warn!(owner = %target.node, error = %ErrorChain(error), "forward: owner failed during the upload");
         if error.is_connect() && source.untouched() {
-            self.unavailable(StatusCode::SERVICE_UNAVAILABLE, "the owner node is unreachable")
+            self.unavailable(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the owner node is unreachable",
+            )
         } else {
-            self.unavailable(StatusCode::BAD_GATEWAY, "the owner node failed during the upload; retry it")
+            self.unavailable(
+                StatusCode::BAD_GATEWAY,
+                "the owner node failed during the upload; retry it",
+            )
         }
     }
 
     fn unavailable(&self, status: StatusCode, message: &'static str) -> Response {
         self.stats.owner_failures.fetch_add(1, Ordering::Relaxed);
-        ApiError::new(status, "owner_unavailable", message).with_retry_after(RETRY_AFTER).into_response()
+        ApiError::new(status, "owner_unavailable", message)
+            .with_retry_after(RETRY_AFTER)
+            .into_response()
     }
 }
 
 fn owner_moved(message: &'static str) -> Response {
-    ApiError::unavailable("owner_moved", message).with_retry_after(RETRY_AFTER).into_response()
+    ApiError::unavailable("owner_moved", message)
+        .with_retry_after(RETRY_AFTER)
+        .into_response()
 }
 
 fn stale_from(target: &OwnerTarget, headers: &HeaderMap) -> StaleEpoch {
@@ -285,8 +317,14 @@ fn stale_from(target: &OwnerTarget, headers: &HeaderMap) -> StaleEpoch {
         .and_then(|v| v.to_str().ok())
         .map(|s| NodeId(s.to_string()))
         .filter(|n| crate::control::envelope::validate_node_id(n).is_ok());
-    let current_epoch = headers.get(CURRENT_EPOCH_HEADER).and_then(|v| parse_digits(v.as_bytes()));
-    StaleEpoch { refused_by: target.node.clone(), current_owner, current_epoch }
+    let current_epoch = headers
+        .get(CURRENT_EPOCH_HEADER)
+        .and_then(|v| parse_digits(v.as_bytes()));
+    StaleEpoch {
+        refused_by: target.node.clone(),
+        current_owner,
+        current_epoch,
+    }
 }
 
 async fn read_capped(mut response: reqwest::Response) -> Result<Bytes, reqwest::Error> {
@@ -368,7 +406,11 @@ impl Source {
 
     fn tap(&self, stats: Arc<ForwardStats>) -> Tap {
         let generation = self.lock().generation;
-        Tap { source: self.clone(), generation, stats }
+        Tap {
+            source: self.clone(),
+            generation,
+            stats,
+        }
     }
 
     fn untouched(&self) -> bool {
@@ -418,7 +460,9 @@ impl Stream for Tap {
         match &polled {
             Poll::Ready(Some(Ok(bytes))) => {
                 state.pulled += bytes.len() as u64;
-                self.stats.bytes_pulled.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                self.stats
+                    .bytes_pulled
+                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
             }
             Poll::Ready(Some(Err(_))) => state.failed = true,
             Poll::Ready(None) => state.stream = None,
@@ -430,10 +474,16 @@ impl Stream for Tap {
 
 /// A convenience for the public route: the request's `Content-Length` (digits only).
 pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
-    match headers.get(header::CONTENT_LENGTH).map(HeaderValue::as_bytes) {
+    match headers
+        .get(header::CONTENT_LENGTH)
+        .map(HeaderValue::as_bytes)
+    {
         None => Ok(None),
         Some(value) => parse_digits(value).map(Some).ok_or_else(|| {
-            ApiError::bad_request("invalid_content_length", "Content-Length must be ASCII digits")
+            ApiError::bad_request(
+                "invalid_content_length",
+                "Content-Length must be ASCII digits",
+            )
         }),
     }
 }

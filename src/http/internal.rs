@@ -57,7 +57,10 @@ pub enum EpochVerdict {
     /// This node owns the shard at this epoch: ingest may proceed.
     Current,
     /// The caller routed by an old epoch (or this node no longer owns the shard).
-    Stale { current_owner: Option<NodeId>, current_epoch: u64 },
+    Stale {
+        current_owner: Option<NodeId>,
+        current_epoch: u64,
+    },
 }
 
 /// Implemented by the node's placement: does this node own `shard` at `epoch`?
@@ -90,7 +93,10 @@ pub struct IngestRequest {
 /// Implemented by the node: the owner-local CAS ingest. Returns the JSON result
 /// (answered with 201) or an [`ApiError`].
 pub trait OwnerIngest: Send + Sync + 'static {
-    fn ingest(&self, request: IngestRequest) -> BoxFuture<'static, Result<serde_json::Value, ApiError>>;
+    fn ingest(
+        &self,
+        request: IngestRequest,
+    ) -> BoxFuture<'static, Result<serde_json::Value, ApiError>>;
 }
 
 /// Everything the internal router needs.
@@ -104,7 +110,10 @@ pub struct InternalState {
 /// The internal router. Serve it on its own listener (see [`serve`]).
 pub fn router(state: InternalState) -> Router {
     Router::new()
-        .route("/internal/v1/sessions/{tenant}/{session}/blobs", head(preflight).post(ingest))
+        .route(
+            "/internal/v1/sessions/{tenant}/{session}/blobs",
+            head(preflight).post(ingest),
+        )
         .with_state(state)
 }
 
@@ -114,7 +123,9 @@ pub async fn serve(
     router: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
 /// The parsed, validated head of a forwarded upload.
@@ -176,7 +187,30 @@ fn numeric_header<T: TryFrom<u64>>(
         .ok_or_else(|| ApiError::bad_request(code, format!("the {name} header is required")))?;
     parse_digits(value.as_bytes())
         .and_then(|n| T::try_from(n).ok())
-        .ok_or_else(|| ApiError::bad_request(code, format!("the {name} header must be ASCII digits")))
+        .ok_or_else(|| {
+            ApiError::bad_request(code, format!("the {name} header must be ASCII digits"))
+        })
+}
+
+/// Why a forwarded upload is refused before its body is read.
+enum Refusal {
+    Api(ApiError),
+    Stale {
+        current_owner: Option<NodeId>,
+        current_epoch: u64,
+    },
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        match self {
+            Refusal::Api(error) => error.into_response(),
+            Refusal::Stale {
+                current_owner,
+                current_epoch,
+            } => stale_response(current_owner, current_epoch),
+        }
+    }
 }
 
 fn check(
@@ -184,30 +218,30 @@ fn check(
     tenant: &str,
     session: &str,
     headers: &HeaderMap,
-) -> Result<Checked, Response> {
+) -> Result<Checked, Refusal> {
     let token_ok = presented_token(headers).is_some_and(|t| state.token.matches(t));
     if !token_ok {
-        return Err(ApiError::new(
+        return Err(Refusal::Api(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
             "missing or invalid internal credentials",
-        )
-        .into_response());
+        )));
     }
     let (Ok(tenant), Ok(session)) = (tenant.parse::<TenantId>(), session.parse::<SessionId>())
     else {
-        return Err(ApiError::bad_request(
+        return Err(Refusal::Api(ApiError::bad_request(
             "invalid_session",
             "tenant and session must be canonical UUIDs",
-        )
-        .into_response());
+        )));
     };
     let key = SessionKey { tenant, session };
     let content_length = match headers.get(header::CONTENT_LENGTH) {
         None => None,
         Some(value) => Some(parse_digits(value.as_bytes()).ok_or_else(|| {
-            ApiError::bad_request("invalid_content_length", "Content-Length must be ASCII digits")
-                .into_response()
+            Refusal::Api(ApiError::bad_request(
+                "invalid_content_length",
+                "Content-Length must be ASCII digits",
+            ))
         })?),
     };
     let content_type = match headers.get(header::CONTENT_TYPE) {
@@ -218,22 +252,41 @@ fn check(
             .filter(|v| !v.trim().is_empty() && v.contains('/'))
             .map(str::to_string)
             .ok_or_else(|| {
-                ApiError::bad_request("invalid_content_type", "Content-Type is malformed")
-                    .into_response()
+                Refusal::Api(ApiError::bad_request(
+                    "invalid_content_type",
+                    "Content-Type is malformed",
+                ))
             })?,
     };
     let shard: u32 =
-        numeric_header(headers, SHARD_HEADER, "invalid_shard").map_err(IntoResponse::into_response)?;
-    let epoch: u64 = numeric_header(headers, SHARD_EPOCH_HEADER, "invalid_epoch")
-        .map_err(IntoResponse::into_response)?;
+        numeric_header(headers, SHARD_HEADER, "invalid_shard").map_err(Refusal::Api)?;
+    let epoch: u64 =
+        numeric_header(headers, SHARD_EPOCH_HEADER, "invalid_epoch").map_err(Refusal::Api)?;
     match state.epochs.check(&key, shard, epoch) {
         EpochVerdict::Current => {}
-        EpochVerdict::Stale { current_owner, current_epoch } => {
-            tracing::debug!(shard, epoch, current_epoch, "internal ingest refused: stale epoch");
-            return Err(stale_response(current_owner, current_epoch));
+        EpochVerdict::Stale {
+            current_owner,
+            current_epoch,
+        } => {
+            tracing::debug!(
+                shard,
+                epoch,
+                current_epoch,
+                "internal ingest refused: stale epoch"
+            );
+            return Err(Refusal::Stale {
+                current_owner,
+                current_epoch,
+            });
         }
     }
-    Ok(Checked { key, shard, epoch, content_type, content_length })
+    Ok(Checked {
+        key,
+        shard,
+        epoch,
+        content_type,
+        content_length,
+    })
 }
 
 async fn preflight(
@@ -243,7 +296,7 @@ async fn preflight(
 ) -> Response {
     match check(&state, &tenant, &session, &headers) {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
-        Err(response) => response,
+        Err(refusal) => refusal.into_response(),
     }
 }
 
@@ -255,7 +308,7 @@ async fn ingest(
 ) -> Response {
     let checked = match check(&state, &tenant, &session, &headers) {
         Ok(checked) => checked,
-        Err(response) => return response,
+        Err(refusal) => return refusal.into_response(),
     };
     let request = IngestRequest {
         key: checked.key,
@@ -280,7 +333,17 @@ mod tests {
         assert_eq!(parse_digits(b"0"), Some(0));
         assert_eq!(parse_digits(b"007"), Some(7));
         assert_eq!(parse_digits(b"18446744073709551615"), Some(u64::MAX));
-        for bad in [&b""[..], b"+1", b"-1", b" 1", b"1 ", b"1e3", b"0x1", b"18446744073709551616", "١".as_bytes()] {
+        for bad in [
+            &b""[..],
+            b"+1",
+            b"-1",
+            b" 1",
+            b"1 ",
+            b"1e3",
+            b"0x1",
+            b"18446744073709551616",
+            "١".as_bytes(),
+        ] {
             assert_eq!(parse_digits(bad), None, "{bad:?}");
         }
     }
