@@ -67,6 +67,7 @@ struct HashingOwner {
     max_in_flight: Arc<AtomicU64>,
     pulled_by_forwarder: Option<Arc<graviton::http::forward::ForwardStats>>,
     slow: bool,
+    hash: bool,
 }
 
 impl OwnerIngest for HashingOwner {
@@ -84,7 +85,9 @@ impl OwnerIngest for HashingOwner {
             while let Some(frame) = stream.next().await {
                 let frame = frame
                     .map_err(|_| ApiError::bad_request("upload_interrupted", "body failed"))?;
-                hasher.update(&frame);
+                if owner.hash {
+                    hasher.update(&frame);
+                }
                 size += frame.len() as u64;
                 owner
                     .received
@@ -121,6 +124,7 @@ impl HashingOwner {
             max_in_flight: Arc::default(),
             pulled_by_forwarder: None,
             slow: false,
+            hash: true,
         }
     }
 }
@@ -506,4 +510,80 @@ async fn an_owner_dying_mid_stream_is_a_clean_502_not_a_hang() {
     assert!(head.contains("retry-after: 1"), "{head}");
     let json: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(json["error"], "owner_unavailable");
+}
+
+/// A body of `total` bytes made of one repeated 1 MiB buffer (cheap to produce, so the
+/// client does not dominate the measurement).
+fn repeated_body(total: usize) -> reqwest::Body {
+    let block = Bytes::from(
+        frames(11, 1024 * 1024)
+            .flat_map(|b| b.to_vec())
+            .collect::<Vec<u8>>(),
+    );
+    let count = total / block.len();
+    reqwest::Body::wrap_stream(futures_util::stream::iter(
+        (0..count).map(move |_| Ok::<_, std::io::Error>(block.clone())),
+    ))
+}
+
+async fn timed_post(request: reqwest::RequestBuilder, total: usize) -> Duration {
+    let started = std::time::Instant::now();
+    let response = tokio::time::timeout(
+        GUARD,
+        request
+            .header("content-length", total.to_string())
+            .body(repeated_body(total))
+            .send(),
+    )
+    .await
+    .expect("no hang")
+    .unwrap();
+    assert_eq!(response.status(), 201);
+    let _ = response.bytes().await.unwrap();
+    started.elapsed()
+}
+
+/// Prints forwarded vs direct-to-owner throughput on loopback. No timing assertion:
+/// the figure is recorded in docs/control-plane.md.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_versus_direct_throughput_figures() {
+    const TOTAL: usize = 256 * 1024 * 1024;
+    let mut owner = HashingOwner::new("node-b");
+    owner.hash = false;
+    let owner_addr = start_owner(owner.clone(), 1, "node-x").await;
+    let (front, _) = start_front(
+        forwarder(),
+        target("node-b", owner_addr, 1),
+        target("node-b", owner_addr, 1),
+    )
+    .await;
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let direct = || {
+        client
+            .post(format!(
+                "http://{owner_addr}/internal/v1/sessions/{TENANT}/{SESSION}/blobs"
+            ))
+            .header("x-graviton-internal-token", TOKEN)
+            .header("x-graviton-shard", "3")
+            .header("x-graviton-shard-epoch", "1")
+    };
+    let forwarded = || {
+        client
+            .post(format!("http://{front}/v1/blobs"))
+            .header("x-graviton-tenant-id", TENANT)
+            .header("x-graviton-upload-session-id", SESSION)
+    };
+    let (mut best_direct, mut best_forwarded) = (Duration::MAX, Duration::MAX);
+    for _ in 0..3 {
+        best_direct = best_direct.min(timed_post(direct(), TOTAL).await);
+        best_forwarded = best_forwarded.min(timed_post(forwarded(), TOTAL).await);
+    }
+    let mbps = |d: Duration| TOTAL as f64 / d.as_secs_f64() / 1e6;
+    println!(
+        "FIGURE loopback upload of 256 MiB, best of 3: direct to owner {:.0} MB/s, forwarded via non-owner {:.0} MB/s, ratio {:.2}",
+        mbps(best_direct),
+        mbps(best_forwarded),
+        best_direct.as_secs_f64() / best_forwarded.as_secs_f64()
+    );
+    assert_eq!(owner.received.load(Ordering::SeqCst), 6 * TOTAL as u64);
 }

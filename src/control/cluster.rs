@@ -142,11 +142,10 @@ impl ClusterOptions {
     pub fn from_config(
         node: NodeId,
         config: &crate::control::ControlConfig,
-    ) -> Result<Self, ControlError> {
-        let token = config
-            .internal_token
-            .clone()
-            .ok_or(ControlError::Shutdown)?;
+    ) -> Result<Self, StartError> {
+        let token = config.internal_token.clone().ok_or_else(|| {
+            StartError("control.internal_token is required in cluster mode".to_string())
+        })?;
         Ok(Self {
             node,
             listen: config.control_listen,

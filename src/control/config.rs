@@ -175,4 +175,28 @@ mod tests {
         };
         assert_eq!(config.problems_in(false)[0].key, "control.dial_backoff_max");
     }
+
+    #[test]
+    fn the_section_parses_from_toml_with_human_units_and_never_prints_the_token() {
+        let config = crate::config::Config::from_toml_str(&format!(
+            "[control]\ninternal_listen = \"10.0.0.5:7071\"\ninternal_token = \"{GOOD}\"\n\
+             call_timeout = \"750ms\"\ndial_backoff_max = \"30s\"\n"
+        ))
+        .unwrap();
+        assert_eq!(config.control.internal_listen.port(), 7071);
+        assert_eq!(config.control.call_timeout.get().as_millis(), 750);
+        assert!(
+            config
+                .control
+                .internal_token
+                .as_ref()
+                .unwrap()
+                .matches(GOOD.as_bytes())
+        );
+        assert!(!format!("{config:?}").contains(GOOD));
+        let err = crate::config::Config::from_toml_str("[control]\ncall_timeout = \"soon\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("control.call_timeout"), "{err}");
+    }
 }

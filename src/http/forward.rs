@@ -85,6 +85,17 @@ pub struct ForwardOptions {
     pub read_timeout: Duration,
 }
 
+impl ForwardOptions {
+    /// Options from the `[control]` section; `None` without an internal token.
+    pub fn from_config(config: &crate::control::ControlConfig) -> Option<Self> {
+        Some(Self {
+            token: config.internal_token.clone()?,
+            connect_timeout: config.forward_connect_timeout.get(),
+            read_timeout: config.forward_read_timeout.get(),
+        })
+    }
+}
+
 /// Counters (process-wide totals; no ids).
 #[derive(Debug, Default)]
 pub struct ForwardStats {
@@ -485,5 +496,68 @@ pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
                 "Content-Length must be ASCII digits",
             )
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::StreamExt;
+
+    fn body(frames: usize) -> Body {
+        let stream = futures_util::stream::iter(
+            (0..frames).map(|i| Ok::<_, std::io::Error>(Bytes::from(vec![i as u8; 10]))),
+        );
+        Body::from_stream(stream)
+    }
+
+    #[tokio::test]
+    async fn an_untouched_body_can_be_reclaimed_and_old_taps_go_quiet() {
+        let stats = Arc::new(ForwardStats::default());
+        let source = Source::new(body(3));
+        let mut old = source.tap(stats.clone());
+        assert!(source.untouched());
+        assert!(source.reclaim());
+        assert!(old.next().await.is_none(), "a detached tap yields nothing");
+        let mut new = source.tap(stats.clone());
+        let mut total = 0;
+        while let Some(frame) = new.next().await {
+            total += frame.unwrap().len();
+        }
+        assert_eq!(total, 30);
+        assert_eq!(stats.bytes_pulled.load(Ordering::Relaxed), 30);
+    }
+
+    #[tokio::test]
+    async fn a_body_with_pulled_bytes_is_never_replayed() {
+        let stats = Arc::new(ForwardStats::default());
+        let source = Source::new(body(3));
+        let mut tap = source.tap(stats);
+        assert!(tap.next().await.is_some());
+        assert!(!source.untouched());
+        assert!(!source.reclaim());
+    }
+
+    #[tokio::test]
+    async fn an_empty_body_that_ended_can_be_resent_empty() {
+        let stats = Arc::new(ForwardStats::default());
+        let source = Source::new(Body::empty());
+        let mut tap = source.tap(stats.clone());
+        assert!(tap.next().await.is_none());
+        assert!(source.reclaim());
+        assert!(source.tap(stats).next().await.is_none());
+    }
+
+    #[test]
+    fn content_length_is_digits_only() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(content_length(&headers).unwrap(), None);
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("0042"));
+        assert_eq!(content_length(&headers).unwrap(), Some(42));
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("+42"));
+        assert_eq!(
+            content_length(&headers).unwrap_err().code,
+            "invalid_content_length"
+        );
     }
 }
