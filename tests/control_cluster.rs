@@ -4,9 +4,11 @@
 //! its own process) except where a peer must be killed: that peer is this same test
 //! binary re-executed as a child process (see `child_node_entry`), so `kill -9` is real.
 
+use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use graviton::config::Secret;
@@ -20,6 +22,7 @@ use graviton::ids::{NodeId, SessionId, TenantId};
 
 const TOKEN: &str = "test-token-0123456789abcdefghijklmnopqrstuvwxyz";
 const CHILD_ENV: &str = "GRAVITON_TEST_CONTROL_CHILD";
+const CHILD_PEERS_ENV: &str = "GRAVITON_TEST_CONTROL_CHILD_PEERS";
 const CALL: Duration = Duration::from_secs(2);
 
 fn free_port() -> u16 {
@@ -42,9 +45,15 @@ fn owner_handler(me: &str) -> Arc<FnHandler<impl Fn(Envelope) -> Reply + Send + 
             shard_epoch: u64::from(std::process::id()),
             hot_state: None,
         }),
-        _ => Reply::Ack,
+        Envelope::AssignmentChanged { .. } | Envelope::Drain { .. } => {
+            HINTS.fetch_add(1, Ordering::SeqCst);
+            Reply::Ack
+        }
     }))
 }
+
+/// Hints (casts) received by any handler in this process.
+static HINTS: AtomicU64 = AtomicU64::new(0);
 
 async fn start(id: &str, port: u16, token: &str) -> ClusterTransport {
     let options = ClusterOptions {
@@ -118,6 +127,18 @@ async fn two_nodes_exchange_calls_both_ways() {
         },
     )
     .unwrap();
+    a.cast(
+        &node("node-b"),
+        Envelope::Drain {
+            node: node("node-a"),
+        },
+    )
+    .unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while HINTS.load(Ordering::SeqCst) < 2 {
+        assert!(Instant::now() < until, "casts were not delivered");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     // The local node answers through the same codec without the network.
     assert!(matches!(
         a.call(&node("node-a"), activate(), CALL).await,
@@ -132,33 +153,32 @@ async fn two_nodes_exchange_calls_both_ways() {
     b.shutdown().await;
 }
 
+/// Three nodes in three processes (this one and two children): every node reaches
+/// both others. Children report each peer they reached on stdout (`REACHED <peer>`).
+/// Separate processes matter: ractor's pg is process-global, so several in-process
+/// NodeServers talking to the same peer can collide on remote actor ids.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_nodes_reach_every_peer() {
+async fn three_nodes_in_three_processes_reach_every_peer() {
     let ids = ["node-a", "node-b", "node-c"];
     let ports = [free_port(), free_port(), free_port()];
-    let mut nodes = Vec::new();
-    for (id, port) in ids.iter().zip(ports) {
-        nodes.push(start(id, port, TOKEN).await);
-    }
     let peers: Vec<_> = ids
         .iter()
         .zip(ports)
         .map(|(id, p)| (node(id), addr(p)))
         .collect();
-    for n in &nodes {
-        n.set_peers(peers.clone());
+    let a = start(ids[0], ports[0], TOKEN).await;
+    let mut b = ChildNode::spawn_with_peers(ids[1], ports[1], &peers);
+    let mut c = ChildNode::spawn_with_peers(ids[2], ports[2], &peers);
+    a.set_peers(peers.clone());
+    for to in &ids[1..] {
+        let owner = owner_within(&a, &node(to), Duration::from_secs(20)).await;
+        assert_eq!(owner.owner, node(to));
     }
-    for (i, from) in nodes.iter().enumerate() {
-        for (j, to) in ids.iter().enumerate() {
-            if i != j {
-                let owner = owner_within(from, &node(to), Duration::from_secs(10)).await;
-                assert_eq!(owner.owner, node(to));
-            }
-        }
-    }
-    for n in &nodes {
-        n.shutdown().await;
-    }
+    let reached_b = b.wait_for_reached(2, Duration::from_secs(20));
+    let reached_c = c.wait_for_reached(2, Duration::from_secs(20));
+    assert_eq!(reached_b, vec!["node-a".to_string(), "node-c".to_string()]);
+    assert_eq!(reached_c, vec!["node-a".to_string(), "node-b".to_string()]);
+    a.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,12 +258,24 @@ async fn malformed_and_oversized_payloads_get_typed_errors_and_the_session_survi
     b.shutdown().await;
 }
 
-struct ChildNode(Child);
+struct ChildNode {
+    child: Child,
+    lines: Option<std::sync::mpsc::Receiver<String>>,
+}
 
 impl ChildNode {
     fn spawn(id: &str, port: u16) -> Self {
+        Self::spawn_with_peers(id, port, &[])
+    }
+
+    /// Start a child node; with `peers`, it dials them and reports each one it reached.
+    fn spawn_with_peers(id: &str, port: u16, peers: &[(NodeId, SocketAddr)]) -> Self {
         let exe = std::env::current_exe().expect("test binary path");
-        let child = Command::new(exe)
+        let peers: Vec<String> = peers
+            .iter()
+            .map(|(id, addr)| format!("{id}={addr}"))
+            .collect();
+        let mut child = Command::new(exe)
             .args([
                 "child_node_entry",
                 "--exact",
@@ -252,14 +284,53 @@ impl ChildNode {
                 "1",
             ])
             .env(CHILD_ENV, format!("{id} {port}"))
+            .env(CHILD_PEERS_ENV, peers.join(","))
+            .stdout(Stdio::piped())
             .spawn()
             .expect("spawn child node");
-        Self(child)
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Self {
+            child,
+            lines: Some(rx),
+        }
+    }
+
+    fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Wait (with a deadline) until the child reported `count` reached peers.
+    fn wait_for_reached(&mut self, count: usize, deadline: Duration) -> Vec<String> {
+        let lines = self.lines.as_ref().expect("stdout reader");
+        let until = Instant::now() + deadline;
+        let mut reached = Vec::new();
+        while reached.len() < count {
+            let left = until.saturating_duration_since(Instant::now());
+            match lines.recv_timeout(left) {
+                Ok(line) => {
+                    // libtest may print "test child_node_entry ... " on the same line.
+                    if let Some(at) = line.find("REACHED ") {
+                        reached.push(line[at + "REACHED ".len()..].trim().to_string());
+                    }
+                }
+                Err(_) => panic!("child reached only {reached:?} within {deadline:?}"),
+            }
+        }
+        reached.sort();
+        reached
     }
 
     fn kill(&mut self) {
-        let _ = self.0.kill(); // SIGKILL
-        let _ = self.0.wait();
+        let _ = self.child.kill(); // SIGKILL
+        let _ = self.child.wait();
     }
 }
 
@@ -269,7 +340,8 @@ impl Drop for ChildNode {
     }
 }
 
-/// Not a test of its own: the body of a child node process for the kill/restart test.
+/// Not a test of its own: the body of a child node process (kill/restart, three nodes,
+/// latency).
 /// Without the environment variable (a normal run) it returns at once.
 #[test]
 fn child_node_entry() {
@@ -279,8 +351,25 @@ fn child_node_entry() {
     let (id, port) = spec.split_once(' ').expect("id port");
     let port: u16 = port.parse().expect("port");
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let peers: Vec<(NodeId, SocketAddr)> = std::env::var(CHILD_PEERS_ENV)
+        .unwrap_or_default()
+        .split(',')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (id, addr) = p.split_once('=').expect("id=addr");
+            (node(id), addr.parse().expect("addr"))
+        })
+        .collect();
     runtime.block_on(async {
-        let _node = start(id, port, TOKEN).await;
+        let me = start(id, port, TOKEN).await;
+        if !peers.is_empty() {
+            me.set_peers(peers.clone());
+            for (peer, _) in peers.iter().filter(|(p, _)| p.0 != id) {
+                let owner = owner_within(&me, peer, Duration::from_secs(20)).await;
+                assert_eq!(&owner.owner, peer);
+                println!("REACHED {peer}");
+            }
+        }
         std::future::pending::<()>().await;
     });
 }
@@ -295,7 +384,7 @@ async fn a_killed_and_restarted_peer_is_redialed() {
 
     let first = owner_within(&a, &peer, Duration::from_secs(20)).await;
     assert_eq!(first.owner, peer);
-    assert_eq!(first.shard_epoch, u64::from(child.0.id()));
+    assert_eq!(first.shard_epoch, u64::from(child.id()));
 
     child.kill();
     // The session drops; calls fail fast with a typed error, never hang.
@@ -317,7 +406,7 @@ async fn a_killed_and_restarted_peer_is_redialed() {
     let second = owner_within(&a, &peer, Duration::from_secs(20)).await;
     assert_eq!(
         second.shard_epoch,
-        u64::from(restarted.0.id()),
+        u64::from(restarted.id()),
         "answered by the new process"
     );
     // The child has no peer list (isolated mode), so only node-a's dialer can have
