@@ -127,13 +127,10 @@ async fn two_nodes_exchange_calls_both_ways() {
         },
     )
     .unwrap();
-    a.cast(
-        &node("node-b"),
-        Envelope::Drain {
-            node: node("node-a"),
-        },
-    )
-    .unwrap();
+    let casts = a.broadcast(Envelope::Drain {
+        node: node("node-a"),
+    });
+    assert_eq!(casts, 1, "one connected peer");
     let until = Instant::now() + Duration::from_secs(10);
     while HINTS.load(Ordering::SeqCst) < 2 {
         assert!(Instant::now() < until, "casts were not delivered");
@@ -448,4 +445,23 @@ async fn remote_activation_round_trip_figures() {
         samples[samples.len() - 1]
     );
     a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_control_port_is_a_start_error() {
+    let port = free_port();
+    let first = start("node-a", port, TOKEN).await;
+    let options = ClusterOptions {
+        node: node("node-b"),
+        listen: addr(port),
+        token: Secret::new(TOKEN),
+        backoff: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
+        dial_timeout: Duration::from_millis(500),
+    };
+    let error = ClusterTransport::start(options, owner_handler("node-b"))
+        .await
+        .err()
+        .expect("the port is taken");
+    assert!(!error.to_string().contains(TOKEN));
+    first.shutdown().await;
 }

@@ -40,6 +40,8 @@ use crate::ids::NodeId;
 
 /// Inbound ractor_cluster frame cap: one 64 KiB envelope plus protocol overhead.
 pub const MAX_FRAME_BYTES: u64 = 256 * 1024;
+/// Most control requests handled at once per node.
+pub const MAX_REQUESTS_IN_FLIGHT: usize = 1024;
 /// Host part of ractor_cluster node names (`<node id>@graviton`).
 const HOSTNAME: &str = "graviton";
 
@@ -80,9 +82,16 @@ pub struct ControlActorArgs {
     pub handler: Arc<dyn ControlHandler>,
 }
 
+/// State of a [`ControlActor`].
+pub struct ControlActorState {
+    handler: Arc<dyn ControlHandler>,
+    /// Bounds requests in progress; beyond it callers get `unavailable` at once.
+    in_flight: Arc<tokio::sync::Semaphore>,
+}
+
 impl Actor for ControlActor {
     type Msg = ControlMsg;
-    type State = Arc<dyn ControlHandler>;
+    type State = ControlActorState;
     type Arguments = ControlActorArgs;
 
     async fn pre_start(
@@ -91,21 +100,30 @@ impl Actor for ControlActor {
         args: Self::Arguments,
     ) -> Result<Self::State, ActorProcessingErr> {
         ractor::pg::join(control_group(&args.node), vec![myself.get_cell()]);
-        Ok(args.handler)
+        Ok(ControlActorState {
+            handler: args.handler,
+            in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_REQUESTS_IN_FLIGHT)),
+        })
     }
 
     async fn handle(
         &self,
         _myself: ActorRef<Self::Msg>,
         message: Self::Msg,
-        handler: &mut Self::State,
+        state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         // One task per request: a slow handler never blocks the mailbox, and a handler
         // panic only drops that request's reply port (the caller sees an error).
-        let handler = handler.clone();
+        let handler = state.handler.clone();
+        let permit = state.in_flight.clone().try_acquire_owned();
         match message {
             ControlMsg::Call(wire, reply) => {
+                let Ok(permit) = permit else {
+                    let _ = reply.send(Wire(overloaded()));
+                    return Ok(());
+                };
                 tokio::spawn(async move {
+                    let _permit = permit;
                     if reply.is_closed() {
                         return;
                     }
@@ -114,13 +132,24 @@ impl Actor for ControlActor {
                 });
             }
             ControlMsg::Cast(wire) => {
+                // Hints beyond the bound are dropped: PostgreSQL is the source of truth.
+                let Ok(permit) = permit else { return Ok(()) };
                 tokio::spawn(async move {
+                    let _permit = permit;
                     let _ = serve_bytes(handler.as_ref(), &wire.0).await;
                 });
             }
         }
         Ok(())
     }
+}
+
+fn overloaded() -> Vec<u8> {
+    envelope::encode_reply(&Reply::Error {
+        code: envelope::ReplyErrorCode::Unavailable,
+        message: "too many control requests in progress".to_string(),
+    })
+    .unwrap_or_default()
 }
 
 /// Options to start the cluster transport.

@@ -81,6 +81,15 @@ pub trait ControlTransport: Send + Sync + 'static {
 
     /// Peers with a ready session right now. Diagnostic only: not a liveness verdict.
     fn connected_peers(&self) -> Vec<NodeId>;
+
+    /// Cast `request` to every connected peer (hints such as `AssignmentChanged`).
+    /// Returns how many casts were handed to the transport. Best effort.
+    fn broadcast(&self, request: Envelope) -> usize {
+        self.connected_peers()
+            .iter()
+            .filter(|peer| self.cast(peer, request.clone()).is_ok())
+            .count()
+    }
 }
 
 /// A shared in-process "network" of handlers for [`InMemoryTransport`].
