@@ -275,7 +275,14 @@ impl Forwarder {
         }
         let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
         match read_capped(response).await {
-            Ok(bytes) => {
+            Ok(None) => {
+                tracing::error!(owner = %target.node, "forward: owner answer exceeds 1 MiB");
+                Ok(self.unavailable(
+                    StatusCode::BAD_GATEWAY,
+                    "the owner node sent an invalid answer",
+                ))
+            }
+            Ok(Some(bytes)) => {
                 let mut relayed = (status, bytes).into_response();
                 if let Some(value) = content_type {
                     relayed.headers_mut().insert(header::CONTENT_TYPE, value);
@@ -295,7 +302,8 @@ impl Forwarder {
             .into_response();
         }
         tracing::warn!(owner = %target.node, error = %ErrorChain(error), "forward: owner failed during the upload");
-        if error.is_connect() && source.untouched() {
+        if source.untouched() {
+            // Nothing of the body was pulled: the client may retry at once.
             self.unavailable(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the owner node is unreachable",
@@ -338,16 +346,16 @@ fn stale_from(target: &OwnerTarget, headers: &HeaderMap) -> StaleEpoch {
     }
 }
 
-async fn read_capped(mut response: reqwest::Response) -> Result<Bytes, reqwest::Error> {
+/// The owner's answer, or `None` when it exceeds [`MAX_OWNER_RESPONSE_BYTES`].
+async fn read_capped(mut response: reqwest::Response) -> Result<Option<Bytes>, reqwest::Error> {
     let mut out = Vec::new();
     while let Some(chunk) = response.chunk().await? {
         if out.len() + chunk.len() > MAX_OWNER_RESPONSE_BYTES {
-            // A misbehaving owner; keep what fits (it is relayed as-is, status intact).
-            break;
+            return Ok(None);
         }
         out.extend_from_slice(&chunk);
     }
-    Ok(Bytes::from(out))
+    Ok(Some(Bytes::from(out)))
 }
 
 /// Walks `source()` so logs show the root cause, without the URL (it has ids).
