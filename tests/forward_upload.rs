@@ -17,7 +17,9 @@ use futures_util::future::BoxFuture;
 use graviton::config::Secret;
 use graviton::http::ApiError;
 use graviton::http::forward::{ForwardOptions, Forwarder, OwnerResolver, OwnerTarget, StaleEpoch};
-use graviton::http::internal::{self, EpochVerdict, IngestRequest, InternalState, OwnerIngest};
+use graviton::http::internal::{
+    self, EpochCheck, EpochVerdict, IngestRequest, InternalState, OwnerIngest,
+};
 use graviton::ids::{NodeId, SessionKey};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -142,6 +144,10 @@ async fn start_owner(ingest: HashingOwner, epoch: u64, moved_to: &str) -> Socket
             }
         }
     };
+    start_owner_with(ingest, epochs).await
+}
+
+async fn start_owner_with(ingest: HashingOwner, epochs: impl EpochCheck) -> SocketAddr {
     let state = InternalState {
         token: Secret::new(TOKEN),
         epochs: Arc::new(epochs),
@@ -586,4 +592,75 @@ async fn forwarded_versus_direct_throughput_figures() {
         best_direct.as_secs_f64() / best_forwarded.as_secs_f64()
     );
     assert_eq!(owner.received.load(Ordering::SeqCst), 6 * TOTAL as u64);
+}
+
+/// The epoch moves between the pre-flight and the POST: the owner passes the HEAD but
+/// refuses the POST (before reading it). The client holds its body back until the
+/// forwarder has reclaimed it, so no byte was pulled: the forwarder re-resolves and
+/// the same, untouched body lands byte-exact at the new owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_post_after_a_passing_preflight_retries_with_the_untouched_body() {
+    let old = HashingOwner::new("node-b");
+    let new = HashingOwner::new("node-c");
+    let checks = Arc::new(AtomicU64::new(0));
+    let seen = checks.clone();
+    let old_addr = start_owner_with(old.clone(), move |_: &SessionKey, _: u32, _: u64| {
+        if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+            EpochVerdict::Current // the pre-flight
+        } else {
+            EpochVerdict::Stale {
+                current_owner: Some(NodeId("node-c".into())),
+                current_epoch: 3,
+            }
+        }
+    })
+    .await;
+    let new_addr = start_owner(new.clone(), 3, "node-x").await;
+    let forwarder = forwarder();
+    let (front, resolver) = start_front(
+        forwarder.clone(),
+        target("node-b", old_addr, 2),
+        target("node-c", new_addr, 3),
+    )
+    .await;
+
+    let total = 2 * 1024 * 1024 + 5;
+    let mut stream = tokio::net::TcpStream::connect(front).await.unwrap();
+    let head = format!(
+        "POST /v1/blobs HTTP/1.1\r\nHost: front\r\nContent-Type: application/octet-stream\r\n\
+         Content-Length: {total}\r\nX-Graviton-Tenant-Id: {TENANT}\r\nX-Graviton-Upload-Session-Id: {SESSION}\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let until = std::time::Instant::now() + GUARD;
+    while forwarder.stats().stale_retries.load(Ordering::SeqCst) == 0 {
+        assert!(std::time::Instant::now() < until, "no stale retry");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for frame in frames(21, total) {
+        stream.write_all(&frame).await.unwrap();
+    }
+    let mut answer = Vec::new();
+    tokio::time::timeout(GUARD, async {
+        let mut chunk = [0u8; 4096];
+        while !String::from_utf8_lossy(&answer).contains("}") {
+            let n = stream.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "closed before the answer");
+            answer.extend_from_slice(&chunk[..n]);
+        }
+    })
+    .await
+    .expect("no hang");
+    let text = String::from_utf8_lossy(&answer).to_string();
+    assert!(text.starts_with("HTTP/1.1 201"), "{text}");
+    let json: serde_json::Value =
+        serde_json::from_str(&text[text.find("\r\n\r\n").unwrap() + 4..]).unwrap();
+    assert_eq!(json["owner"], "node-c");
+    assert_eq!(json["hash"], expected_hash(21, total));
+    assert_eq!(
+        checks.load(Ordering::SeqCst),
+        2,
+        "HEAD passed, POST refused"
+    );
+    assert_eq!(old.calls.load(Ordering::SeqCst), 0);
+    assert_eq!(resolver.calls.load(Ordering::SeqCst), 1);
 }
