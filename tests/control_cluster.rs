@@ -465,3 +465,30 @@ async fn a_busy_control_port_is_a_start_error() {
     assert!(!error.to_string().contains(TOKEN));
     first.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrected_peer_address_is_dialed_at_once() {
+    let (pa, pb, nowhere) = (free_port(), free_port(), free_port());
+    let a = start("node-a", pa, TOKEN).await;
+    let b = start("node-b", pb, TOKEN).await;
+    // A stale node-table row: nothing listens there, so re-dials pile up.
+    a.set_peers(vec![(node("node-b"), addr(nowhere))]);
+    let until = Instant::now() + Duration::from_secs(10);
+    while a.redials() < 2 {
+        assert!(
+            Instant::now() < until,
+            "no re-dials towards the stale address"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        a.call(&node("node-b"), activate(), CALL).await,
+        Err(ControlError::NotConnected(node("node-b")))
+    );
+    // The row is corrected: the new address is dialed without waiting out the backoff.
+    a.set_peers(vec![(node("node-b"), addr(pb))]);
+    let owner = owner_within(&a, &node("node-b"), Duration::from_secs(10)).await;
+    assert_eq!(owner.owner, node("node-b"));
+    a.shutdown().await;
+    b.shutdown().await;
+}
