@@ -3,6 +3,10 @@
 //! Nodes run in this process (ractor's pg is process-global; nextest gives each test
 //! its own process) except where a peer must be killed: that peer is this same test
 //! binary re-executed as a child process (see `child_node_entry`), so `kill -9` is real.
+//! Under `cargo test` (one process, parallel threads) the tests take a process-wide
+//! lock: ractor's pg drops a remote actor from every group when any actor with the same
+//! id stops, and two NodeServers in one process can hand out equal remote ids. Each
+//! test also uses its own node names.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -52,6 +56,9 @@ fn owner_handler(me: &str) -> Arc<FnHandler<impl Fn(Envelope) -> Reply + Send + 
     }))
 }
 
+/// Serializes the tests of this file when they share a process (`cargo test`).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Hints (casts) received by any handler in this process.
 static HINTS: AtomicU64 = AtomicU64::new(0);
 
@@ -99,28 +106,29 @@ fn addr(port: u16) -> SocketAddr {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_nodes_exchange_calls_both_ways() {
+    let _serial = SERIAL.lock().await;
     let (pa, pb) = (free_port(), free_port());
-    let a = start("node-a", pa, TOKEN).await;
-    let b = start("node-b", pb, TOKEN).await;
-    let peers = vec![(node("node-a"), addr(pa)), (node("node-b"), addr(pb))];
+    let a = start("two-a", pa, TOKEN).await;
+    let b = start("two-b", pb, TOKEN).await;
+    let peers = vec![(node("two-a"), addr(pa)), (node("two-b"), addr(pb))];
     a.set_peers(peers.clone());
     b.set_peers(peers);
 
     assert_eq!(
-        owner_within(&a, &node("node-b"), Duration::from_secs(10))
+        owner_within(&a, &node("two-b"), Duration::from_secs(10))
             .await
             .owner,
-        node("node-b")
+        node("two-b")
     );
     assert_eq!(
-        owner_within(&b, &node("node-a"), Duration::from_secs(10))
+        owner_within(&b, &node("two-a"), Duration::from_secs(10))
             .await
             .owner,
-        node("node-a")
+        node("two-a")
     );
     // Hints are fire-and-forget but must not error on a connected peer.
     a.cast(
-        &node("node-b"),
+        &node("two-b"),
         Envelope::AssignmentChanged {
             term: 3,
             epoch_hint: Some(9),
@@ -128,7 +136,7 @@ async fn two_nodes_exchange_calls_both_ways() {
     )
     .unwrap();
     let casts = a.broadcast(Envelope::Drain {
-        node: node("node-a"),
+        node: node("two-a"),
     });
     assert_eq!(casts, 1, "one connected peer");
     let until = Instant::now() + Duration::from_secs(10);
@@ -138,13 +146,13 @@ async fn two_nodes_exchange_calls_both_ways() {
     }
     // The local node answers through the same codec without the network.
     assert!(matches!(
-        a.call(&node("node-a"), activate(), CALL).await,
+        a.call(&node("two-a"), activate(), CALL).await,
         Ok(Reply::Owner(_))
     ));
     // Unlisted peers are typed errors.
     assert_eq!(
-        a.call(&node("node-z"), activate(), CALL).await,
-        Err(ControlError::UnknownPeer(node("node-z")))
+        a.call(&node("two-z"), activate(), CALL).await,
+        Err(ControlError::UnknownPeer(node("two-z")))
     );
     a.shutdown().await;
     b.shutdown().await;
@@ -156,7 +164,8 @@ async fn two_nodes_exchange_calls_both_ways() {
 /// NodeServers talking to the same peer can collide on remote actor ids.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_in_three_processes_reach_every_peer() {
-    let ids = ["node-a", "node-b", "node-c"];
+    let _serial = SERIAL.lock().await;
+    let ids = ["three-a", "three-b", "three-c"];
     let ports = [free_port(), free_port(), free_port()];
     let peers: Vec<_> = ids
         .iter()
@@ -173,22 +182,29 @@ async fn three_nodes_in_three_processes_reach_every_peer() {
     }
     let reached_b = b.wait_for_reached(2, Duration::from_secs(20));
     let reached_c = c.wait_for_reached(2, Duration::from_secs(20));
-    assert_eq!(reached_b, vec!["node-a".to_string(), "node-c".to_string()]);
-    assert_eq!(reached_c, vec!["node-a".to_string(), "node-b".to_string()]);
+    assert_eq!(
+        reached_b,
+        vec!["three-a".to_string(), "three-c".to_string()]
+    );
+    assert_eq!(
+        reached_c,
+        vec!["three-a".to_string(), "three-b".to_string()]
+    );
     a.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_cookie_is_refused_and_redialed_with_backoff() {
+    let _serial = SERIAL.lock().await;
     let (pa, pb) = (free_port(), free_port());
-    let a = start("node-a", pa, TOKEN).await;
+    let a = start("cookie-a", pa, TOKEN).await;
     let b = start(
-        "node-b",
+        "cookie-b",
         pb,
         "another-token-0123456789abcdefghijklmnopqrstuvwxyz",
     )
     .await;
-    a.set_peers(vec![(node("node-b"), addr(pb))]);
+    a.set_peers(vec![(node("cookie-b"), addr(pb))]);
 
     // Each failed handshake schedules a re-dial; wait for several.
     let until = Instant::now() + Duration::from_secs(15);
@@ -202,8 +218,8 @@ async fn wrong_cookie_is_refused_and_redialed_with_backoff() {
     assert!(a.connected_peers().is_empty());
     assert!(b.connected_peers().is_empty());
     assert_eq!(
-        a.call(&node("node-b"), activate(), CALL).await,
-        Err(ControlError::NotConnected(node("node-b")))
+        a.call(&node("cookie-b"), activate(), CALL).await,
+        Err(ControlError::NotConnected(node("cookie-b")))
     );
     a.shutdown().await;
     b.shutdown().await;
@@ -211,11 +227,12 @@ async fn wrong_cookie_is_refused_and_redialed_with_backoff() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_oversized_payloads_get_typed_errors_and_the_session_survives() {
+    let _serial = SERIAL.lock().await;
     let (pa, pb) = (free_port(), free_port());
-    let a = start("node-a", pa, TOKEN).await;
-    let b = start("node-b", pb, TOKEN).await;
-    a.set_peers(vec![(node("node-b"), addr(pb))]);
-    let peer = node("node-b");
+    let a = start("bad-a", pa, TOKEN).await;
+    let b = start("bad-b", pb, TOKEN).await;
+    a.set_peers(vec![(node("bad-b"), addr(pb))]);
+    let peer = node("bad-b");
     owner_within(&a, &peer, Duration::from_secs(10)).await;
     let redials_before = a.redials();
 
@@ -373,10 +390,11 @@ fn child_node_entry() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_and_restarted_peer_is_redialed() {
+    let _serial = SERIAL.lock().await;
     let (pa, pb) = (free_port(), free_port());
-    let a = start("node-a", pa, TOKEN).await;
-    let peer = node("node-b");
-    let mut child = ChildNode::spawn("node-b", pb);
+    let a = start("kill-a", pa, TOKEN).await;
+    let peer = node("kill-b");
+    let mut child = ChildNode::spawn("kill-b", pb);
     a.set_peers(vec![(peer.clone(), addr(pb))]);
 
     let first = owner_within(&a, &peer, Duration::from_secs(20)).await;
@@ -399,7 +417,7 @@ async fn a_killed_and_restarted_peer_is_redialed() {
             Err(other) => panic!("unexpected {other}"),
         }
     }
-    let restarted = ChildNode::spawn("node-b", pb);
+    let restarted = ChildNode::spawn("kill-b", pb);
     let second = owner_within(&a, &peer, Duration::from_secs(20)).await;
     assert_eq!(
         second.shard_epoch,
@@ -418,10 +436,11 @@ async fn a_killed_and_restarted_peer_is_redialed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_activation_round_trip_figures() {
+    let _serial = SERIAL.lock().await;
     let (pa, pb) = (free_port(), free_port());
-    let a = start("node-a", pa, TOKEN).await;
-    let peer = node("node-b");
-    let _child = ChildNode::spawn("node-b", pb);
+    let a = start("rtt-a", pa, TOKEN).await;
+    let peer = node("rtt-b");
+    let _child = ChildNode::spawn("rtt-b", pb);
     a.set_peers(vec![(peer.clone(), addr(pb))]);
     owner_within(&a, &peer, Duration::from_secs(20)).await;
 
@@ -449,16 +468,17 @@ async fn remote_activation_round_trip_figures() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_control_port_is_a_start_error() {
+    let _serial = SERIAL.lock().await;
     let port = free_port();
-    let first = start("node-a", port, TOKEN).await;
+    let first = start("busy-a", port, TOKEN).await;
     let options = ClusterOptions {
-        node: node("node-b"),
+        node: node("busy-b"),
         listen: addr(port),
         token: Secret::new(TOKEN),
         backoff: Backoff::new(Duration::from_millis(20), Duration::from_millis(200)),
         dial_timeout: Duration::from_millis(500),
     };
-    let error = ClusterTransport::start(options, owner_handler("node-b"))
+    let error = ClusterTransport::start(options, owner_handler("busy-b"))
         .await
         .err()
         .expect("the port is taken");
@@ -468,11 +488,12 @@ async fn a_busy_control_port_is_a_start_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrected_peer_address_is_dialed_at_once() {
+    let _serial = SERIAL.lock().await;
     let (pa, pb, nowhere) = (free_port(), free_port(), free_port());
-    let a = start("node-a", pa, TOKEN).await;
-    let b = start("node-b", pb, TOKEN).await;
+    let a = start("moved-a", pa, TOKEN).await;
+    let b = start("moved-b", pb, TOKEN).await;
     // A stale node-table row: nothing listens there, so re-dials pile up.
-    a.set_peers(vec![(node("node-b"), addr(nowhere))]);
+    a.set_peers(vec![(node("moved-b"), addr(nowhere))]);
     let until = Instant::now() + Duration::from_secs(10);
     while a.redials() < 2 {
         assert!(
@@ -482,13 +503,13 @@ async fn a_corrected_peer_address_is_dialed_at_once() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(
-        a.call(&node("node-b"), activate(), CALL).await,
-        Err(ControlError::NotConnected(node("node-b")))
+        a.call(&node("moved-b"), activate(), CALL).await,
+        Err(ControlError::NotConnected(node("moved-b")))
     );
     // The row is corrected: the new address is dialed without waiting out the backoff.
-    a.set_peers(vec![(node("node-b"), addr(pb))]);
-    let owner = owner_within(&a, &node("node-b"), Duration::from_secs(10)).await;
-    assert_eq!(owner.owner, node("node-b"));
+    a.set_peers(vec![(node("moved-b"), addr(pb))]);
+    let owner = owner_within(&a, &node("moved-b"), Duration::from_secs(10)).await;
+    assert_eq!(owner.owner, node("moved-b"));
     a.shutdown().await;
     b.shutdown().await;
 }
