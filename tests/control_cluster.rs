@@ -258,6 +258,18 @@ async fn malformed_and_oversized_payloads_get_typed_errors_and_the_session_survi
             other => panic!("unexpected {other:?}"),
         }
     }
+    // Random garbage of random sizes: every one answered, none fatal.
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
+    for _ in 0..300 {
+        let len = rng.random_range(0..4096);
+        let bytes: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+        let reply = a
+            .call_raw(&peer, bytes, CALL)
+            .await
+            .expect("a reply, not a dead session");
+        assert!(envelope::decode_reply(&reply).is_ok());
+    }
     // Same session, still serving.
     assert!(matches!(
         a.call(&peer, activate(), CALL).await,

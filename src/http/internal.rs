@@ -348,6 +348,17 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #[test]
+        fn digits_round_trip_and_anything_else_is_refused(n in proptest::prelude::any::<u64>(), junk in "[^0-9]{1,4}", at in 0usize..20) {
+            let text = n.to_string();
+            proptest::prop_assert_eq!(parse_digits(text.as_bytes()), Some(n));
+            let cut = at.min(text.len());
+            let bad = format!("{}{}{}", &text[..cut], junk, &text[cut..]);
+            proptest::prop_assert_eq!(parse_digits(bad.as_bytes()), None);
+        }
+    }
+
     #[test]
     fn stale_response_names_the_owner_in_body_and_headers() {
         let response = stale_response(Some(NodeId("node-c".into())), 9);
