@@ -21,7 +21,7 @@ use graviton::control::cluster::{ClusterOptions, ClusterTransport, MAX_FRAME_BYT
 use graviton::control::envelope::{
     self, Envelope, OwnerReply, Reply, ReplyErrorCode, SessionRequest,
 };
-use graviton::control::transport::{ControlError, ControlTransport, FnHandler};
+use graviton::control::transport::{ControlError, ControlTransport, FnHandler, InMemoryNetwork};
 use graviton::ids::{NodeId, SessionId, TenantId};
 
 const TOKEN: &str = "test-token-0123456789abcdefghijklmnopqrstuvwxyz";
@@ -474,6 +474,26 @@ async fn remote_activation_round_trip_figures() {
         pct(0.50),
         pct(0.99),
         samples[samples.len() - 1]
+    );
+
+    // The same calls through the in-memory transport: codec + handler only, no
+    // sockets and no actors. The difference is the ractor_cluster path.
+    let net = InMemoryNetwork::new();
+    let mem_a = net.join(node("rtt-a"), owner_handler("rtt-a"));
+    let _mem_b = net.join(peer.clone(), owner_handler("rtt-b"));
+    mem_a.set_peers(vec![(peer.clone(), addr(pb))]);
+    let mut local = Vec::with_capacity(2000);
+    for _ in 0..2000 {
+        let started = Instant::now();
+        mem_a.call(&peer, activate(), CALL).await.unwrap();
+        local.push(started.elapsed());
+    }
+    local.sort();
+    println!(
+        "FIGURE same calls in memory (codec + handler only, n={}): p50={:?} p99={:?}",
+        local.len(),
+        local[local.len() / 2],
+        local[local.len() * 99 / 100]
     );
     a.shutdown().await;
 }
