@@ -110,7 +110,8 @@ pub struct ForwardStats {
 #[derive(Clone)]
 pub struct Forwarder {
     client: reqwest::Client,
-    token: Secret,
+    /// The internal token, marked sensitive (never shown by header `Debug`).
+    token: HeaderValue,
     head_deadline: Duration,
     stats: Arc<ForwardStats>,
 }
@@ -121,8 +122,20 @@ enum Preflight {
     Refuse(Response),
 }
 
+/// Why a [`Forwarder`] could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwarderError {
+    #[error("HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+    #[error("the internal token is not a valid header value")]
+    Token,
+}
+
 impl Forwarder {
-    pub fn new(options: ForwardOptions) -> Result<Self, reqwest::Error> {
+    pub fn new(options: ForwardOptions) -> Result<Self, ForwarderError> {
+        let mut token =
+            HeaderValue::from_str(options.token.expose()).map_err(|_| ForwarderError::Token)?;
+        token.set_sensitive(true);
         let client = reqwest::Client::builder()
             .no_proxy()
             .connect_timeout(options.connect_timeout)
@@ -133,7 +146,7 @@ impl Forwarder {
             .build()?;
         Ok(Self {
             client,
-            token: options.token,
+            token,
             head_deadline: options.connect_timeout + options.read_timeout,
             stats: Arc::default(),
         })
@@ -175,9 +188,17 @@ impl Forwarder {
             retried = true;
             self.stats.stale_retries.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(refused_by = %stale.refused_by, "forward: stale epoch, re-resolving");
-            target = match resolver.re_resolve(&key, &stale).await {
-                Ok(next) => next,
-                Err(error) => return error.into_response(),
+            let resolved =
+                tokio::time::timeout(self.head_deadline, resolver.re_resolve(&key, &stale)).await;
+            target = match resolved {
+                Ok(Ok(next)) => next,
+                Ok(Err(error)) => return error.into_response(),
+                Err(_) => {
+                    return self.unavailable(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "the session's owner could not be resolved in time",
+                    );
+                }
             };
         }
     }
@@ -196,7 +217,7 @@ impl Forwarder {
         let mut request = self
             .client
             .request(method, Self::url(target, key))
-            .header(INTERNAL_TOKEN_HEADER, self.token.expose())
+            .header(INTERNAL_TOKEN_HEADER, self.token.clone())
             .header(SHARD_HEADER, target.shard)
             .header(SHARD_EPOCH_HEADER, target.epoch);
         if let Some(value) = headers.get(header::CONTENT_TYPE) {
