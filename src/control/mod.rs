@@ -17,6 +17,9 @@ pub mod config;
 pub mod envelope;
 pub mod transport;
 
+pub use cluster::{ClusterOptions, ClusterTransport, StartError};
 pub use config::ControlConfig;
 pub use envelope::{Envelope, Reply};
-pub use transport::{ControlError, ControlHandler, ControlTransport, InMemoryTransport};
+pub use transport::{
+    ControlError, ControlHandler, ControlTransport, FnHandler, InMemoryNetwork, InMemoryTransport,
+};
