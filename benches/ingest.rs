@@ -52,17 +52,28 @@ fn raw_cdc_blake3(data: &[u8]) -> Duration {
 }
 
 fn frames(data: &Bytes) -> Vec<Result<Bytes, std::io::Error>> {
-    (0..data.len()).step_by(64 * 1024).map(|at| Ok(data.slice(at..(at + 64 * 1024).min(data.len())))).collect()
+    (0..data.len())
+        .step_by(64 * 1024)
+        .map(|at| Ok(data.slice(at..(at + 64 * 1024).min(data.len()))))
+        .collect()
 }
 
 async fn in_process(data: &Bytes, fsync: bool) -> Duration {
     let dir = tempfile::tempdir().expect("tempdir");
-    let blocks: Arc<dyn BlockStore> = Arc::new(FsBlockStore::open(dir.path(), fsync).expect("blocks"));
-    let manifests: Arc<dyn ManifestStore> = Arc::new(FsManifestStore::open(dir.path(), fsync).expect("manifests"));
+    let blocks: Arc<dyn BlockStore> =
+        Arc::new(FsBlockStore::open(dir.path(), fsync).expect("blocks"));
+    let manifests: Arc<dyn ManifestStore> =
+        Arc::new(FsManifestStore::open(dir.path(), fsync).expect("manifests"));
     let body = futures_util::stream::iter(frames(data));
-    let limits = IngestLimits { max_size: u64::MAX, declared_size: Some(data.len() as u64), idle_timeout: Duration::from_secs(60) };
+    let limits = IngestLimits {
+        max_size: u64::MAX,
+        declared_size: Some(data.len() as u64),
+        idle_timeout: Duration::from_secs(60),
+    };
     let started = Instant::now();
-    let report = ingest(body, limits, blocks, manifests, |_| {}).await.expect("ingest");
+    let report = ingest(body, limits, blocks, manifests, |_| {})
+        .await
+        .expect("ingest");
     let elapsed = started.elapsed();
     assert_eq!(report.key.size, data.len() as u64);
     elapsed
@@ -73,9 +84,17 @@ async fn http_upload(data: &Bytes) -> Duration {
     let mut config = Config::for_test(dir.path());
     config.storage.fsync = false;
     let node = graviton::node::start(config).await.expect("node");
-    let client = reqwest::Client::builder().no_proxy().build().expect("client");
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client");
     let started = Instant::now();
-    let response = client.post(format!("{}/v1/blobs", node.base_url())).body(data.clone()).send().await.expect("upload");
+    let response = client
+        .post(format!("{}/v1/blobs", node.base_url()))
+        .body(data.clone())
+        .send()
+        .await
+        .expect("upload");
     assert_eq!(response.status(), 201);
     let _ = response.bytes().await;
     let elapsed = started.elapsed();
@@ -88,9 +107,18 @@ fn served_peak_rss_kib(size: u64) -> Option<(u64, u64)> {
     use std::io::{Read, Write};
     let bin = env!("CARGO_BIN_EXE_graviton");
     let dir = tempfile::tempdir().ok()?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .ok()?
+        .local_addr()
+        .ok()?
+        .port();
     let mut child = std::process::Command::new(bin)
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--data-dir",
+        ])
         .arg(dir.path())
         .env("GRAVITON_STORAGE__FSYNC", "false")
         .stdout(std::process::Stdio::null())
@@ -112,7 +140,9 @@ fn served_peak_rss_kib(size: u64) -> Option<(u64, u64)> {
         std::thread::sleep(Duration::from_millis(20));
     };
     let idle = hwm(child.id());
-    let head = format!("POST /v1/blobs HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {size}\r\n\r\n");
+    let head = format!(
+        "POST /v1/blobs HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {size}\r\n\r\n"
+    );
     stream.write_all(head.as_bytes()).ok()?;
     let piece = random_bytes(1 << 20, 99);
     let mut sent = 0u64;
@@ -140,9 +170,15 @@ fn main() {
     let size = if quick { 64 << 20 } else { 256 << 20 };
     let runs = if quick { 2 } else { 3 };
     let data = Bytes::from(random_bytes(size, 7));
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
 
-    println!("graviton ingest benchmark: {} MiB of random data, best of {runs}", size >> 20);
+    println!(
+        "graviton ingest benchmark: {} MiB of random data, best of {runs}",
+        size >> 20
+    );
     let raw = best(runs, || raw_cdc_blake3(&data));
     let ingest_nosync = best(runs, || runtime.block_on(in_process(&data, false)));
     let ingest_sync = best(1, || runtime.block_on(in_process(&data, true)));
@@ -157,14 +193,31 @@ fn main() {
         None => println!("{name:<44} {:>8.1} MB/s   (baseline)", mb_per_s(size, d)),
     };
     row("raw FastCDC + BLAKE3 (1 thread, in memory)", raw, None);
-    row("in-process ingest to fs (fsync off)", ingest_nosync, Some(("raw", raw)));
-    row("in-process ingest to fs (fsync on)", ingest_sync, Some(("raw", raw)));
-    row("HTTP upload, one node, loopback (fsync off)", http, Some(("in-process", ingest_nosync)));
+    row(
+        "in-process ingest to fs (fsync off)",
+        ingest_nosync,
+        Some(("raw", raw)),
+    );
+    row(
+        "in-process ingest to fs (fsync on)",
+        ingest_sync,
+        Some(("raw", raw)),
+    );
+    row(
+        "HTTP upload, one node, loopback (fsync off)",
+        http,
+        Some(("in-process", ingest_nosync)),
+    );
 
-    let large_gib: u64 = std::env::var("GRAVITON_BENCH_LARGE_GIB").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+    let large_gib: u64 = std::env::var("GRAVITON_BENCH_LARGE_GIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
     let small = 64u64 << 20;
     let large = if quick { 512u64 << 20 } else { large_gib << 30 };
-    if let (Some((idle_s, peak_s)), Some((idle_l, peak_l))) = (served_peak_rss_kib(small), served_peak_rss_kib(large)) {
+    if let (Some((idle_s, peak_s)), Some((idle_l, peak_l))) =
+        (served_peak_rss_kib(small), served_peak_rss_kib(large))
+    {
         println!(
             "peak RSS of graviton serve: idle {} MiB; {} MiB upload -> {} MiB; {} MiB upload -> {} MiB (ratio large/small {:.2})",
             idle_s.max(idle_l) / 1024,

@@ -9,6 +9,7 @@
 //! - [`session`]: pure hot-state logic of upload sessions (phases, counters, the bounded table).
 //! - [`actors`]: ractor actors (node supervisor, session region and owners) as thin shells
 //!   over the pure modules. Bytes never travel through actor mailboxes.
+//! - [`control`]: node-to-node control plane (envelopes, transport over ractor_cluster).
 //! - [`http`]: the axum/hyper server: public API, ops endpoints, error mapping.
 //! - [`metrics`]: the Prometheus registry and the metric handles.
 //! - [`node`]: assembles one running node and shuts it down.
@@ -19,6 +20,7 @@ pub mod actors;
 pub mod cas;
 pub mod client;
 pub mod config;
+pub mod control;
 pub mod http;
 pub mod ids;
 pub mod metrics;

@@ -36,6 +36,8 @@ pub struct Config {
     pub upload: UploadConfig,
     pub log: LogConfig,
     pub admin: AdminConfig,
+    /// `[control]`: cluster control plane and internal listener (see `control::config`).
+    pub control: crate::control::config::ControlConfig,
 }
 
 /// `[node]`: identity and listeners.
@@ -285,6 +287,8 @@ impl Config {
                 "must be at least 16 characters",
             ));
         }
+        // Integration: pass the cluster switch (`self.cluster.enabled`) once it exists.
+        problems.extend(self.control.problems_in(false));
         problems
     }
 

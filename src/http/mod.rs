@@ -9,7 +9,9 @@
 
 pub mod download;
 pub mod error;
+pub mod forward;
 pub mod headers;
+pub mod internal;
 pub mod observe;
 pub mod ops;
 pub mod upload;
