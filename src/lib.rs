@@ -18,3 +18,6 @@
 pub mod config;
 pub mod http;
 pub mod ids;
+pub mod actors;
+pub mod placement;
+pub mod storage;

@@ -36,6 +36,7 @@ pub struct Config {
     pub upload: UploadConfig,
     pub log: LogConfig,
     pub admin: AdminConfig,
+    pub cluster: crate::placement::config::ClusterConfig,
 }
 
 /// `[node]`: identity and listeners.
@@ -251,6 +252,7 @@ impl Config {
                 problems.push(Problem::new("admin.token", "must be at least 16 characters"));
             }
         }
+        problems.extend(self.cluster.problems());
         problems
     }
 

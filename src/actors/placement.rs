@@ -1,0 +1,239 @@
+//! The `Placement` actor: one per node. Owns this node's registration, heartbeat, local
+//! copy of the shard table and revocation acknowledgements.
+//!
+//! - Refresh: on every NOTIFY on the placement channel (a listener task casts `Refresh`)
+//!   and every `poll_interval` regardless, so a lost notification is healed within one
+//!   polling interval. A failed read keeps the last table (nodes keep routing) and marks
+//!   placement unreadable for health.
+//! - Heartbeat: every `heartbeat_interval`; success extends the self-fence deadline to
+//!   *request start* + `self_fence`. A heartbeat refused because the row is dead or has a
+//!   newer incarnation fences at once; the node then re-registers and refreshes its table
+//!   before it may ingest again.
+//! - Acks: after each refresh, and whenever the last permit on a shard is dropped, the
+//!   node acknowledges revocations of its shards that have no ingest in flight.
+//!
+//! Failure model: PostgreSQL errors never crash the actor; they are logged (no tenant or
+//! session values anywhere here) and retried on the next tick.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use sqlx::postgres::PgListener;
+use tokio::task::JoinHandle;
+
+use crate::placement::handoff;
+use crate::placement::model::NodeState;
+use crate::placement::view::LocalView;
+use crate::storage::pg::placement::{NOTIFY_CHANNEL, NodeRegistration, PlacementStore};
+
+/// Messages of the placement actor.
+#[derive(Debug, ractor_cluster::RactorMessage)]
+pub enum PlacementMsg {
+    /// Re-read the shard table.
+    Refresh,
+    /// Write the heartbeat row.
+    Heartbeat,
+    /// Acknowledge revocations whose in-flight ingest has drained.
+    CheckAcks,
+}
+
+/// Startup arguments.
+pub struct PlacementArgs {
+    pub store: PlacementStore,
+    pub registration: NodeRegistration,
+    pub view: Arc<LocalView>,
+    pub heartbeat_interval: Duration,
+    pub poll_interval: Duration,
+    pub listen_notify: bool,
+}
+
+pub struct PlacementActor;
+
+pub struct PlacementState {
+    store: PlacementStore,
+    registration: NodeRegistration,
+    view: Arc<LocalView>,
+    incarnation: i64,
+    heartbeat_timeout: Duration,
+    last_state: Option<NodeState>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Actor for PlacementActor {
+    type Msg = PlacementMsg;
+    type State = PlacementState;
+    type Arguments = PlacementArgs;
+
+    async fn pre_start(&self, myself: ActorRef<PlacementMsg>, args: PlacementArgs) -> Result<PlacementState, ActorProcessingErr> {
+        let started = Instant::now();
+        let incarnation = args.store.register_node(&args.registration).await?;
+        args.view.heartbeat_ok(started);
+        let table = args.store.read_table().await?;
+        args.view.publish(table);
+        tracing::info!(component = "placement", node_id = %args.registration.id, incarnation, "node registered");
+
+        let mut tasks = Vec::new();
+        tasks.push(myself.send_interval(args.poll_interval, || PlacementMsg::Refresh));
+        tasks.push(myself.send_interval(args.heartbeat_interval, || PlacementMsg::Heartbeat));
+        if args.listen_notify {
+            tasks.push(spawn_listener(args.store.clone(), myself.clone(), args.poll_interval));
+        }
+        let view = args.view.clone();
+        let me = myself.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                view.ack_wake.notified().await;
+                if me.cast(PlacementMsg::CheckAcks).is_err() {
+                    return;
+                }
+            }
+        }));
+        Ok(PlacementState {
+            store: args.store,
+            registration: args.registration,
+            view: args.view,
+            incarnation,
+            heartbeat_timeout: args.heartbeat_interval.max(Duration::from_millis(50)),
+            last_state: None,
+            tasks,
+        })
+    }
+
+    async fn handle(&self, _myself: ActorRef<PlacementMsg>, msg: PlacementMsg, state: &mut PlacementState) -> Result<(), ActorProcessingErr> {
+        match msg {
+            PlacementMsg::Refresh => {
+                refresh(state).await;
+                check_acks(state).await;
+            }
+            PlacementMsg::Heartbeat => heartbeat(state).await,
+            PlacementMsg::CheckAcks => check_acks(state).await,
+        }
+        Ok(())
+    }
+
+    async fn post_stop(&self, _myself: ActorRef<PlacementMsg>, state: &mut PlacementState) -> Result<(), ActorProcessingErr> {
+        for task in state.tasks.drain(..) {
+            task.abort();
+        }
+        // A stopped node admits nothing more.
+        state.view.fence_now();
+        Ok(())
+    }
+}
+
+async fn refresh(state: &mut PlacementState) {
+    match state.store.read_table().await {
+        Ok(table) => {
+            if table.shard_count() != state.view.shard_count() {
+                tracing::error!(component = "placement", "shard table size differs from the configured shard count");
+                state.view.set_read_ok(false);
+                return;
+            }
+            state.view.publish(table);
+        }
+        Err(err) => {
+            if state.view.placement_readable() {
+                tracing::warn!(component = "placement", node_id = %state.registration.id, error = %err, "placement table unreadable; routing with the last table");
+            }
+            state.view.set_read_ok(false);
+        }
+    }
+}
+
+async fn heartbeat(state: &mut PlacementState) {
+    let started = Instant::now();
+    let node = state.registration.id.clone();
+    match tokio::time::timeout(state.heartbeat_timeout, state.store.heartbeat(&node, state.incarnation)).await {
+        Ok(Ok(Some(node_state))) => {
+            state.view.heartbeat_ok(started);
+            if state.last_state != Some(node_state) {
+                tracing::info!(component = "placement", node_id = %node, state = node_state.as_str(), "node state");
+                state.last_state = Some(node_state);
+            }
+        }
+        Ok(Ok(None)) => {
+            // Declared dead or superseded: stop ingesting now, then come back as a new
+            // incarnation with a table read after the re-registration.
+            state.view.fence_now();
+            tracing::warn!(component = "placement", node_id = %node, "heartbeat refused (declared dead or superseded); re-registering");
+            let started = Instant::now();
+            match state.store.register_node(&state.registration).await {
+                Ok(incarnation) => {
+                    state.incarnation = incarnation;
+                    match state.store.read_table().await {
+                        Ok(table) => {
+                            state.view.publish(table);
+                            state.view.heartbeat_ok(started);
+                        }
+                        Err(err) => tracing::warn!(component = "placement", error = %err, "table read after re-registration failed"),
+                    }
+                }
+                Err(err) => tracing::warn!(component = "placement", error = %err, "re-registration failed"),
+            }
+        }
+        Ok(Err(err)) => {
+            tracing::warn!(component = "placement", node_id = %node, error = %err, "heartbeat failed");
+        }
+        Err(_) => {
+            tracing::warn!(component = "placement", node_id = %node, "heartbeat timed out");
+        }
+    }
+}
+
+async fn check_acks(state: &mut PlacementState) {
+    let table = state.view.table();
+    let me = state.view.node().clone();
+    for entry in table.shards.iter() {
+        if handoff::should_ack(entry, &me, state.view.in_flight(entry.shard)) {
+            match state.store.ack_revocation(entry.shard, entry.epoch, &me, state.incarnation).await {
+                Ok(true) => tracing::debug!(component = "placement", shard = entry.shard.0, "revocation acknowledged"),
+                Ok(false) => {}
+                Err(err) => {
+                    tracing::warn!(component = "placement", error = %err, "revocation ack failed");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// LISTEN on the placement channel; every notification (and every reconnect, since
+/// notifications sent while disconnected are lost) triggers a refresh.
+fn spawn_listener(store: PlacementStore, actor: ActorRef<PlacementMsg>, retry: Duration) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let mut listener = match PgListener::connect_with(store.pool()).await {
+                Ok(listener) => listener,
+                Err(_) => {
+                    tokio::time::sleep(retry).await;
+                    continue;
+                }
+            };
+            if listener.listen(NOTIFY_CHANNEL).await.is_err() {
+                tokio::time::sleep(retry).await;
+                continue;
+            }
+            if actor.cast(PlacementMsg::Refresh).is_err() {
+                return;
+            }
+            loop {
+                match listener.try_recv().await {
+                    Ok(Some(_)) => {
+                        if actor.cast(PlacementMsg::Refresh).is_err() {
+                            return;
+                        }
+                    }
+                    // Connection lost: notifications may have been missed; resync.
+                    Ok(None) => {
+                        if actor.cast(PlacementMsg::Refresh).is_err() {
+                            return;
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+            tokio::time::sleep(retry).await;
+        }
+    })
+}

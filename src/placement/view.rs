@@ -1,0 +1,263 @@
+//! The node-local view of placement, shared by the placement actor (the only writer) and
+//! every request handler (readers).
+//!
+//! Reads are cheap: owner resolution hashes the key, clones an `Arc` of the current table
+//! under an uncontended read lock and indexes a vector (well under a microsecond; see
+//! `docs/locality.md`). The writer swaps the whole `Arc<ShardTable>`.
+//!
+//! Ingest admission: [`LocalView::begin_ingest`] checks ownership, epoch, pending moves and
+//! the self-fence, and increments the shard's in-flight count *under the same read lock*
+//! the writer takes to publish a table. So once a table announcing a revocation is
+//! published, no new permit can be issued for that shard, and a zero in-flight count read
+//! after publishing means the owner really stopped ingesting (the acknowledgement rule).
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::sync::{Notify, watch};
+
+use crate::ids::{NodeId, SessionKey};
+use crate::placement::handoff;
+use crate::placement::hash::shard_of;
+use crate::placement::health::HealthSnapshot;
+use crate::placement::model::{Epoch, ShardId, ShardTable};
+
+/// Where a session is owned, as this node currently sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Owner {
+    pub node: NodeId,
+    pub shard: ShardId,
+    pub epoch: Epoch,
+    pub is_local: bool,
+    /// The owner's internal (forwarding) address; empty if unknown.
+    pub internal_addr: String,
+    /// A move of this shard is in progress: the owner no longer admits new ingest.
+    pub moving: bool,
+}
+
+/// Why a session could not be resolved.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ResolveError {
+    #[error("shard {0} has no owner yet")]
+    Unassigned(ShardId),
+    #[error("the placement table has not been loaded")]
+    NotLoaded,
+}
+
+/// Shared node-local placement state.
+pub struct LocalView {
+    node: NodeId,
+    shard_count: u32,
+    self_fence: Duration,
+    origin: Instant,
+    table: RwLock<Arc<ShardTable>>,
+    /// Nanoseconds since `origin` until which ingest is allowed; 0 = fenced.
+    fence_deadline_ns: AtomicU64,
+    read_ok: AtomicBool,
+    in_flight: Box<[AtomicU32]>,
+    changes: watch::Sender<u64>,
+    pub(crate) ack_wake: Notify,
+    health: RwLock<HealthSnapshot>,
+}
+
+impl std::fmt::Debug for LocalView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalView").field("node", &self.node).field("shard_count", &self.shard_count).finish()
+    }
+}
+
+impl LocalView {
+    pub fn new(node: NodeId, shard_count: u32, self_fence: Duration) -> Self {
+        let (changes, _) = watch::channel(0);
+        Self {
+            node,
+            shard_count,
+            self_fence,
+            origin: Instant::now(),
+            table: RwLock::new(Arc::new(ShardTable::default())),
+            fence_deadline_ns: AtomicU64::new(0),
+            read_ok: AtomicBool::new(false),
+            in_flight: (0..shard_count).map(|_| AtomicU32::new(0)).collect(),
+            changes,
+            ack_wake: Notify::new(),
+            health: RwLock::new(HealthSnapshot::starting(shard_count)),
+        }
+    }
+
+    pub fn node(&self) -> &NodeId {
+        &self.node
+    }
+
+    pub fn shard_count(&self) -> u32 {
+        self.shard_count
+    }
+
+    /// The current table snapshot.
+    pub fn table(&self) -> Arc<ShardTable> {
+        self.table.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Shard of a session in this cluster.
+    pub fn shard_of(&self, key: &SessionKey) -> ShardId {
+        shard_of(key, self.shard_count)
+    }
+
+    /// Resolve the owner of a session from the local table (no I/O).
+    pub fn resolve(&self, key: &SessionKey) -> Result<Owner, ResolveError> {
+        self.resolve_shard(self.shard_of(key))
+    }
+
+    /// Resolve the owner of a shard from the local table (no I/O).
+    pub fn resolve_shard(&self, shard: ShardId) -> Result<Owner, ResolveError> {
+        let table = self.table();
+        let entry = table.get(shard).ok_or(ResolveError::NotLoaded)?;
+        let node = entry.owner.clone().ok_or(ResolveError::Unassigned(shard))?;
+        let internal_addr = table.nodes.get(&node).map(|n| n.internal_addr.clone()).unwrap_or_default();
+        Ok(Owner {
+            is_local: node == self.node,
+            node,
+            shard,
+            epoch: entry.epoch,
+            internal_addr,
+            moving: entry.moving_to.is_some(),
+        })
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.origin.elapsed().as_nanos() as u64
+    }
+
+    /// Is this node self-fenced (no successful heartbeat within the fence window)?
+    pub fn fenced(&self) -> bool {
+        self.now_ns() >= self.fence_deadline_ns.load(Ordering::SeqCst)
+    }
+
+    /// Time left before the self-fence trips (zero when fenced).
+    pub fn fence_remaining(&self) -> Duration {
+        Duration::from_nanos(self.fence_deadline_ns.load(Ordering::SeqCst).saturating_sub(self.now_ns()))
+    }
+
+    /// Record a successful heartbeat whose request started at `started`.
+    pub(crate) fn heartbeat_ok(&self, started: Instant) {
+        let deadline = (started.saturating_duration_since(self.origin) + self.self_fence).as_nanos() as u64;
+        self.fence_deadline_ns.fetch_max(deadline, Ordering::SeqCst);
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// Fence at once (the node learned its registration is gone).
+    pub(crate) fn fence_now(&self) {
+        self.fence_deadline_ns.store(0, Ordering::SeqCst);
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// Whether the last placement read succeeded.
+    pub fn placement_readable(&self) -> bool {
+        self.read_ok.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn set_read_ok(&self, ok: bool) {
+        self.read_ok.store(ok, Ordering::SeqCst);
+    }
+
+    /// Publish a new table (placement actor only).
+    pub(crate) fn publish(&self, table: ShardTable) {
+        {
+            let mut guard = self.table.write().unwrap_or_else(|e| e.into_inner());
+            *guard = Arc::new(table);
+        }
+        self.set_read_ok(true);
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// May this node admit a new ingest for `shard` at `epoch` right now?
+    pub fn can_ingest(&self, shard: ShardId, epoch: Epoch) -> bool {
+        let table = self.table();
+        handoff::permit_valid(table.get(shard), &self.node, epoch, self.fenced())
+    }
+
+    /// Admit an ingest: `Some(permit)` iff [`Self::can_ingest`]. Hold the permit for the whole
+    /// ingest; abort the ingest when [`IngestPermit::revoked`] resolves.
+    pub fn begin_ingest(self: &Arc<Self>, shard: ShardId, epoch: Epoch) -> Option<IngestPermit> {
+        let guard = self.table.read().unwrap_or_else(|e| e.into_inner());
+        if !handoff::permit_valid(guard.get(shard), &self.node, epoch, self.fenced()) {
+            return None;
+        }
+        self.in_flight.get(shard.0 as usize)?.fetch_add(1, Ordering::SeqCst);
+        drop(guard);
+        Some(IngestPermit { view: self.clone(), shard, epoch })
+    }
+
+    /// Ingests in flight on `shard`.
+    pub fn in_flight(&self, shard: ShardId) -> usize {
+        self.in_flight.get(shard.0 as usize).map_or(0, |c| c.load(Ordering::SeqCst) as usize)
+    }
+
+    /// The latest readiness snapshot.
+    pub fn health(&self) -> HealthSnapshot {
+        self.health.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub(crate) fn set_health(&self, snapshot: HealthSnapshot) {
+        *self.health.write().unwrap_or_else(|e| e.into_inner()) = snapshot;
+    }
+
+    /// A receiver that changes whenever the table or the fence changes.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+}
+
+/// An admitted ingest on a shard; dropping it ends the ingest.
+#[derive(Debug)]
+pub struct IngestPermit {
+    view: Arc<LocalView>,
+    shard: ShardId,
+    epoch: Epoch,
+}
+
+impl IngestPermit {
+    pub fn shard(&self) -> ShardId {
+        self.shard
+    }
+
+    pub fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    /// Still allowed to ingest (owner, same epoch, no move pending, not fenced)?
+    pub fn is_valid(&self) -> bool {
+        self.view.can_ingest(self.shard, self.epoch)
+    }
+
+    /// Resolves once the permit stops being valid: a move of the shard was requested, the
+    /// epoch changed, or the node fenced itself. Ingest code should abort then.
+    pub async fn revoked(&self) {
+        let mut changes = self.view.subscribe();
+        loop {
+            if !self.is_valid() {
+                return;
+            }
+            let remaining = self.view.fence_remaining();
+            tokio::select! {
+                changed = changes.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+                _ = tokio::time::sleep(remaining) => {}
+            }
+        }
+    }
+}
+
+impl Drop for IngestPermit {
+    fn drop(&mut self) {
+        if let Some(count) = self.view.in_flight.get(self.shard.0 as usize) {
+            if count.fetch_sub(1, Ordering::SeqCst) == 1 {
+                self.view.ack_wake.notify_one();
+            }
+        }
+    }
+}
