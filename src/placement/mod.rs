@@ -423,7 +423,7 @@ impl ClusterHandle {
     /// Stop the election (releasing the manager lock), health and placement actors. The
     /// node fences itself; its row stays, and the manager reassigns its shards after the TTL
     /// unless it was drained first.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(&self) {
         let wait = Some(Duration::from_secs(5));
         if let Some(e) = &self.election {
             let _ = e.stop_and_wait(None, wait).await;
