@@ -3,6 +3,7 @@
 //! 400ms, node TTL 1s, polling 250ms). Every wait is a poll with a generous deadline.
 
 mod placement_util;
+#[allow(unused_imports)]
 mod support;
 
 use std::time::{Duration, Instant};
@@ -17,26 +18,60 @@ const GENEROUS: Duration = Duration::from_secs(15);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_share_shards_evenly_with_one_manager() {
-    let Some(db) = TestDatabase::create("three_nodes_share_shards_evenly_with_one_manager").await else { return };
+    let Some(db) = TestDatabase::create("three_nodes_share_shards_evenly_with_one_manager").await
+    else {
+        return;
+    };
     let a = start_node(db.url(), "a", |_| {}).await;
     let b = start_node(db.url(), "b", |_| {}).await;
     let c = start_node(db.url(), "c", |_| {}).await;
-    eventually(GENEROUS, "64 shards spread over a, b, c and agreed by all", || settled(&[&a, &b, &c], &["a", "b", "c"])).await;
+    eventually(
+        GENEROUS,
+        "64 shards spread over a, b, c and agreed by all",
+        || settled(&[&a, &b, &c], &["a", "b", "c"]),
+    )
+    .await;
 
-    let terms = [a.leading_term().await, b.leading_term().await, c.leading_term().await];
-    assert_eq!(terms.iter().filter(|t| **t > 0).count(), 1, "exactly one manager: {terms:?}");
+    let terms = [
+        a.leading_term().await,
+        b.leading_term().await,
+        c.leading_term().await,
+    ];
+    assert_eq!(
+        terms.iter().filter(|t| **t > 0).count(),
+        1,
+        "exactly one manager: {terms:?}"
+    );
 
     // Owner resolution agrees on every node; exactly one node may ingest.
     for _ in 0..200 {
         let key = random_key();
-        let owners: Vec<_> = [&a, &b, &c].iter().map(|h| h.resolve(&key).unwrap()).collect();
-        assert!(owners.iter().all(|o| o.node == owners[0].node && o.epoch == owners[0].epoch));
+        let owners: Vec<_> = [&a, &b, &c]
+            .iter()
+            .map(|h| h.resolve(&key).unwrap())
+            .collect();
+        assert!(
+            owners
+                .iter()
+                .all(|o| o.node == owners[0].node && o.epoch == owners[0].epoch)
+        );
         assert_eq!(owners.iter().filter(|o| o.is_local).count(), 1);
-        assert_eq!(owners[0].internal_addr, format!("{}.internal:7071", owners[0].node));
-        let ingestible = [&a, &b, &c].iter().filter(|h| h.can_ingest(owners[0].shard, owners[0].epoch)).count();
+        assert_eq!(
+            owners[0].internal_addr,
+            format!("{}.internal:7071", owners[0].node)
+        );
+        let ingestible = [&a, &b, &c]
+            .iter()
+            .filter(|h| h.can_ingest(owners[0].shard, owners[0].epoch))
+            .count();
         assert_eq!(ingestible, 1);
     }
-    eventually(GENEROUS, "all three ready", || [&a, &b, &c].iter().all(|h| h.health().status == HealthStatus::Healthy)).await;
+    eventually(GENEROUS, "all three ready", || {
+        [&a, &b, &c]
+            .iter()
+            .all(|h| h.health().status == HealthStatus::Healthy)
+    })
+    .await;
     let snapshot = a.snapshot();
     assert_eq!(snapshot.configured_shards, 64);
     assert_eq!(snapshot.assigned_shards, 64);
@@ -54,16 +89,24 @@ async fn three_nodes_share_shards_evenly_with_one_manager() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_moves_shards_immediately() {
-    let Some(db) = TestDatabase::create("drain_moves_shards_immediately").await else { return };
+    let Some(db) = TestDatabase::create("drain_moves_shards_immediately").await else {
+        return;
+    };
     let a = start_node(db.url(), "a", |_| {}).await;
     let b = start_node(db.url(), "b", |_| {}).await;
     let c = start_node(db.url(), "c", |_| {}).await;
-    eventually(GENEROUS, "balanced", || settled(&[&a, &b, &c], &["a", "b", "c"])).await;
+    eventually(GENEROUS, "balanced", || {
+        settled(&[&a, &b, &c], &["a", "b", "c"])
+    })
+    .await;
     let epochs_before: Vec<_> = a.view().table().shards.iter().map(|s| s.epoch).collect();
 
     let started = Instant::now();
     assert!(a.drain(&NodeId("c".into())).await.unwrap());
-    eventually(GENEROUS, "c empty and a, b balanced, on every node", || settled(&[&a, &b, &c], &["a", "b"]) && owned(&a, "c") == 0).await;
+    eventually(GENEROUS, "c empty and a, b balanced, on every node", || {
+        settled(&[&a, &b, &c], &["a", "b"]) && owned(&a, "c") == 0
+    })
+    .await;
     let took = started.elapsed();
     println!("FIGURE drain_to_all_moved_ms={}", took.as_millis());
     // Each moved shard moved once, with its epoch bumped by exactly one.
@@ -72,7 +115,10 @@ async fn drain_moves_shards_immediately() {
         assert!(entry.epoch.0 == before.0 || entry.epoch.0 == before.0 + 1);
     }
     assert_eq!(table.nodes[&NodeId("c".into())].state, NodeState::Draining);
-    eventually(GENEROUS, "drained node unassigned", || c.health().status == HealthStatus::Unassigned).await;
+    eventually(GENEROUS, "drained node unassigned", || {
+        c.health().status == HealthStatus::Unassigned
+    })
+    .await;
     assert!(!c.health().ready);
     assert!(a.health().ready && b.health().ready);
     // Drain is generous-bounded here; the figure is recorded in docs/locality.md.
@@ -84,20 +130,37 @@ async fn drain_moves_shards_immediately() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_node_loses_its_shards_after_the_ttl() {
-    let Some(db) = TestDatabase::create("silent_node_loses_its_shards_after_the_ttl").await else { return };
+    let Some(db) = TestDatabase::create("silent_node_loses_its_shards_after_the_ttl").await else {
+        return;
+    };
     let a = start_node(db.url(), "a", |_| {}).await;
     let b = start_node(db.url(), "b", |_| {}).await;
     let c = start_node(db.url(), "c", |c| c.embedded_manager = false).await;
-    eventually(GENEROUS, "balanced", || settled(&[&a, &b, &c], &["a", "b", "c"])).await;
+    eventually(GENEROUS, "balanced", || {
+        settled(&[&a, &b, &c], &["a", "b", "c"])
+    })
+    .await;
 
     let stopped = Instant::now();
     c.shutdown().await; // stops heartbeating without draining (like a crash)
-    let took = eventually(GENEROUS, "c's shards reassigned to a and b", || settled(&[&a, &b], &["a", "b"]) && owned(&a, "c") == 0).await;
+    let took = eventually(GENEROUS, "c's shards reassigned to a and b", || {
+        settled(&[&a, &b], &["a", "b"]) && owned(&a, "c") == 0
+    })
+    .await;
     let took = took.max(stopped.elapsed());
-    println!("FIGURE silent_node_to_reassigned_ms={} (node_ttl=1000ms)", took.as_millis());
+    println!(
+        "FIGURE silent_node_to_reassigned_ms={} (node_ttl=1000ms)",
+        took.as_millis()
+    );
     // The manager acted only after the TTL (by the database clock it had to be older than 1s).
-    assert!(took >= Duration::from_millis(900), "reassigned before the TTL: {took:?}");
-    assert_eq!(a.view().table().nodes[&NodeId("c".into())].state, NodeState::Dead);
+    assert!(
+        took >= Duration::from_millis(900),
+        "reassigned before the TTL: {took:?}"
+    );
+    assert_eq!(
+        a.view().table().nodes[&NodeId("c".into())].state,
+        NodeState::Dead
+    );
     for h in [a, b] {
         h.shutdown().await;
     }
@@ -105,13 +168,20 @@ async fn silent_node_loses_its_shards_after_the_ttl() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manager_failover_to_a_standby_with_a_higher_term() {
-    let Some(db) = TestDatabase::create("manager_failover_to_a_standby_with_a_higher_term").await else { return };
+    let Some(db) = TestDatabase::create("manager_failover_to_a_standby_with_a_higher_term").await
+    else {
+        return;
+    };
     let a = start_node(db.url(), "a", |_| {}).await;
     let b = start_node(db.url(), "b", |_| {}).await;
     eventually(GENEROUS, "balanced", || settled(&[&a, &b], &["a", "b"])).await;
     let store = placement_util::store(db.url()).await;
     let term1 = store.meta().await.unwrap().manager_term;
-    let (leader, standby) = if a.leading_term().await == term1 { (a, b) } else { (b, a) };
+    let (leader, standby) = if a.leading_term().await == term1 {
+        (a, b)
+    } else {
+        (b, a)
+    };
     assert_eq!(leader.leading_term().await, term1);
     assert_eq!(standby.leading_term().await, 0);
 
@@ -127,18 +197,31 @@ async fn manager_failover_to_a_standby_with_a_higher_term() {
     assert_eq!(n, 1, "exactly one advisory lock holder");
     let mut term2 = term1;
     while term2 == term1 {
-        assert!(killed.elapsed() < GENEROUS, "no new manager term after the lock connection died");
+        assert!(
+            killed.elapsed() < GENEROUS,
+            "no new manager term after the lock connection died"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
         term2 = store.meta().await.unwrap().manager_term;
     }
-    println!("FIGURE lock_connection_killed_to_new_term_ms={}", killed.elapsed().as_millis());
+    println!(
+        "FIGURE lock_connection_killed_to_new_term_ms={}",
+        killed.elapsed().as_millis()
+    );
     assert!(term2 > term1);
     // The old term can no longer write.
-    assert!(matches!(store.fenced(term1).await, Err(StoreError::Fenced { .. })));
+    assert!(matches!(
+        store.fenced(term1).await,
+        Err(StoreError::Fenced { .. })
+    ));
 
     // 2. Stop the current leader's process-level actors: the other node takes over.
     let current = store.meta().await.unwrap().manager_node.unwrap();
-    let (gone, survivor) = if leader.node_id().0 == current { (leader, standby) } else { (standby, leader) };
+    let (gone, survivor) = if leader.node_id().0 == current {
+        (leader, standby)
+    } else {
+        (standby, leader)
+    };
     let stopped = Instant::now();
     gone.shutdown().await;
     let term3 = loop {
@@ -149,23 +232,39 @@ async fn manager_failover_to_a_standby_with_a_higher_term() {
         assert!(stopped.elapsed() < GENEROUS, "standby did not take over");
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
-    println!("FIGURE leader_stopped_to_standby_acting_ms={}", stopped.elapsed().as_millis());
-    assert_eq!(store.meta().await.unwrap().manager_node.as_deref(), Some(survivor.node_id().0.as_str()));
+    println!(
+        "FIGURE leader_stopped_to_standby_acting_ms={}",
+        stopped.elapsed().as_millis()
+    );
+    assert_eq!(
+        store.meta().await.unwrap().manager_node.as_deref(),
+        Some(survivor.node_id().0.as_str())
+    );
     // The new manager acts: the stopped node's shards end up on the survivor.
     let name = survivor.node_id().0.clone();
-    eventually(GENEROUS, "survivor owns everything", || owned(&survivor, &name) == 64).await;
+    eventually(GENEROUS, "survivor owns everything", || {
+        owned(&survivor, &name) == 64
+    })
+    .await;
     assert!(term3 > term2);
     survivor.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn second_standalone_manager_fails_closed() {
-    let Some(db) = TestDatabase::create("second_standalone_manager_fails_closed").await else { return };
+    let Some(db) = TestDatabase::create("second_standalone_manager_fails_closed").await else {
+        return;
+    };
     let config = placement_util::config(db.url(), "m1");
-    let first = placement::run_standalone_manager(NodeId("m1".into()), &config).await.unwrap();
+    let first = placement::run_standalone_manager(NodeId("m1".into()), &config)
+        .await
+        .unwrap();
     let term1 = first.term().await;
     assert!(term1 >= 1);
-    let err = placement::run_standalone_manager(NodeId("m2".into()), &config).await.err().expect("second manager must fail");
+    let err = placement::run_standalone_manager(NodeId("m2".into()), &config)
+        .await
+        .err()
+        .expect("second manager must fail");
     assert!(matches!(err, ClusterError::ManagerLockHeld), "{err}");
     assert!(err.to_string().contains("another Graviton shard manager"));
 
@@ -174,7 +273,9 @@ async fn second_standalone_manager_fails_closed() {
     eventually(GENEROUS, "node n owns all shards", || owned(&n, "n") == 64).await;
 
     first.shutdown().await;
-    let second = placement::run_standalone_manager(NodeId("m2".into()), &config).await.unwrap();
+    let second = placement::run_standalone_manager(NodeId("m2".into()), &config)
+        .await
+        .unwrap();
     assert!(second.term().await > term1);
     second.shutdown().await;
     n.shutdown().await;
@@ -182,7 +283,11 @@ async fn second_standalone_manager_fails_closed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn observer_heals_lost_notifications_within_the_polling_bound() {
-    let Some(db) = TestDatabase::create("observer_heals_lost_notifications_within_the_polling_bound").await else { return };
+    let Some(db) =
+        TestDatabase::create("observer_heals_lost_notifications_within_the_polling_bound").await
+    else {
+        return;
+    };
     let a = start_node(db.url(), "a", |_| {}).await;
     let b = start_node(db.url(), "b", |_| {}).await;
     // The observer never LISTENs: only polling (250ms) can tell it anything.
@@ -191,11 +296,17 @@ async fn observer_heals_lost_notifications_within_the_polling_bound() {
         c.embedded_manager = false;
     })
     .await;
-    eventually(GENEROUS, "balanced", || settled(&[&a, &b, &o], &["a", "b", "o"])).await;
+    eventually(GENEROUS, "balanced", || {
+        settled(&[&a, &b, &o], &["a", "b", "o"])
+    })
+    .await;
     let mut worst = Duration::ZERO;
     for victim in ["b", "a"] {
         a.drain(&NodeId(victim.into())).await.unwrap();
-        let survivors: Vec<&str> = ["a", "b", "o"].into_iter().filter(|n| *n != victim && !(victim == "a" && *n == "b")).collect();
+        let survivors: Vec<&str> = ["a", "b", "o"]
+            .into_iter()
+            .filter(|n| *n != victim && !(victim == "a" && *n == "b"))
+            .collect();
         // Wait on the listening nodes, then time how long the observer lags behind.
         eventually(GENEROUS, "listeners see the drain", || {
             let t = a.view().table();
@@ -203,11 +314,19 @@ async fn observer_heals_lost_notifications_within_the_polling_bound() {
         })
         .await;
         let seen = a.view().table().shards.clone();
-        let lag = eventually(Duration::from_secs(5), "observer converges within the polling bound", || o.view().table().shards == seen).await;
+        let lag = eventually(
+            Duration::from_secs(5),
+            "observer converges within the polling bound",
+            || o.view().table().shards == seen,
+        )
+        .await;
         worst = worst.max(lag);
         assert!(!survivors.is_empty());
     }
-    println!("FIGURE observer_lag_without_notify_ms={} (poll_interval=250ms)", worst.as_millis());
+    println!(
+        "FIGURE observer_lag_without_notify_ms={} (poll_interval=250ms)",
+        worst.as_millis()
+    );
     // Polling bound (250ms) plus one read and scheduling slack; generous on a loaded box.
     assert!(worst < Duration::from_secs(3), "{worst:?}");
     for h in [a, b, o] {
@@ -217,11 +336,16 @@ async fn observer_heals_lost_notifications_within_the_polling_bound() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn placement_survives_a_restart_of_all_nodes() {
-    let Some(db) = TestDatabase::create("placement_survives_a_restart_of_all_nodes").await else { return };
+    let Some(db) = TestDatabase::create("placement_survives_a_restart_of_all_nodes").await else {
+        return;
+    };
     let a = start_node(db.url(), "a", |_| {}).await;
     let b = start_node(db.url(), "b", |_| {}).await;
     let c = start_node(db.url(), "c", |_| {}).await;
-    eventually(GENEROUS, "balanced", || settled(&[&a, &b, &c], &["a", "b", "c"])).await;
+    eventually(GENEROUS, "balanced", || {
+        settled(&[&a, &b, &c], &["a", "b", "c"])
+    })
+    .await;
     let before = a.view().table().shards.clone();
     let term_before = a.view().table().manager_term;
     tokio::join!(a.shutdown(), b.shutdown(), c.shutdown());
@@ -244,50 +368,89 @@ async fn placement_survives_a_restart_of_all_nodes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shard_count_mismatch_refuses_to_start() {
-    let Some(db) = TestDatabase::create("shard_count_mismatch_refuses_to_start").await else { return };
+    let Some(db) = TestDatabase::create("shard_count_mismatch_refuses_to_start").await else {
+        return;
+    };
     let a = start_node(db.url(), "a", |_| {}).await;
     let mut config = placement_util::config(db.url(), "b");
     config.shard_count = 128;
-    let err = placement::Cluster::connect_and_start(NodeId("b".into()), &config, "test").await.err().expect("must refuse");
+    let err = placement::Cluster::connect_and_start(NodeId("b".into()), &config, "test")
+        .await
+        .err()
+        .expect("must refuse");
     assert!(
-        matches!(err, ClusterError::Store(StoreError::ShardCountMismatch { configured: 128, stored: 64 })),
+        matches!(
+            err,
+            ClusterError::Store(StoreError::ShardCountMismatch {
+                configured: 128,
+                stored: 64
+            })
+        ),
         "{err}"
     );
     let text = err.to_string();
-    assert!(text.contains("64") && text.contains("128") && text.contains("cluster.shard_count"), "{text}");
+    assert!(
+        text.contains("64") && text.contains("128") && text.contains("cluster.shard_count"),
+        "{text}"
+    );
     a.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_follows_placement() {
-    let Some(db) = TestDatabase::create("readiness_follows_placement").await else { return };
+    let Some(db) = TestDatabase::create("readiness_follows_placement").await else {
+        return;
+    };
     // A node that runs no manager: nobody assigns it anything yet.
     let a = start_node(db.url(), "a", |c| c.embedded_manager = false).await;
-    eventually(GENEROUS, "unassigned before any manager", || a.health().status == HealthStatus::Unassigned).await;
+    eventually(GENEROUS, "unassigned before any manager", || {
+        a.health().status == HealthStatus::Unassigned
+    })
+    .await;
     assert!(!a.health().ready);
 
     let b = start_node(db.url(), "b", |_| {}).await;
-    eventually(GENEROUS, "both healthy", || a.health().status == HealthStatus::Healthy && b.health().status == HealthStatus::Healthy).await;
+    eventually(GENEROUS, "both healthy", || {
+        a.health().status == HealthStatus::Healthy && b.health().status == HealthStatus::Healthy
+    })
+    .await;
 
     // During a drain the remaining owner reports rebalancing and stays ready.
     let c = start_node(db.url(), "c", |c| c.embedded_manager = false).await;
-    eventually(GENEROUS, "balanced over three", || settled(&[&a, &b, &c], &["a", "b", "c"])).await;
+    eventually(GENEROUS, "balanced over three", || {
+        settled(&[&a, &b, &c], &["a", "b", "c"])
+    })
+    .await;
     b.drain(&NodeId("a".into())).await.unwrap();
-    eventually(GENEROUS, "a unassigned after its drain", || a.health().status == HealthStatus::Unassigned).await;
+    eventually(GENEROUS, "a unassigned after its drain", || {
+        a.health().status == HealthStatus::Unassigned
+    })
+    .await;
     assert!(b.health().ready && c.health().ready);
 
     // Placement unreadable: unavailable, not ready, last success kept; then recovery.
     let good = b.health().last_successful_at_ms.unwrap();
     let store = placement_util::store(db.url()).await;
-    sqlx::query("ALTER TABLE placement_shards RENAME TO placement_shards_hidden").execute(store.pool()).await.unwrap();
-    eventually(GENEROUS, "unavailable while the table is unreadable", || b.health().status == HealthStatus::Unavailable).await;
+    sqlx::query("ALTER TABLE placement_shards RENAME TO placement_shards_hidden")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    eventually(
+        GENEROUS,
+        "unavailable while the table is unreadable",
+        || b.health().status == HealthStatus::Unavailable,
+    )
+    .await;
     let h = b.health();
     assert!(!h.ready);
     assert!(h.last_successful_at_ms.unwrap() >= good);
     assert!(h.checked_at_ms.unwrap() >= h.last_successful_at_ms.unwrap());
     // Routing continues with the last table.
     assert!(b.resolve(&random_key()).is_ok());
-    sqlx::query("ALTER TABLE placement_shards_hidden RENAME TO placement_shards").execute(store.pool()).await.unwrap();
+    sqlx::query("ALTER TABLE placement_shards_hidden RENAME TO placement_shards")
+        .execute(store.pool())
+        .await
+        .unwrap();
     eventually(GENEROUS, "ready again", || b.health().ready).await;
     for h in [a, b, c] {
         h.shutdown().await;

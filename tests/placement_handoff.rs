@@ -9,6 +9,7 @@
 //! epochs only grow across owners.
 
 mod placement_util;
+#[allow(unused_imports)]
 mod support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -58,7 +59,13 @@ fn spawn_worker(
                 _ = permit.revoked() => {}
             }
             let end = Instant::now();
-            log.lock().unwrap().push(Ingest { node: node.clone(), session: i, epoch: permit.epoch().0, start, end });
+            log.lock().unwrap().push(Ingest {
+                node: node.clone(),
+                session: i,
+                epoch: permit.epoch().0,
+                start,
+                end,
+            });
             drop(permit);
         }
     })
@@ -86,7 +93,10 @@ fn check_no_overlap(events: &[Ingest], sessions: usize) -> (usize, usize) {
         // Ownership changes always come with a higher epoch.
         for w in mine.windows(2) {
             if w[0].node != w[1].node {
-                assert!(w[1].epoch > w[0].epoch, "session {s}: owner changed without an epoch bump");
+                assert!(
+                    w[1].epoch > w[0].epoch,
+                    "session {s}: owner changed without an epoch bump"
+                );
                 handed_over += 1;
             }
         }
@@ -96,13 +106,18 @@ fn check_no_overlap(events: &[Ingest], sessions: usize) -> (usize, usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_two_nodes_ingest_a_session_at_once() {
-    let Some(db) = TestDatabase::create("no_two_nodes_ingest_a_session_at_once").await else { return };
+    let Some(db) = TestDatabase::create("no_two_nodes_ingest_a_session_at_once").await else {
+        return;
+    };
     // A small move budget makes the rebalance after a join take several rounds.
     let tweak = |c: &mut graviton::placement::ClusterConfig| c.move_budget = 4;
     let a = Arc::new(start_node(db.url(), "a", tweak).await);
     let b = Arc::new(start_node(db.url(), "b", tweak).await);
     let c = Arc::new(start_node(db.url(), "c", tweak).await);
-    eventually(GENEROUS, "balanced", || settled(&[&a, &b, &c], &["a", "b", "c"])).await;
+    eventually(GENEROUS, "balanced", || {
+        settled(&[&a, &b, &c], &["a", "b", "c"])
+    })
+    .await;
 
     let sessions: Arc<Vec<SessionKey>> = Arc::new((0..48).map(|_| random_key()).collect());
     let log = Arc::new(Mutex::new(Vec::new()));
@@ -110,7 +125,12 @@ async fn no_two_nodes_ingest_a_session_at_once() {
     let mut workers = Vec::new();
     let spawn_for = |h: &Arc<ClusterHandle>, workers: &mut Vec<_>| {
         for _ in 0..3 {
-            workers.push(spawn_worker(h.clone(), sessions.clone(), log.clone(), stop.clone()));
+            workers.push(spawn_worker(
+                h.clone(),
+                sessions.clone(),
+                log.clone(),
+                stop.clone(),
+            ));
         }
     };
     for h in [&a, &b, &c] {
@@ -120,16 +140,25 @@ async fn no_two_nodes_ingest_a_session_at_once() {
 
     // 1. Drain c.
     a.drain(&NodeId("c".into())).await.unwrap();
-    eventually(GENEROUS, "c drained", || settled(&[&a, &b, &c], &["a", "b"])).await;
+    eventually(GENEROUS, "c drained", || {
+        settled(&[&a, &b, &c], &["a", "b"])
+    })
+    .await;
 
     // 2. A new node joins: budgeted rebalance over several rounds.
     let d = Arc::new(start_node(db.url(), "d", tweak).await);
     spawn_for(&d, &mut workers);
-    eventually(GENEROUS, "d joined", || settled(&[&a, &b, &d], &["a", "b", "d"])).await;
+    eventually(GENEROUS, "d joined", || {
+        settled(&[&a, &b, &d], &["a", "b", "d"])
+    })
+    .await;
 
     // 3. b goes silent (no drain): its shards move only after the TTL.
     b.shutdown().await;
-    eventually(GENEROUS, "b's shards reassigned", || settled(&[&a, &d], &["a", "d"])).await;
+    eventually(GENEROUS, "b's shards reassigned", || {
+        settled(&[&a, &d], &["a", "d"])
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(200)).await; // traffic on the final placement
 
     stop.store(true, Ordering::SeqCst);
@@ -140,7 +169,10 @@ async fn no_two_nodes_ingest_a_session_at_once() {
     let (total, handed_over) = check_no_overlap(&events, sessions.len());
     println!("FIGURE handoff_checker ingests={total} owner_changes={handed_over}");
     assert!(total > 200, "too little traffic to mean anything: {total}");
-    assert!(handed_over >= 10, "the scenario should move many sessions: {handed_over}");
+    assert!(
+        handed_over >= 10,
+        "the scenario should move many sessions: {handed_over}"
+    );
     for h in [a, c, d] {
         h.shutdown().await;
     }
@@ -151,14 +183,27 @@ async fn no_two_nodes_ingest_a_session_at_once() {
 /// hands its shards to another node, and rejoin as a new incarnation afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitioned_node_fences_itself_before_its_shards_move() {
-    let Some(db) = TestDatabase::create("partitioned_node_fences_itself_before_its_shards_move").await else { return };
+    let Some(db) =
+        TestDatabase::create("partitioned_node_fences_itself_before_its_shards_move").await
+    else {
+        return;
+    };
     let a = Arc::new(start_node(db.url(), "a", |_| {}).await);
     // b connects as its own role so that only b can be cut off.
     let role = format!("node_b_{}", support::unique_suffix());
     let admin = placement_util::store(db.url()).await;
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE ROLE {role} LOGIN SUPERUSER"))).execute(admin.pool()).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE ROLE {role} LOGIN SUPERUSER"
+    )))
+    .execute(admin.pool())
+    .await
+    .unwrap();
     let b_url = db.url().replacen("postgres@", &format!("{role}@"), 1);
-    assert_ne!(b_url, db.url(), "test database URL must name the postgres user");
+    assert_ne!(
+        b_url,
+        db.url(),
+        "test database URL must name the postgres user"
+    );
     let b = Arc::new(start_node(&b_url, "b", |c| c.embedded_manager = false).await);
     eventually(GENEROUS, "balanced", || settled(&[&a, &b], &["a", "b"])).await;
 
@@ -168,14 +213,22 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
     let mut workers = Vec::new();
     for h in [&a, &b] {
         for _ in 0..3 {
-            workers.push(spawn_worker(h.clone(), sessions.clone(), log.clone(), stop.clone()));
+            workers.push(spawn_worker(
+                h.clone(),
+                sessions.clone(),
+                log.clone(),
+                stop.clone(),
+            ));
         }
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     // Partition b.
     let cut = Instant::now();
-    sqlx::query(sqlx::AssertSqlSafe(format!("ALTER ROLE {role} NOLOGIN"))).execute(admin.pool()).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("ALTER ROLE {role} NOLOGIN")))
+        .execute(admin.pool())
+        .await
+        .unwrap();
     sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1")
         .bind(&role)
         .execute(admin.pool())
@@ -195,13 +248,23 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
     );
     // b still believes (stale table) that it owns its shards, yet admits nothing.
     let b_id = NodeId("b".into());
-    let mine: Vec<_> = stale.shards.iter().filter(|s| s.owner.as_ref() == Some(&b_id)).collect();
+    let mine: Vec<_> = stale
+        .shards
+        .iter()
+        .filter(|s| s.owner.as_ref() == Some(&b_id))
+        .collect();
     assert!(!mine.is_empty());
     assert!(mine.iter().all(|s| !b.can_ingest(s.shard, s.epoch)));
 
     // Heal: b learns it was declared dead, re-registers and gets shards again.
-    sqlx::query(sqlx::AssertSqlSafe(format!("ALTER ROLE {role} LOGIN"))).execute(admin.pool()).await.unwrap();
-    eventually(GENEROUS, "b rejoined and balanced", || settled(&[&a, &b], &["a", "b"])).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("ALTER ROLE {role} LOGIN")))
+        .execute(admin.pool())
+        .await
+        .unwrap();
+    eventually(GENEROUS, "b rejoined and balanced", || {
+        settled(&[&a, &b], &["a", "b"])
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
 
     stop.store(true, Ordering::SeqCst);
@@ -216,9 +279,14 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
     b.shutdown().await;
     admin.pool().close().await;
     drop(db);
-    let admin_url = std::env::var("GRAVITON_TEST_DATABASE_URL").unwrap_or_else(|_| support::postgres::DEFAULT_ADMIN_URL.to_string());
-    if let Ok(pool) = graviton::storage::pg::connect_pool(&admin_url, 1, Duration::from_secs(5)).await {
-        let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}"))).execute(&pool).await;
+    let admin_url = std::env::var("GRAVITON_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| support::postgres::DEFAULT_ADMIN_URL.to_string());
+    if let Ok(pool) =
+        graviton::storage::pg::connect_pool(&admin_url, 1, Duration::from_secs(5)).await
+    {
+        let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}")))
+            .execute(&pool)
+            .await;
     }
 }
 
@@ -229,8 +297,20 @@ fn checker_detects_overlap() {
     let t0 = Instant::now();
     let at = |ms| t0 + Duration::from_millis(ms);
     let events = vec![
-        Ingest { node: "a".into(), session: 0, epoch: 1, start: at(0), end: at(10) },
-        Ingest { node: "b".into(), session: 0, epoch: 2, start: at(9), end: at(20) },
+        Ingest {
+            node: "a".into(),
+            session: 0,
+            epoch: 1,
+            start: at(0),
+            end: at(10),
+        },
+        Ingest {
+            node: "b".into(),
+            session: 0,
+            epoch: 2,
+            start: at(9),
+            end: at(20),
+        },
     ];
     check_no_overlap(&events, 1);
 }

@@ -49,7 +49,10 @@ pub fn probe_once(view: &LocalView) {
         })
     };
     let prev = view.health();
-    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
     let next = health::next(&prev, result, now_ms);
     if next.status != prev.status {
         if next.ready {
@@ -66,19 +69,35 @@ impl Actor for HealthActor {
     type State = HealthState;
     type Arguments = HealthArgs;
 
-    async fn pre_start(&self, myself: ActorRef<HealthMsg>, args: HealthArgs) -> Result<HealthState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        myself: ActorRef<HealthMsg>,
+        args: HealthArgs,
+    ) -> Result<HealthState, ActorProcessingErr> {
         let timer = myself.send_interval(args.interval, || HealthMsg::Probe);
-        Ok(HealthState { view: args.view, timer })
+        Ok(HealthState {
+            view: args.view,
+            timer,
+        })
     }
 
-    async fn handle(&self, _myself: ActorRef<HealthMsg>, msg: HealthMsg, state: &mut HealthState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        _myself: ActorRef<HealthMsg>,
+        msg: HealthMsg,
+        state: &mut HealthState,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             HealthMsg::Probe => probe_once(&state.view),
         }
         Ok(())
     }
 
-    async fn post_stop(&self, _myself: ActorRef<HealthMsg>, state: &mut HealthState) -> Result<(), ActorProcessingErr> {
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<HealthMsg>,
+        state: &mut HealthState,
+    ) -> Result<(), ActorProcessingErr> {
         state.timer.abort();
         Ok(())
     }

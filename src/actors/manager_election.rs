@@ -69,7 +69,10 @@ pub struct ElectionState {
 /// Options for the dedicated lock connection: keepalives and an idle-session timeout so the
 /// server frees the lock soon after the holder disappears.
 pub fn lock_connection_options(base: PgConnectOptions, ping: Duration) -> PgConnectOptions {
-    let idle_ms = (ping * 10).max(Duration::from_secs(3)).as_millis().to_string();
+    let idle_ms = (ping * 10)
+        .max(Duration::from_secs(3))
+        .as_millis()
+        .to_string();
     base.options([
         ("tcp_keepalives_idle", "5"),
         ("tcp_keepalives_interval", "2"),
@@ -81,7 +84,10 @@ pub fn lock_connection_options(base: PgConnectOptions, ping: Duration) -> PgConn
 
 /// Try the lock once on `conn`. `Ok(true)`: this connection now holds it.
 pub async fn try_lock(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT pg_try_advisory_lock($1)").bind(MANAGER_LOCK_KEY).fetch_one(conn).await
+    sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(MANAGER_LOCK_KEY)
+        .fetch_one(conn)
+        .await
 }
 
 impl ManagerElection {
@@ -96,7 +102,10 @@ impl ManagerElection {
         state.timer_period = period;
     }
 
-    async fn become_leader(myself: &ActorRef<ElectionMsg>, state: &mut ElectionState) -> Result<(), ActorProcessingErr> {
+    async fn become_leader(
+        myself: &ActorRef<ElectionMsg>,
+        state: &mut ElectionState,
+    ) -> Result<(), ActorProcessingErr> {
         let store: &PlacementStore = &state.args.manager.store;
         let term = match store.bump_term(&state.args.node).await {
             Ok(term) => term,
@@ -106,7 +115,10 @@ impl ManagerElection {
                 return Ok(());
             }
         };
-        let args = ShardManagerArgs { term, ..state.args.manager.clone() };
+        let args = ShardManagerArgs {
+            term,
+            ..state.args.manager.clone()
+        };
         match Actor::spawn_linked(None, ShardManager, args, myself.get_cell()).await {
             Ok((manager, _)) => {
                 tracing::info!(component = "manager_election", node_id = %state.args.node, term, "won the manager lock");
@@ -155,9 +167,19 @@ impl Actor for ManagerElection {
     type State = ElectionState;
     type Arguments = ElectionArgs;
 
-    async fn pre_start(&self, myself: ActorRef<ElectionMsg>, mut args: ElectionArgs) -> Result<ElectionState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        myself: ActorRef<ElectionMsg>,
+        mut args: ElectionArgs,
+    ) -> Result<ElectionState, ActorProcessingErr> {
         let held = args.held.take();
-        let mut state = ElectionState { conn: None, leading: None, timer: None, timer_period: Duration::ZERO, args };
+        let mut state = ElectionState {
+            conn: None,
+            leading: None,
+            timer: None,
+            timer_period: Duration::ZERO,
+            args,
+        };
         if let Some(conn) = held {
             state.conn = Some(conn);
             Self::become_leader(&myself, &mut state).await?;
@@ -172,7 +194,12 @@ impl Actor for ManagerElection {
         Ok(state)
     }
 
-    async fn handle(&self, myself: ActorRef<ElectionMsg>, msg: ElectionMsg, state: &mut ElectionState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        myself: ActorRef<ElectionMsg>,
+        msg: ElectionMsg,
+        state: &mut ElectionState,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             ElectionMsg::Term(reply) => {
                 let _ = reply.send(state.leading.as_ref().map_or(0, |(t, _)| *t));
@@ -181,7 +208,11 @@ impl Actor for ManagerElection {
                 let ping = state.args.lock_ping_interval;
                 let ok = match state.conn.as_mut() {
                     Some(conn) => matches!(
-                        tokio::time::timeout(ping.max(Duration::from_millis(200)), sqlx::query("SELECT 1").execute(conn)).await,
+                        tokio::time::timeout(
+                            ping.max(Duration::from_millis(200)),
+                            sqlx::query("SELECT 1").execute(conn)
+                        )
+                        .await,
                         Ok(Ok(_))
                     ),
                     None => false,
@@ -196,7 +227,12 @@ impl Actor for ManagerElection {
                     return Ok(());
                 }
                 if state.conn.is_none() {
-                    match tokio::time::timeout(Duration::from_secs(2), PgConnection::connect_with(&state.args.lock_options)).await {
+                    match tokio::time::timeout(
+                        Duration::from_secs(2),
+                        PgConnection::connect_with(&state.args.lock_options),
+                    )
+                    .await
+                    {
                         Ok(Ok(conn)) => state.conn = Some(conn),
                         _ => return Ok(()),
                     }
@@ -215,10 +251,19 @@ impl Actor for ManagerElection {
         Ok(())
     }
 
-    async fn handle_supervisor_evt(&self, myself: ActorRef<ElectionMsg>, event: SupervisionEvent, state: &mut ElectionState) -> Result<(), ActorProcessingErr> {
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<ElectionMsg>,
+        event: SupervisionEvent,
+        state: &mut ElectionState,
+    ) -> Result<(), ActorProcessingErr> {
         match event {
-            SupervisionEvent::ActorTerminated(cell, _, _) | SupervisionEvent::ActorFailed(cell, _) => {
-                let ours = state.leading.as_ref().is_some_and(|(_, m)| m.get_id() == cell.get_id());
+            SupervisionEvent::ActorTerminated(cell, _, _)
+            | SupervisionEvent::ActorFailed(cell, _) => {
+                let ours = state
+                    .leading
+                    .as_ref()
+                    .is_some_and(|(_, m)| m.get_id() == cell.get_id());
                 if ours {
                     tracing::warn!(component = "manager_election", node_id = %state.args.node, "shard manager exited; releasing the lock");
                     Self::lost(&myself, state).await;
@@ -229,12 +274,18 @@ impl Actor for ManagerElection {
         Ok(())
     }
 
-    async fn post_stop(&self, _myself: ActorRef<ElectionMsg>, state: &mut ElectionState) -> Result<(), ActorProcessingErr> {
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<ElectionMsg>,
+        state: &mut ElectionState,
+    ) -> Result<(), ActorProcessingErr> {
         if let Some(t) = state.timer.take() {
             t.abort();
         }
         if let Some((_, manager)) = state.leading.as_ref() {
-            let _ = manager.stop_and_wait(None, Some(Duration::from_secs(2))).await;
+            let _ = manager
+                .stop_and_wait(None, Some(Duration::from_secs(2)))
+                .await;
         }
         Self::step_down(state).await;
         Ok(())

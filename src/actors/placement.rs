@@ -65,7 +65,11 @@ impl Actor for PlacementActor {
     type State = PlacementState;
     type Arguments = PlacementArgs;
 
-    async fn pre_start(&self, myself: ActorRef<PlacementMsg>, args: PlacementArgs) -> Result<PlacementState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        myself: ActorRef<PlacementMsg>,
+        args: PlacementArgs,
+    ) -> Result<PlacementState, ActorProcessingErr> {
         let started = Instant::now();
         let incarnation = args.store.register_node(&args.registration).await?;
         args.view.heartbeat_ok(started);
@@ -77,7 +81,11 @@ impl Actor for PlacementActor {
         tasks.push(myself.send_interval(args.poll_interval, || PlacementMsg::Refresh));
         tasks.push(myself.send_interval(args.heartbeat_interval, || PlacementMsg::Heartbeat));
         if args.listen_notify {
-            tasks.push(spawn_listener(args.store.clone(), myself.clone(), args.poll_interval));
+            tasks.push(spawn_listener(
+                args.store.clone(),
+                myself.clone(),
+                args.poll_interval,
+            ));
         }
         let view = args.view.clone();
         let me = myself.clone();
@@ -100,7 +108,12 @@ impl Actor for PlacementActor {
         })
     }
 
-    async fn handle(&self, _myself: ActorRef<PlacementMsg>, msg: PlacementMsg, state: &mut PlacementState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        _myself: ActorRef<PlacementMsg>,
+        msg: PlacementMsg,
+        state: &mut PlacementState,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             PlacementMsg::Refresh => {
                 refresh(state).await;
@@ -112,7 +125,11 @@ impl Actor for PlacementActor {
         Ok(())
     }
 
-    async fn post_stop(&self, _myself: ActorRef<PlacementMsg>, state: &mut PlacementState) -> Result<(), ActorProcessingErr> {
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<PlacementMsg>,
+        state: &mut PlacementState,
+    ) -> Result<(), ActorProcessingErr> {
         for task in state.tasks.drain(..) {
             task.abort();
         }
@@ -126,7 +143,10 @@ async fn refresh(state: &mut PlacementState) {
     match state.store.read_table().await {
         Ok(table) => {
             if table.shard_count() != state.view.shard_count() {
-                tracing::error!(component = "placement", "shard table size differs from the configured shard count");
+                tracing::error!(
+                    component = "placement",
+                    "shard table size differs from the configured shard count"
+                );
                 state.view.set_read_ok(false);
                 return;
             }
@@ -144,7 +164,12 @@ async fn refresh(state: &mut PlacementState) {
 async fn heartbeat(state: &mut PlacementState) {
     let started = Instant::now();
     let node = state.registration.id.clone();
-    match tokio::time::timeout(state.heartbeat_timeout, state.store.heartbeat(&node, state.incarnation)).await {
+    match tokio::time::timeout(
+        state.heartbeat_timeout,
+        state.store.heartbeat(&node, state.incarnation),
+    )
+    .await
+    {
         Ok(Ok(Some(node_state))) => {
             state.view.heartbeat_ok(started);
             if state.last_state != Some(node_state) {
@@ -166,10 +191,14 @@ async fn heartbeat(state: &mut PlacementState) {
                             state.view.publish(table);
                             state.view.heartbeat_ok(started);
                         }
-                        Err(err) => tracing::warn!(component = "placement", error = %err, "table read after re-registration failed"),
+                        Err(err) => {
+                            tracing::warn!(component = "placement", error = %err, "table read after re-registration failed")
+                        }
                     }
                 }
-                Err(err) => tracing::warn!(component = "placement", error = %err, "re-registration failed"),
+                Err(err) => {
+                    tracing::warn!(component = "placement", error = %err, "re-registration failed")
+                }
             }
         }
         Ok(Err(err)) => {
@@ -186,8 +215,16 @@ async fn check_acks(state: &mut PlacementState) {
     let me = state.view.node().clone();
     for entry in table.shards.iter() {
         if handoff::should_ack(entry, &me, state.view.in_flight(entry.shard)) {
-            match state.store.ack_revocation(entry.shard, entry.epoch, &me, state.incarnation).await {
-                Ok(true) => tracing::debug!(component = "placement", shard = entry.shard.0, "revocation acknowledged"),
+            match state
+                .store
+                .ack_revocation(entry.shard, entry.epoch, &me, state.incarnation)
+                .await
+            {
+                Ok(true) => tracing::debug!(
+                    component = "placement",
+                    shard = entry.shard.0,
+                    "revocation acknowledged"
+                ),
                 Ok(false) => {}
                 Err(err) => {
                     tracing::warn!(component = "placement", error = %err, "revocation ack failed");
@@ -200,7 +237,11 @@ async fn check_acks(state: &mut PlacementState) {
 
 /// LISTEN on the placement channel; every notification (and every reconnect, since
 /// notifications sent while disconnected are lost) triggers a refresh.
-fn spawn_listener(store: PlacementStore, actor: ActorRef<PlacementMsg>, retry: Duration) -> JoinHandle<()> {
+fn spawn_listener(
+    store: PlacementStore,
+    actor: ActorRef<PlacementMsg>,
+    retry: Duration,
+) -> JoinHandle<()> {
     tokio::spawn(async move {
         loop {
             let mut listener = match PgListener::connect_with(store.pool()).await {

@@ -68,16 +68,38 @@ impl Actor for ShardManager {
     type State = ShardManagerState;
     type Arguments = ShardManagerArgs;
 
-    async fn pre_start(&self, myself: ActorRef<ShardManagerMsg>, args: ShardManagerArgs) -> Result<ShardManagerState, ActorProcessingErr> {
-        tracing::info!(component = "shard_manager", term = args.term, "shard manager acting");
-        let mut tasks = vec![myself.send_interval(args.rebalance_interval, || ShardManagerMsg::Round)];
+    async fn pre_start(
+        &self,
+        myself: ActorRef<ShardManagerMsg>,
+        args: ShardManagerArgs,
+    ) -> Result<ShardManagerState, ActorProcessingErr> {
+        tracing::info!(
+            component = "shard_manager",
+            term = args.term,
+            "shard manager acting"
+        );
+        let mut tasks =
+            vec![myself.send_interval(args.rebalance_interval, || ShardManagerMsg::Round)];
         if args.listen_notify {
-            tasks.push(spawn_listener(args.store.clone(), myself.clone(), args.rebalance_interval));
+            tasks.push(spawn_listener(
+                args.store.clone(),
+                myself.clone(),
+                args.rebalance_interval,
+            ));
         }
-        Ok(ShardManagerState { args, tasks, follow_up: None })
+        Ok(ShardManagerState {
+            args,
+            tasks,
+            follow_up: None,
+        })
     }
 
-    async fn handle(&self, myself: ActorRef<ShardManagerMsg>, msg: ShardManagerMsg, state: &mut ShardManagerState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        myself: ActorRef<ShardManagerMsg>,
+        msg: ShardManagerMsg,
+        state: &mut ShardManagerState,
+    ) -> Result<(), ActorProcessingErr> {
         match msg {
             ShardManagerMsg::Round => {
                 let args = &state.args;
@@ -87,9 +109,13 @@ impl Actor for ShardManager {
                         if outcome != RoundOutcome::default() {
                             tracing::debug!(component = "shard_manager", ?outcome, "round");
                         }
-                        if outcome.pending > 0 && state.follow_up.as_ref().is_none_or(|h| h.is_finished()) {
-                            let quick = (args.rebalance_interval / 4).clamp(Duration::from_millis(20), Duration::from_millis(100));
-                            state.follow_up = Some(myself.send_after(quick, || ShardManagerMsg::Round));
+                        if outcome.pending > 0
+                            && state.follow_up.as_ref().is_none_or(|h| h.is_finished())
+                        {
+                            let quick = (args.rebalance_interval / 4)
+                                .clamp(Duration::from_millis(20), Duration::from_millis(100));
+                            state.follow_up =
+                                Some(myself.send_after(quick, || ShardManagerMsg::Round));
                         }
                     }
                     Err(err @ StoreError::Fenced { .. }) => {
@@ -105,7 +131,11 @@ impl Actor for ShardManager {
         Ok(())
     }
 
-    async fn post_stop(&self, _myself: ActorRef<ShardManagerMsg>, state: &mut ShardManagerState) -> Result<(), ActorProcessingErr> {
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<ShardManagerMsg>,
+        state: &mut ShardManagerState,
+    ) -> Result<(), ActorProcessingErr> {
         for task in state.tasks.drain(..) {
             task.abort();
         }
@@ -117,15 +147,27 @@ impl Actor for ShardManager {
 }
 
 /// One planning round at `term` (see the module docs). Public for tests.
-pub async fn run_round(store: &PlacementStore, term: i64, ttl_ms: i64, budget: usize) -> Result<RoundOutcome, StoreError> {
+pub async fn run_round(
+    store: &PlacementStore,
+    term: i64,
+    ttl_ms: i64,
+    budget: usize,
+) -> Result<RoundOutcome, StoreError> {
     let table = store.read_table().await?;
     if table.manager_term != term {
-        return Err(StoreError::Fenced { held: term, current: table.manager_term });
+        return Err(StoreError::Fenced {
+            held: term,
+            current: table.manager_term,
+        });
     }
     let mut tx = store.fenced(term).await?;
     let mut outcome = RoundOutcome::default();
     let mut changed = false;
-    let mut states: BTreeMap<NodeId, NodeState> = table.nodes.iter().map(|(id, n)| (id.clone(), n.state)).collect();
+    let mut states: BTreeMap<NodeId, NodeState> = table
+        .nodes
+        .iter()
+        .map(|(id, n)| (id.clone(), n.state))
+        .collect();
     let mut locked: HashMap<NodeId, Option<NodeState>> = HashMap::new();
 
     for node in table.nodes.values() {
@@ -144,12 +186,16 @@ pub async fn run_round(store: &PlacementStore, term: i64, ttl_ms: i64, budget: u
 
     let mut shards: Vec<ShardEntry> = table.shards.clone();
     for entry in shards.iter_mut() {
-        let Some(target) = entry.moving_to.clone() else { continue };
+        let Some(target) = entry.moving_to.clone() else {
+            continue;
+        };
         let owner_state = entry.owner.as_ref().and_then(|o| states.get(o).copied());
         if !handoff::may_complete(entry, owner_state, states.get(&target).copied()) {
             continue;
         }
-        if !entry.revoke_acked && !owner_confirmed_gone(&mut tx, &mut locked, entry.owner.as_ref()).await? {
+        if !entry.revoke_acked
+            && !owner_confirmed_gone(&mut tx, &mut locked, entry.owner.as_ref()).await?
+        {
             continue;
         }
         if let Some(epoch) = tx.complete_move(entry.shard, entry.epoch, &target).await? {
@@ -169,7 +215,9 @@ pub async fn run_round(store: &PlacementStore, term: i64, ttl_ms: i64, budget: u
         let owner_state = entry.owner.as_ref().and_then(|o| states.get(o).copied());
         match handoff::action_for(entry, planned, owner_state) {
             Action::AssignNow { to } => {
-                if entry.owner.is_some() && !owner_confirmed_gone(&mut tx, &mut locked, entry.owner.as_ref()).await? {
+                if entry.owner.is_some()
+                    && !owner_confirmed_gone(&mut tx, &mut locked, entry.owner.as_ref()).await?
+                {
                     continue;
                 }
                 if let Some(epoch) = tx.assign_now(entry.shard, entry.epoch, &to).await? {
@@ -194,7 +242,9 @@ pub async fn run_round(store: &PlacementStore, term: i64, ttl_ms: i64, budget: u
             }
             Action::Cancel => {
                 let owner = entry.owner.clone().expect("cancel has an owner");
-                if entry.moving_to.is_some() && tx.cancel_move(entry.shard, entry.epoch, &owner).await? {
+                if entry.moving_to.is_some()
+                    && tx.cancel_move(entry.shard, entry.epoch, &owner).await?
+                {
                     entry.moving_to = None;
                     entry.revoke_acked = false;
                     changed = true;
@@ -230,21 +280,25 @@ async fn owner_confirmed_gone(
 }
 
 /// LISTEN for node changes and acknowledgements; each triggers a round.
-fn spawn_listener(store: PlacementStore, actor: ActorRef<ShardManagerMsg>, retry: Duration) -> JoinHandle<()> {
+fn spawn_listener(
+    store: PlacementStore,
+    actor: ActorRef<ShardManagerMsg>,
+    retry: Duration,
+) -> JoinHandle<()> {
     tokio::spawn(async move {
         loop {
-            if let Ok(mut listener) = PgListener::connect_with(store.pool()).await {
-                if listener.listen(NOTIFY_CHANNEL).await.is_ok() {
-                    loop {
-                        match listener.try_recv().await {
-                            Ok(Some(n)) if matches!(n.payload(), "nodes" | "ack") => {
-                                if actor.cast(ShardManagerMsg::Round).is_err() {
-                                    return;
-                                }
-                            }
-                            Ok(_) => {}
-                            Err(_) => break,
-                        }
+            if let Ok(mut listener) = PgListener::connect_with(store.pool()).await
+                && listener.listen(NOTIFY_CHANNEL).await.is_ok()
+            {
+                loop {
+                    let wake = match listener.try_recv().await {
+                        Ok(Some(n)) => matches!(n.payload(), "nodes" | "ack"),
+                        // Reconnected: notifications may have been lost.
+                        Ok(None) => true,
+                        Err(_) => break,
+                    };
+                    if wake && actor.cast(ShardManagerMsg::Round).is_err() {
+                        return;
                     }
                 }
             }

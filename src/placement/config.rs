@@ -113,7 +113,10 @@ impl ClusterConfig {
     pub fn problems(&self) -> Vec<Problem> {
         let mut problems = Vec::new();
         if self.shard_count == 0 || self.shard_count > SHARD_COUNT_MAX {
-            problems.push(Problem::new("cluster.shard_count", format!("must be between 1 and {SHARD_COUNT_MAX}")));
+            problems.push(Problem::new(
+                "cluster.shard_count",
+                format!("must be between 1 and {SHARD_COUNT_MAX}"),
+            ));
         }
         let positive: [(&'static str, HumanDuration); 7] = [
             ("cluster.heartbeat_interval", self.heartbeat_interval),
@@ -137,7 +140,10 @@ impl ClusterConfig {
         }
         // The manager may hand a silent node's shards to another node only after that
         // node has certainly fenced itself: the TTL must exceed the fence window with margin.
-        let margin = self.heartbeat_interval.get().max(Duration::from_millis(100));
+        let margin = self
+            .heartbeat_interval
+            .get()
+            .max(Duration::from_millis(100));
         if self.node_ttl.get() < self.self_fence.get() + margin {
             problems.push(Problem::new(
                 "cluster.node_ttl",
@@ -148,21 +154,39 @@ impl ClusterConfig {
             problems.push(Problem::new("cluster.move_budget", "must be at least 1"));
         }
         if self.pool_max_connections < 2 {
-            problems.push(Problem::new("cluster.pool_max_connections", "must be at least 2"));
+            problems.push(Problem::new(
+                "cluster.pool_max_connections",
+                "must be at least 2",
+            ));
         }
         if self.statement_timeout.get().is_zero() {
-            problems.push(Problem::new("cluster.statement_timeout", "must be greater than zero"));
+            problems.push(Problem::new(
+                "cluster.statement_timeout",
+                "must be greater than zero",
+            ));
         }
         if self.enabled {
             match &self.database_url {
-                None => problems.push(Problem::new("cluster.database_url", "is required when cluster.enabled = true")),
-                Some(url) if !(url.expose().starts_with("postgres://") || url.expose().starts_with("postgresql://")) => {
-                    problems.push(Problem::new("cluster.database_url", "must be a postgres:// or postgresql:// URL"))
+                None => problems.push(Problem::new(
+                    "cluster.database_url",
+                    "is required when cluster.enabled = true",
+                )),
+                Some(url)
+                    if !(url.expose().starts_with("postgres://")
+                        || url.expose().starts_with("postgresql://")) =>
+                {
+                    problems.push(Problem::new(
+                        "cluster.database_url",
+                        "must be a postgres:// or postgresql:// URL",
+                    ))
                 }
                 Some(_) => {}
             }
             if self.internal_addr.trim().is_empty() {
-                problems.push(Problem::new("cluster.internal_addr", "is required when cluster.enabled = true"));
+                problems.push(Problem::new(
+                    "cluster.internal_addr",
+                    "is required when cluster.enabled = true",
+                ));
             }
         }
         problems
@@ -187,14 +211,20 @@ mod tests {
 
     #[test]
     fn ttl_must_exceed_self_fence() {
-        let config = ClusterConfig { node_ttl: HumanDuration::secs(3), ..ClusterConfig::default() };
+        let config = ClusterConfig {
+            node_ttl: HumanDuration::secs(3),
+            ..ClusterConfig::default()
+        };
         let keys: Vec<_> = config.problems().iter().map(|p| p.key).collect();
         assert_eq!(keys, vec!["cluster.node_ttl"]);
     }
 
     #[test]
     fn enabled_requires_url_and_internal_addr() {
-        let config = ClusterConfig { enabled: true, ..ClusterConfig::default() };
+        let config = ClusterConfig {
+            enabled: true,
+            ..ClusterConfig::default()
+        };
         let keys: Vec<_> = config.problems().iter().map(|p| p.key).collect();
         assert_eq!(keys, vec!["cluster.database_url", "cluster.internal_addr"]);
     }

@@ -28,7 +28,10 @@ pub fn permit_valid(entry: Option<&ShardEntry>, me: &NodeId, epoch: Epoch, fence
 
 /// Should `me` acknowledge the revocation of this shard now?
 pub fn should_ack(entry: &ShardEntry, me: &NodeId, in_flight: usize) -> bool {
-    entry.owner.as_ref() == Some(me) && entry.moving_to.is_some() && !entry.revoke_acked && in_flight == 0
+    entry.owner.as_ref() == Some(me)
+        && entry.moving_to.is_some()
+        && !entry.revoke_acked
+        && in_flight == 0
 }
 
 /// The shard's owner as the planner should count it: the target of a move in progress.
@@ -38,9 +41,16 @@ pub fn effective_owner(entry: &ShardEntry) -> Option<NodeId> {
 
 /// May the manager complete the move in progress on this shard? `owner_state` is the state
 /// of the current owner (`None`: unknown node).
-pub fn may_complete(entry: &ShardEntry, owner_state: Option<NodeState>, target_state: Option<NodeState>) -> bool {
+pub fn may_complete(
+    entry: &ShardEntry,
+    owner_state: Option<NodeState>,
+    target_state: Option<NodeState>,
+) -> bool {
     let target_ok = target_state.is_some_and(NodeState::accepts_shards);
-    let owner_gone = !matches!(owner_state, Some(NodeState::Joining | NodeState::Active | NodeState::Draining));
+    let owner_gone = !matches!(
+        owner_state,
+        Some(NodeState::Joining | NodeState::Active | NodeState::Draining)
+    );
     entry.moving_to.is_some() && target_ok && (entry.revoke_acked || owner_gone)
 }
 
@@ -57,16 +67,23 @@ pub enum Action {
 
 /// Translate a planned move into a write, given the shard row and its owner's state.
 pub fn action_for(entry: &ShardEntry, planned: &Move, owner_state: Option<NodeState>) -> Action {
-    let owner_alive = matches!(owner_state, Some(NodeState::Joining | NodeState::Active | NodeState::Draining));
+    let owner_alive = matches!(
+        owner_state,
+        Some(NodeState::Joining | NodeState::Active | NodeState::Draining)
+    );
     match &entry.owner {
         Some(owner) if owner_alive => {
             if *owner == planned.to {
                 Action::Cancel
             } else {
-                Action::Revoke { to: planned.to.clone() }
+                Action::Revoke {
+                    to: planned.to.clone(),
+                }
             }
         }
-        _ => Action::AssignNow { to: planned.to.clone() },
+        _ => Action::AssignNow {
+            to: planned.to.clone(),
+        },
     }
 }
 
@@ -88,11 +105,36 @@ mod tests {
     #[test]
     fn only_the_settled_owner_at_the_current_epoch_ingests() {
         let a = NodeId("a".into());
-        assert!(may_ingest(&entry(Some("a"), None, false), &a, Epoch(7), false));
-        assert!(!may_ingest(&entry(Some("a"), None, false), &a, Epoch(6), false));
-        assert!(!may_ingest(&entry(Some("a"), None, false), &a, Epoch(7), true));
-        assert!(!may_ingest(&entry(Some("a"), Some("b"), false), &a, Epoch(7), false));
-        assert!(!may_ingest(&entry(Some("b"), None, false), &a, Epoch(7), false));
+        assert!(may_ingest(
+            &entry(Some("a"), None, false),
+            &a,
+            Epoch(7),
+            false
+        ));
+        assert!(!may_ingest(
+            &entry(Some("a"), None, false),
+            &a,
+            Epoch(6),
+            false
+        ));
+        assert!(!may_ingest(
+            &entry(Some("a"), None, false),
+            &a,
+            Epoch(7),
+            true
+        ));
+        assert!(!may_ingest(
+            &entry(Some("a"), Some("b"), false),
+            &a,
+            Epoch(7),
+            false
+        ));
+        assert!(!may_ingest(
+            &entry(Some("b"), None, false),
+            &a,
+            Epoch(7),
+            false
+        ));
         assert!(!may_ingest(&entry(None, None, false), &a, Epoch(7), false));
     }
 
@@ -109,23 +151,77 @@ mod tests {
     #[test]
     fn completion_needs_ack_or_dead_owner_and_an_eligible_target() {
         let moving = entry(Some("a"), Some("b"), false);
-        assert!(!may_complete(&moving, Some(NodeState::Active), Some(NodeState::Active)));
-        assert!(!may_complete(&moving, Some(NodeState::Draining), Some(NodeState::Active)));
-        assert!(may_complete(&moving, Some(NodeState::Dead), Some(NodeState::Active)));
+        assert!(!may_complete(
+            &moving,
+            Some(NodeState::Active),
+            Some(NodeState::Active)
+        ));
+        assert!(!may_complete(
+            &moving,
+            Some(NodeState::Draining),
+            Some(NodeState::Active)
+        ));
+        assert!(may_complete(
+            &moving,
+            Some(NodeState::Dead),
+            Some(NodeState::Active)
+        ));
         let acked = entry(Some("a"), Some("b"), true);
-        assert!(may_complete(&acked, Some(NodeState::Draining), Some(NodeState::Joining)));
-        assert!(!may_complete(&acked, Some(NodeState::Draining), Some(NodeState::Draining)));
-        assert!(!may_complete(&entry(Some("a"), None, false), Some(NodeState::Dead), None));
+        assert!(may_complete(
+            &acked,
+            Some(NodeState::Draining),
+            Some(NodeState::Joining)
+        ));
+        assert!(!may_complete(
+            &acked,
+            Some(NodeState::Draining),
+            Some(NodeState::Draining)
+        ));
+        assert!(!may_complete(
+            &entry(Some("a"), None, false),
+            Some(NodeState::Dead),
+            None
+        ));
     }
 
     #[test]
     fn live_owners_are_revoked_never_overwritten() {
-        let mv = Move { shard: ShardId(3), from: Some(NodeId("a".into())), to: NodeId("b".into()), forced: true };
+        let mv = Move {
+            shard: ShardId(3),
+            from: Some(NodeId("a".into())),
+            to: NodeId("b".into()),
+            forced: true,
+        };
         let e = entry(Some("a"), None, false);
-        assert_eq!(action_for(&e, &mv, Some(NodeState::Draining)), Action::Revoke { to: NodeId("b".into()) });
-        assert_eq!(action_for(&e, &mv, Some(NodeState::Dead)), Action::AssignNow { to: NodeId("b".into()) });
-        assert_eq!(action_for(&entry(None, None, false), &mv, None), Action::AssignNow { to: NodeId("b".into()) });
-        let back = Move { to: NodeId("a".into()), ..mv };
-        assert_eq!(action_for(&entry(Some("a"), Some("c"), false), &back, Some(NodeState::Active)), Action::Cancel);
+        assert_eq!(
+            action_for(&e, &mv, Some(NodeState::Draining)),
+            Action::Revoke {
+                to: NodeId("b".into())
+            }
+        );
+        assert_eq!(
+            action_for(&e, &mv, Some(NodeState::Dead)),
+            Action::AssignNow {
+                to: NodeId("b".into())
+            }
+        );
+        assert_eq!(
+            action_for(&entry(None, None, false), &mv, None),
+            Action::AssignNow {
+                to: NodeId("b".into())
+            }
+        );
+        let back = Move {
+            to: NodeId("a".into()),
+            ..mv
+        };
+        assert_eq!(
+            action_for(
+                &entry(Some("a"), Some("c"), false),
+                &back,
+                Some(NodeState::Active)
+            ),
+            Action::Cancel
+        );
     }
 }

@@ -34,7 +34,10 @@ mod tests {
     use super::*;
 
     fn key(tenant: &str, session: &str) -> SessionKey {
-        SessionKey { tenant: tenant.parse().unwrap(), session: session.parse().unwrap() }
+        SessionKey {
+            tenant: tenant.parse().unwrap(),
+            session: session.parse().unwrap(),
+        }
     }
 
     /// Golden vectors: these values must never change (they decide every session's owner).
@@ -74,7 +77,10 @@ mod tests {
     /// The encoding spelled out byte by byte, so the documentation and code cannot drift.
     #[test]
     fn encoding_is_domain_then_raw_uuid_bytes() {
-        let k = key("00000000-0000-0000-0000-000000000001", "00000000-0000-0000-0000-000000000002");
+        let k = key(
+            "00000000-0000-0000-0000-000000000001",
+            "00000000-0000-0000-0000-000000000002",
+        );
         let mut input = b"graviton/session-shard/1".to_vec();
         input.extend_from_slice(&[0; 15]);
         input.push(1);
@@ -87,8 +93,14 @@ mod tests {
 
     #[test]
     fn tenant_and_session_are_not_interchangeable() {
-        let a = key("00000000-0000-0000-0000-000000000001", "00000000-0000-0000-0000-000000000002");
-        let b = key("00000000-0000-0000-0000-000000000002", "00000000-0000-0000-0000-000000000001");
+        let a = key(
+            "00000000-0000-0000-0000-000000000001",
+            "00000000-0000-0000-0000-000000000002",
+        );
+        let b = key(
+            "00000000-0000-0000-0000-000000000002",
+            "00000000-0000-0000-0000-000000000001",
+        );
         assert_ne!(session_hash(&a), session_hash(&b));
     }
 
@@ -96,10 +108,16 @@ mod tests {
     fn sessions_spread_over_shards() {
         let mut counts = vec![0u32; 16];
         for _ in 0..16_000 {
-            let k = SessionKey { tenant: crate::ids::TenantId::new_random(), session: crate::ids::SessionId::new_random() };
+            let k = SessionKey {
+                tenant: crate::ids::TenantId::new_random(),
+                session: crate::ids::SessionId::new_random(),
+            };
             counts[shard_of(&k, 16).0 as usize] += 1;
         }
         // Expected 1000 each; a fair hash stays well within +-25%.
-        assert!(counts.iter().all(|&c| (750..1250).contains(&c)), "{counts:?}");
+        assert!(
+            counts.iter().all(|&c| (750..1250).contains(&c)),
+            "{counts:?}"
+        );
     }
 }

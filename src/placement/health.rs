@@ -89,15 +89,25 @@ impl HealthSnapshot {
 }
 
 /// The next snapshot after a probe at `now_ms` (Unix milliseconds).
-pub fn next(prev: &HealthSnapshot, probe: Result<Probe, ProbeFailure>, now_ms: u64) -> HealthSnapshot {
+pub fn next(
+    prev: &HealthSnapshot,
+    probe: Result<Probe, ProbeFailure>,
+    now_ms: u64,
+) -> HealthSnapshot {
     match probe {
         Ok(p) => {
             let (status, detail) = if p.local_shards == 0 {
                 (HealthStatus::Unassigned, "this node owns no shard")
             } else if p.assigned_shards < p.configured_shards || p.moving_shards > 0 {
-                (HealthStatus::Rebalancing, "uploads are served while shard assignments converge")
+                (
+                    HealthStatus::Rebalancing,
+                    "uploads are served while shard assignments converge",
+                )
             } else {
-                (HealthStatus::Healthy, "placement is settled and this node owns shards")
+                (
+                    HealthStatus::Healthy,
+                    "placement is settled and this node owns shards",
+                )
             };
             HealthSnapshot {
                 status,
@@ -135,7 +145,13 @@ mod tests {
     use super::*;
 
     fn probe(assigned: u32, local: u32, moving: u32) -> Result<Probe, ProbeFailure> {
-        Ok(Probe { configured_shards: 16, assigned_shards: assigned, local_shards: local, moving_shards: moving, observed_nodes: 2 })
+        Ok(Probe {
+            configured_shards: 16,
+            assigned_shards: assigned,
+            local_shards: local,
+            moving_shards: moving,
+            observed_nodes: 2,
+        })
     }
 
     #[test]

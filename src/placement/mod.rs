@@ -56,7 +56,9 @@ use serde::Serialize;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::actors::health::{HealthActor, HealthArgs, HealthMsg, probe_once};
-use crate::actors::manager_election::{self, ElectionArgs, ElectionMode, ElectionMsg, ManagerElection};
+use crate::actors::manager_election::{
+    self, ElectionArgs, ElectionMode, ElectionMsg, ManagerElection,
+};
 use crate::actors::placement::{PlacementActor, PlacementArgs, PlacementMsg};
 use crate::actors::shard_manager::ShardManagerArgs;
 use crate::ids::{NodeId, SessionKey};
@@ -75,7 +77,9 @@ pub enum ClusterError {
     NotConfigured,
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("another Graviton shard manager holds the PostgreSQL manager lock; refusing to start a second one")]
+    #[error(
+        "another Graviton shard manager holds the PostgreSQL manager lock; refusing to start a second one"
+    )]
     ManagerLockHeld,
     #[error("actor failed to start: {0}")]
     Spawn(String),
@@ -132,7 +136,11 @@ pub struct ClusterStatus {
 
 impl Cluster {
     /// Build the pool from `config.database_url`, migrate, and [`Cluster::start`].
-    pub async fn connect_and_start(node: NodeId, config: &ClusterConfig, version: &str) -> Result<ClusterHandle, ClusterError> {
+    pub async fn connect_and_start(
+        node: NodeId,
+        config: &ClusterConfig,
+        version: &str,
+    ) -> Result<ClusterHandle, ClusterError> {
         let pool = connect(config).await?;
         pg::migrate(&pool).await?;
         Self::start(node, config, version, pool).await
@@ -141,16 +149,29 @@ impl Cluster {
     /// Start placement on this node against an already migrated database: bootstrap (or
     /// check) the shard count, register, load the table, start heartbeats, health and,
     /// with `embedded_manager`, the manager election.
-    pub async fn start(node: NodeId, config: &ClusterConfig, version: &str, pool: PgPool) -> Result<ClusterHandle, ClusterError> {
+    pub async fn start(
+        node: NodeId,
+        config: &ClusterConfig,
+        version: &str,
+        pool: PgPool,
+    ) -> Result<ClusterHandle, ClusterError> {
         let store = PlacementStore::new(pool.clone());
         store.bootstrap(config.shard_count).await?;
-        let view = Arc::new(LocalView::new(node.clone(), config.shard_count, config.self_fence.get()));
+        let view = Arc::new(LocalView::new(
+            node.clone(),
+            config.shard_count,
+            config.self_fence.get(),
+        ));
         let registration = NodeRegistration {
             id: node.clone(),
             public_addr: config.public_addr.clone(),
             internal_addr: config.internal_addr.clone(),
             control_addr: config.control_addr.clone(),
-            version: if version.is_empty() { "unknown".to_string() } else { version.to_string() },
+            version: if version.is_empty() {
+                "unknown".to_string()
+            } else {
+                version.to_string()
+            },
         };
         let (placement, _) = Actor::spawn(
             None,
@@ -167,9 +188,16 @@ impl Cluster {
         .await
         .map_err(|e| ClusterError::Spawn(e.to_string()))?;
         probe_once(&view);
-        let (health, _) = Actor::spawn(None, HealthActor, HealthArgs { view: view.clone(), interval: config.heartbeat_interval.get() })
-            .await
-            .map_err(|e| ClusterError::Spawn(e.to_string()))?;
+        let (health, _) = Actor::spawn(
+            None,
+            HealthActor,
+            HealthArgs {
+                view: view.clone(),
+                interval: config.heartbeat_interval.get(),
+            },
+        )
+        .await
+        .map_err(|e| ClusterError::Spawn(e.to_string()))?;
         let election = if config.embedded_manager {
             let lock_options = manager_election::lock_connection_options(
                 (*pool.connect_options()).clone(),
@@ -194,20 +222,46 @@ impl Cluster {
         } else {
             None
         };
-        Ok(ClusterHandle { view, store: Some(store), placement: Some(placement), health: Some(health), election })
+        Ok(ClusterHandle {
+            view,
+            store: Some(store),
+            placement: Some(placement),
+            health: Some(health),
+            election,
+        })
     }
 
     /// The embedded single node: this node owns every shard at epoch 0, forever; no
     /// PostgreSQL, no actors, same API.
     pub fn single_node(node: NodeId, shard_count: u32) -> ClusterHandle {
-        let view = Arc::new(LocalView::new(node.clone(), shard_count, Duration::from_secs(100 * 365 * 24 * 3600)));
+        let view = Arc::new(LocalView::new(
+            node.clone(),
+            shard_count,
+            Duration::from_secs(100 * 365 * 24 * 3600),
+        ));
         let shards = (0..shard_count)
-            .map(|s| ShardEntry { shard: ShardId(s), owner: Some(node.clone()), epoch: Epoch(0), moving_to: None, revoke_acked: false })
+            .map(|s| ShardEntry {
+                shard: ShardId(s),
+                owner: Some(node.clone()),
+                epoch: Epoch(0),
+                moving_to: None,
+                revoke_acked: false,
+            })
             .collect();
-        view.publish(ShardTable { shards, nodes: Default::default(), manager_term: 0 });
+        view.publish(ShardTable {
+            shards,
+            nodes: Default::default(),
+            manager_term: 0,
+        });
         view.heartbeat_ok(std::time::Instant::now());
         probe_once(&view);
-        ClusterHandle { view, store: None, placement: None, health: None, election: None }
+        ClusterHandle {
+            view,
+            store: None,
+            placement: None,
+            health: None,
+            election: None,
+        }
     }
 }
 
@@ -224,8 +278,16 @@ fn manager_args(store: &PlacementStore, config: &ClusterConfig) -> ShardManagerA
 
 /// A pool for the placement database from `[cluster]`.
 pub async fn connect(config: &ClusterConfig) -> Result<PgPool, ClusterError> {
-    let url = config.database_url.as_ref().ok_or(ClusterError::NotConfigured)?;
-    Ok(pg::connect_pool(url.expose(), config.pool_max_connections, config.statement_timeout.get()).await?)
+    let url = config
+        .database_url
+        .as_ref()
+        .ok_or(ClusterError::NotConfigured)?;
+    Ok(pg::connect_pool(
+        url.expose(),
+        config.pool_max_connections,
+        config.statement_timeout.get(),
+    )
+    .await?)
 }
 
 /// `graviton migrate`: apply the placement migrations.
@@ -277,14 +339,25 @@ pub struct StandaloneManager {
 
 /// `graviton manager --config FILE`: take the manager lock once and run the shard manager.
 /// Fails closed with [`ClusterError::ManagerLockHeld`] if another manager holds the lock.
-pub async fn run_standalone_manager(node: NodeId, config: &ClusterConfig) -> Result<StandaloneManager, ClusterError> {
+pub async fn run_standalone_manager(
+    node: NodeId,
+    config: &ClusterConfig,
+) -> Result<StandaloneManager, ClusterError> {
     let pool = connect(config).await?;
     pg::migrate(&pool).await?;
     let store = PlacementStore::new(pool.clone());
     store.bootstrap(config.shard_count).await?;
-    let lock_options = manager_election::lock_connection_options((*pool.connect_options()).clone(), config.lock_ping_interval.get());
-    let mut conn = PgConnection::connect_with(&lock_options).await.map_err(StoreError::Database)?;
-    if !manager_election::try_lock(&mut conn).await.map_err(StoreError::Database)? {
+    let lock_options = manager_election::lock_connection_options(
+        (*pool.connect_options()).clone(),
+        config.lock_ping_interval.get(),
+    );
+    let mut conn = PgConnection::connect_with(&lock_options)
+        .await
+        .map_err(StoreError::Database)?;
+    if !manager_election::try_lock(&mut conn)
+        .await
+        .map_err(StoreError::Database)?
+    {
         let _ = conn.close().await;
         return Err(ClusterError::ManagerLockHeld);
     }
@@ -303,7 +376,11 @@ pub async fn run_standalone_manager(node: NodeId, config: &ClusterConfig) -> Res
     )
     .await
     .map_err(|e| ClusterError::Spawn(e.to_string()))?;
-    Ok(StandaloneManager { election, join, pool })
+    Ok(StandaloneManager {
+        election,
+        join,
+        pool,
+    })
 }
 
 impl StandaloneManager {
@@ -320,7 +397,10 @@ impl StandaloneManager {
 
     /// Stop the manager and release the lock.
     pub async fn shutdown(self) {
-        let _ = self.election.stop_and_wait(None, Some(Duration::from_secs(5))).await;
+        let _ = self
+            .election
+            .stop_and_wait(None, Some(Duration::from_secs(5)))
+            .await;
         let _ = self.join.await;
         self.pool.close().await;
     }
@@ -377,7 +457,10 @@ impl ClusterHandle {
             if self.view.table().owned_by(self.view.node()) == 0 {
                 return Ok(true);
             }
-            if tokio::time::timeout_at(deadline, changes.changed()).await.is_err() {
+            if tokio::time::timeout_at(deadline, changes.changed())
+                .await
+                .is_err()
+            {
                 return Ok(false);
             }
         }

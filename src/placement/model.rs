@@ -120,7 +120,10 @@ impl ShardTable {
 
     /// Shards owned by `node` (including those being moved away).
     pub fn owned_by(&self, node: &NodeId) -> usize {
-        self.shards.iter().filter(|s| s.owner.as_ref() == Some(node)).count()
+        self.shards
+            .iter()
+            .filter(|s| s.owner.as_ref() == Some(node))
+            .count()
     }
 
     /// Shards with an owner.
@@ -130,7 +133,11 @@ impl ShardTable {
 
     /// Distinct owners in the table.
     pub fn observed_owners(&self) -> usize {
-        let mut owners: Vec<&NodeId> = self.shards.iter().filter_map(|s| s.owner.as_ref()).collect();
+        let mut owners: Vec<&NodeId> = self
+            .shards
+            .iter()
+            .filter_map(|s| s.owner.as_ref())
+            .collect();
         owners.sort();
         owners.dedup();
         owners.len()
@@ -143,6 +150,10 @@ impl ShardTable {
 
     /// Highest epoch of any shard.
     pub fn max_epoch(&self) -> Epoch {
-        self.shards.iter().map(|s| s.epoch).max().unwrap_or(Epoch(0))
+        self.shards
+            .iter()
+            .map(|s| s.epoch)
+            .max()
+            .unwrap_or(Epoch(0))
     }
 }

@@ -33,12 +33,24 @@ pub struct Move {
 }
 
 /// Plan one round. `owners[i]` is the effective owner of shard `i`.
-pub fn plan(owners: &[Option<NodeId>], nodes: &BTreeMap<NodeId, NodeState>, budget: usize) -> Vec<Move> {
-    let eligible: Vec<&NodeId> = nodes.iter().filter(|(_, s)| s.accepts_shards()).map(|(id, _)| id).collect();
+pub fn plan(
+    owners: &[Option<NodeId>],
+    nodes: &BTreeMap<NodeId, NodeState>,
+    budget: usize,
+) -> Vec<Move> {
+    let eligible: Vec<&NodeId> = nodes
+        .iter()
+        .filter(|(_, s)| s.accepts_shards())
+        .map(|(id, _)| id)
+        .collect();
     if eligible.is_empty() {
         return Vec::new();
     }
-    let index: BTreeMap<&NodeId, usize> = eligible.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+    let index: BTreeMap<&NodeId, usize> = eligible
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (*id, i))
+        .collect();
     // Shards currently held by each eligible node, ascending.
     let mut held: Vec<Vec<u32>> = vec![Vec::new(); eligible.len()];
     let mut forced = Vec::new();

@@ -64,7 +64,10 @@ pub struct LocalView {
 
 impl std::fmt::Debug for LocalView {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LocalView").field("node", &self.node).field("shard_count", &self.shard_count).finish()
+        f.debug_struct("LocalView")
+            .field("node", &self.node)
+            .field("shard_count", &self.shard_count)
+            .finish()
     }
 }
 
@@ -114,7 +117,11 @@ impl LocalView {
         let table = self.table();
         let entry = table.get(shard).ok_or(ResolveError::NotLoaded)?;
         let node = entry.owner.clone().ok_or(ResolveError::Unassigned(shard))?;
-        let internal_addr = table.nodes.get(&node).map(|n| n.internal_addr.clone()).unwrap_or_default();
+        let internal_addr = table
+            .nodes
+            .get(&node)
+            .map(|n| n.internal_addr.clone())
+            .unwrap_or_default();
         Ok(Owner {
             is_local: node == self.node,
             node,
@@ -136,12 +143,17 @@ impl LocalView {
 
     /// Time left before the self-fence trips (zero when fenced).
     pub fn fence_remaining(&self) -> Duration {
-        Duration::from_nanos(self.fence_deadline_ns.load(Ordering::SeqCst).saturating_sub(self.now_ns()))
+        Duration::from_nanos(
+            self.fence_deadline_ns
+                .load(Ordering::SeqCst)
+                .saturating_sub(self.now_ns()),
+        )
     }
 
     /// Record a successful heartbeat whose request started at `started`.
     pub(crate) fn heartbeat_ok(&self, started: Instant) {
-        let deadline = (started.saturating_duration_since(self.origin) + self.self_fence).as_nanos() as u64;
+        let deadline =
+            (started.saturating_duration_since(self.origin) + self.self_fence).as_nanos() as u64;
         self.fence_deadline_ns.fetch_max(deadline, Ordering::SeqCst);
         self.changes.send_modify(|v| *v += 1);
     }
@@ -184,19 +196,30 @@ impl LocalView {
         if !handoff::permit_valid(guard.get(shard), &self.node, epoch, self.fenced()) {
             return None;
         }
-        self.in_flight.get(shard.0 as usize)?.fetch_add(1, Ordering::SeqCst);
+        self.in_flight
+            .get(shard.0 as usize)?
+            .fetch_add(1, Ordering::SeqCst);
         drop(guard);
-        Some(IngestPermit { view: self.clone(), shard, epoch })
+        Some(IngestPermit {
+            view: self.clone(),
+            shard,
+            epoch,
+        })
     }
 
     /// Ingests in flight on `shard`.
     pub fn in_flight(&self, shard: ShardId) -> usize {
-        self.in_flight.get(shard.0 as usize).map_or(0, |c| c.load(Ordering::SeqCst) as usize)
+        self.in_flight
+            .get(shard.0 as usize)
+            .map_or(0, |c| c.load(Ordering::SeqCst) as usize)
     }
 
     /// The latest readiness snapshot.
     pub fn health(&self) -> HealthSnapshot {
-        self.health.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.health
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     pub(crate) fn set_health(&self, snapshot: HealthSnapshot) {
@@ -254,10 +277,10 @@ impl IngestPermit {
 
 impl Drop for IngestPermit {
     fn drop(&mut self) {
-        if let Some(count) = self.view.in_flight.get(self.shard.0 as usize) {
-            if count.fetch_sub(1, Ordering::SeqCst) == 1 {
-                self.view.ack_wake.notify_one();
-            }
+        if let Some(count) = self.view.in_flight.get(self.shard.0 as usize)
+            && count.fetch_sub(1, Ordering::SeqCst) == 1
+        {
+            self.view.ack_wake.notify_one();
         }
     }
 }

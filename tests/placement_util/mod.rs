@@ -18,7 +18,11 @@ pub fn config(url: &str, node: &str) -> ClusterConfig {
 }
 
 /// Start a node named `name` with the default fast config adjusted by `tweak`.
-pub async fn start_node(url: &str, name: &str, tweak: impl FnOnce(&mut ClusterConfig)) -> ClusterHandle {
+pub async fn start_node(
+    url: &str,
+    name: &str,
+    tweak: impl FnOnce(&mut ClusterConfig),
+) -> ClusterHandle {
     let mut config = config(url, name);
     tweak(&mut config);
     Cluster::connect_and_start(NodeId(name.to_string()), &config, "test")
@@ -28,13 +32,20 @@ pub async fn start_node(url: &str, name: &str, tweak: impl FnOnce(&mut ClusterCo
 
 /// A store on its own small pool (for assertions straight from PostgreSQL).
 pub async fn store(url: &str) -> PlacementStore {
-    let pool = graviton::storage::pg::connect_pool(url, 4, Duration::from_secs(5)).await.expect("pool");
-    graviton::storage::pg::migrate(&pool).await.expect("migrate");
+    let pool = graviton::storage::pg::connect_pool(url, 4, Duration::from_secs(5))
+        .await
+        .expect("pool");
+    graviton::storage::pg::migrate(&pool)
+        .await
+        .expect("migrate");
     PlacementStore::new(pool)
 }
 
 pub fn random_key() -> SessionKey {
-    SessionKey { tenant: TenantId::new_random(), session: SessionId::new_random() }
+    SessionKey {
+        tenant: TenantId::new_random(),
+        session: SessionId::new_random(),
+    }
 }
 
 /// Poll `check` every 20ms until true; panic naming `what` after `timeout`. Returns the
@@ -66,7 +77,10 @@ pub fn settled(handles: &[&ClusterHandle], owners: &[&str]) -> bool {
     if tables.iter().any(|t| t.shards != first.shards) {
         return false;
     }
-    let counts: Vec<usize> = owners.iter().map(|o| first.owned_by(&NodeId(o.to_string()))).collect();
+    let counts: Vec<usize> = owners
+        .iter()
+        .map(|o| first.owned_by(&NodeId(o.to_string())))
+        .collect();
     let total: usize = counts.iter().sum();
     let min = counts.iter().min().copied().unwrap_or(0);
     let max = counts.iter().max().copied().unwrap_or(0);

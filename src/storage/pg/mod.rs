@@ -9,9 +9,9 @@ pub mod placement;
 use std::str::FromStr;
 use std::time::Duration;
 
+use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::PgPool;
 
 pub use placement::{PlacementStore, StoreError};
 
@@ -19,10 +19,15 @@ pub use placement::{PlacementStore, StoreError};
 pub static MIGRATOR: Migrator = sqlx::migrate!("./sql");
 
 /// Connection options from a URL, with a statement timeout on every session.
-pub fn connect_options(url: &str, statement_timeout: Duration) -> Result<PgConnectOptions, StoreError> {
+pub fn connect_options(
+    url: &str,
+    statement_timeout: Duration,
+) -> Result<PgConnectOptions, StoreError> {
     let options = PgConnectOptions::from_str(url).map_err(|_| StoreError::InvalidUrl)?;
     let ms = statement_timeout.as_millis().max(1).to_string();
-    Ok(options.options([("statement_timeout", ms.as_str())]).application_name("graviton-placement"))
+    Ok(options
+        .options([("statement_timeout", ms.as_str())])
+        .application_name("graviton-placement"))
 }
 
 /// A pool for the placement store.
@@ -42,5 +47,8 @@ pub async fn connect_pool(
 
 /// Apply the pending migrations (safe to run concurrently: the migrator takes a lock).
 pub async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
-    MIGRATOR.run(pool).await.map_err(|err| StoreError::Migration(err.to_string()))
+    MIGRATOR
+        .run(pool)
+        .await
+        .map_err(|err| StoreError::Migration(err.to_string()))
 }

@@ -34,7 +34,9 @@ pub enum StoreError {
     Migration(String),
     #[error("manager term {held} is no longer current (current term {current}); write refused")]
     Fenced { held: i64, current: i64 },
-    #[error("the cluster was bootstrapped with {stored} shards but this node is configured with {configured} (cluster.shard_count); the shard count cannot change")]
+    #[error(
+        "the cluster was bootstrapped with {stored} shards but this node is configured with {configured} (cluster.shard_count); the shard count cannot change"
+    )]
     ShardCountMismatch { configured: u32, stored: u32 },
     #[error("the placement database is not bootstrapped")]
     NotBootstrapped,
@@ -93,7 +95,10 @@ impl PlacementStore {
             .await?;
         if stored as u32 != shard_count {
             tx.rollback().await?;
-            return Err(StoreError::ShardCountMismatch { configured: shard_count, stored: stored as u32 });
+            return Err(StoreError::ShardCountMismatch {
+                configured: shard_count,
+                stored: stored as u32,
+            });
         }
         sqlx::query(
             "INSERT INTO placement_shards (shard) SELECT generate_series(0, $1 - 1) ON CONFLICT (shard) DO NOTHING",
@@ -106,10 +111,12 @@ impl PlacementStore {
     }
 
     pub async fn meta(&self) -> Result<ClusterMeta, StoreError> {
-        let row = sqlx::query("SELECT shard_count, manager_term, manager_node FROM placement_meta WHERE id = 1")
-            .fetch_optional(&self.pool)
-            .await?
-            .ok_or(StoreError::NotBootstrapped)?;
+        let row = sqlx::query(
+            "SELECT shard_count, manager_term, manager_node FROM placement_meta WHERE id = 1",
+        )
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or(StoreError::NotBootstrapped)?;
         Ok(ClusterMeta {
             shard_count: row.try_get::<i32, _>("shard_count")? as u32,
             manager_term: row.try_get("manager_term")?,
@@ -145,7 +152,11 @@ impl PlacementStore {
 
     /// Refresh this node's heartbeat (database clock). `None`: the row is gone, belongs to
     /// another incarnation, or was declared dead; the node must fence and re-register.
-    pub async fn heartbeat(&self, node: &NodeId, incarnation: i64) -> Result<Option<NodeState>, StoreError> {
+    pub async fn heartbeat(
+        &self,
+        node: &NodeId,
+        incarnation: i64,
+    ) -> Result<Option<NodeState>, StoreError> {
         let state: Option<String> = sqlx::query_scalar(
             "UPDATE placement_nodes SET heartbeat_at = now()
              WHERE id = $1 AND incarnation = $2 AND state <> 'dead' RETURNING state",
@@ -154,7 +165,9 @@ impl PlacementStore {
         .bind(incarnation)
         .fetch_optional(&self.pool)
         .await?;
-        state.map(|s| NodeState::parse(&s).ok_or(StoreError::Corrupt("node state"))).transpose()
+        state
+            .map(|s| NodeState::parse(&s).ok_or(StoreError::Corrupt("node state")))
+            .transpose()
     }
 
     /// Ask for `node` to be drained (state `draining`). Not term-fenced: any node or operator
@@ -206,10 +219,13 @@ impl PlacementStore {
     /// consistent snapshot.
     pub async fn read_table(&self) -> Result<ShardTable, StoreError> {
         let mut tx = self.pool.begin().await?;
-        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY").execute(&mut *tx).await?;
-        let term: Option<i64> = sqlx::query_scalar("SELECT manager_term FROM placement_meta WHERE id = 1")
-            .fetch_optional(&mut *tx)
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .execute(&mut *tx)
             .await?;
+        let term: Option<i64> =
+            sqlx::query_scalar("SELECT manager_term FROM placement_meta WHERE id = 1")
+                .fetch_optional(&mut *tx)
+                .await?;
         let term = term.ok_or(StoreError::NotBootstrapped)?;
         let nodes = read_nodes(&mut tx).await?;
         let rows = sqlx::query(
@@ -232,7 +248,11 @@ impl PlacementStore {
                 revoke_acked: row.try_get("revoke_acked")?,
             });
         }
-        Ok(ShardTable { shards, nodes, manager_term: term })
+        Ok(ShardTable {
+            shards,
+            nodes,
+            manager_term: term,
+        })
     }
 
     /// All node rows.
@@ -269,7 +289,10 @@ impl PlacementStore {
         let current = current.ok_or(StoreError::NotBootstrapped)?;
         if current != term {
             tx.rollback().await?;
-            return Err(StoreError::Fenced { held: term, current });
+            return Err(StoreError::Fenced {
+                held: term,
+                current,
+            });
         }
         Ok(FencedTx { tx, term })
     }
@@ -281,7 +304,11 @@ impl FencedTx {
     }
 
     /// Declare `node` dead if (by the database clock) its heartbeat is older than `ttl_ms`.
-    pub async fn mark_dead_if_silent(&mut self, node: &NodeId, ttl_ms: i64) -> Result<bool, StoreError> {
+    pub async fn mark_dead_if_silent(
+        &mut self,
+        node: &NodeId,
+        ttl_ms: i64,
+    ) -> Result<bool, StoreError> {
         let n = sqlx::query(
             "UPDATE placement_nodes SET state = 'dead'
              WHERE id = $1 AND state <> 'dead' AND heartbeat_at < now() - make_interval(secs => $2::float8 / 1000.0)",
@@ -296,16 +323,23 @@ impl FencedTx {
 
     /// Promote a joining node to active.
     pub async fn activate(&mut self, node: &NodeId) -> Result<bool, StoreError> {
-        let n = sqlx::query("UPDATE placement_nodes SET state = 'active' WHERE id = $1 AND state = 'joining'")
-            .bind(&node.0)
-            .execute(&mut *self.tx)
-            .await?
-            .rows_affected();
+        let n = sqlx::query(
+            "UPDATE placement_nodes SET state = 'active' WHERE id = $1 AND state = 'joining'",
+        )
+        .bind(&node.0)
+        .execute(&mut *self.tx)
+        .await?
+        .rows_affected();
         Ok(n == 1)
     }
 
     /// Assign a shard with no live owner directly: `epoch + 1`, any move cleared.
-    pub async fn assign_now(&mut self, shard: ShardId, read_epoch: Epoch, to: &NodeId) -> Result<Option<Epoch>, StoreError> {
+    pub async fn assign_now(
+        &mut self,
+        shard: ShardId,
+        read_epoch: Epoch,
+        to: &NodeId,
+    ) -> Result<Option<Epoch>, StoreError> {
         let epoch: Option<i64> = sqlx::query_scalar(
             "UPDATE placement_shards SET node_id = $3, epoch = epoch + 1, moving_to = NULL, revoke_acked = false, updated_at = now()
              WHERE shard = $1 AND epoch = $2 RETURNING epoch",
@@ -319,7 +353,13 @@ impl FencedTx {
     }
 
     /// Request the revocation of a shard from its live owner towards `to`.
-    pub async fn revoke(&mut self, shard: ShardId, read_epoch: Epoch, owner: &NodeId, to: &NodeId) -> Result<bool, StoreError> {
+    pub async fn revoke(
+        &mut self,
+        shard: ShardId,
+        read_epoch: Epoch,
+        owner: &NodeId,
+        to: &NodeId,
+    ) -> Result<bool, StoreError> {
         let n = sqlx::query(
             "UPDATE placement_shards SET moving_to = $4, updated_at = now()
              WHERE shard = $1 AND epoch = $2 AND node_id = $3",
@@ -335,7 +375,12 @@ impl FencedTx {
     }
 
     /// Cancel a move in progress: the owner keeps the shard at the same epoch.
-    pub async fn cancel_move(&mut self, shard: ShardId, read_epoch: Epoch, owner: &NodeId) -> Result<bool, StoreError> {
+    pub async fn cancel_move(
+        &mut self,
+        shard: ShardId,
+        read_epoch: Epoch,
+        owner: &NodeId,
+    ) -> Result<bool, StoreError> {
         let n = sqlx::query(
             "UPDATE placement_shards SET moving_to = NULL, revoke_acked = false, updated_at = now()
              WHERE shard = $1 AND epoch = $2 AND node_id = $3",
@@ -351,7 +396,12 @@ impl FencedTx {
 
     /// Complete a move: owner := moving_to, `epoch + 1`. The statement itself re-checks that
     /// the old owner acknowledged or is dead.
-    pub async fn complete_move(&mut self, shard: ShardId, read_epoch: Epoch, to: &NodeId) -> Result<Option<Epoch>, StoreError> {
+    pub async fn complete_move(
+        &mut self,
+        shard: ShardId,
+        read_epoch: Epoch,
+        to: &NodeId,
+    ) -> Result<Option<Epoch>, StoreError> {
         let epoch: Option<i64> = sqlx::query_scalar(
             "UPDATE placement_shards s SET node_id = s.moving_to, epoch = s.epoch + 1, moving_to = NULL,
                     revoke_acked = false, updated_at = now()
@@ -371,12 +421,18 @@ impl FencedTx {
     /// Lock a node row for the rest of the transaction and return its current state.
     /// Used before taking shards from a node believed dead: a concurrent re-registration
     /// either commits first (and is seen here) or waits for this transaction.
-    pub async fn lock_node_state(&mut self, node: &NodeId) -> Result<Option<NodeState>, StoreError> {
-        let state: Option<String> = sqlx::query_scalar("SELECT state FROM placement_nodes WHERE id = $1 FOR UPDATE")
-            .bind(&node.0)
-            .fetch_optional(&mut *self.tx)
-            .await?;
-        state.map(|s| NodeState::parse(&s).ok_or(StoreError::Corrupt("node state"))).transpose()
+    pub async fn lock_node_state(
+        &mut self,
+        node: &NodeId,
+    ) -> Result<Option<NodeState>, StoreError> {
+        let state: Option<String> =
+            sqlx::query_scalar("SELECT state FROM placement_nodes WHERE id = $1 FOR UPDATE")
+                .bind(&node.0)
+                .fetch_optional(&mut *self.tx)
+                .await?;
+        state
+            .map(|s| NodeState::parse(&s).ok_or(StoreError::Corrupt("node state")))
+            .transpose()
     }
 
     /// Abandon the transaction (nothing to write).
@@ -394,11 +450,17 @@ impl FencedTx {
 }
 
 async fn notify(tx: &mut Transaction<'static, Postgres>, payload: &str) -> Result<(), StoreError> {
-    sqlx::query("SELECT pg_notify($1, $2)").bind(NOTIFY_CHANNEL).bind(payload).execute(&mut **tx).await?;
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(NOTIFY_CHANNEL)
+        .bind(payload)
+        .execute(&mut **tx)
+        .await?;
     Ok(())
 }
 
-async fn read_nodes(tx: &mut Transaction<'static, Postgres>) -> Result<BTreeMap<NodeId, NodeInfo>, StoreError> {
+async fn read_nodes(
+    tx: &mut Transaction<'static, Postgres>,
+) -> Result<BTreeMap<NodeId, NodeInfo>, StoreError> {
     let rows = sqlx::query(
         "SELECT id, public_addr, internal_addr, control_addr, version, state, incarnation,
                 (EXTRACT(EPOCH FROM (now() - heartbeat_at)) * 1000)::bigint AS age_ms
