@@ -16,6 +16,7 @@
 //! session values anywhere here) and retried on the next tick.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -57,6 +58,7 @@ pub struct PlacementState {
     incarnation: i64,
     heartbeat_timeout: Duration,
     last_state: Option<NodeState>,
+    refresh_queued: Arc<AtomicBool>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -77,6 +79,7 @@ impl Actor for PlacementActor {
         args.view.publish(table);
         tracing::info!(component = "placement", node_id = %args.registration.id, incarnation, "node registered");
 
+        let refresh_queued = Arc::new(AtomicBool::new(false));
         let mut tasks = Vec::new();
         tasks.push(myself.send_interval(args.poll_interval, || PlacementMsg::Refresh));
         tasks.push(myself.send_interval(args.heartbeat_interval, || PlacementMsg::Heartbeat));
@@ -85,6 +88,7 @@ impl Actor for PlacementActor {
                 args.store.clone(),
                 myself.clone(),
                 args.poll_interval,
+                refresh_queued.clone(),
             ));
         }
         let view = args.view.clone();
@@ -104,6 +108,7 @@ impl Actor for PlacementActor {
             incarnation,
             heartbeat_timeout: args.heartbeat_interval.max(Duration::from_millis(50)),
             last_state: None,
+            refresh_queued,
             tasks,
         })
     }
@@ -116,6 +121,7 @@ impl Actor for PlacementActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             PlacementMsg::Refresh => {
+                state.refresh_queued.store(false, Ordering::SeqCst);
                 refresh(state).await;
                 check_acks(state).await;
             }
@@ -236,12 +242,20 @@ async fn check_acks(state: &mut PlacementState) {
 }
 
 /// LISTEN on the placement channel; every notification (and every reconnect, since
-/// notifications sent while disconnected are lost) triggers a refresh.
+/// notifications sent while disconnected are lost) triggers a refresh. Bursts coalesce:
+/// while a refresh is queued and not yet started, further notifications add nothing.
 fn spawn_listener(
     store: PlacementStore,
     actor: ActorRef<PlacementMsg>,
     retry: Duration,
+    queued: Arc<AtomicBool>,
 ) -> JoinHandle<()> {
+    let wake = move |actor: &ActorRef<PlacementMsg>| {
+        if queued.swap(true, Ordering::SeqCst) {
+            return true;
+        }
+        actor.cast(PlacementMsg::Refresh).is_ok()
+    };
     tokio::spawn(async move {
         loop {
             let mut listener = match PgListener::connect_with(store.pool()).await {
@@ -255,19 +269,14 @@ fn spawn_listener(
                 tokio::time::sleep(retry).await;
                 continue;
             }
-            if actor.cast(PlacementMsg::Refresh).is_err() {
+            if !wake(&actor) {
                 return;
             }
             loop {
                 match listener.try_recv().await {
-                    Ok(Some(_)) => {
-                        if actor.cast(PlacementMsg::Refresh).is_err() {
-                            return;
-                        }
-                    }
-                    // Connection lost: notifications may have been missed; resync.
-                    Ok(None) => {
-                        if actor.cast(PlacementMsg::Refresh).is_err() {
+                    // A notification, or a reconnect after which some may have been lost.
+                    Ok(_) => {
+                        if !wake(&actor) {
                             return;
                         }
                     }
