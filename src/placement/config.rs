@@ -228,4 +228,27 @@ mod tests {
         let keys: Vec<_> = config.problems().iter().map(|p| p.key).collect();
         assert_eq!(keys, vec!["cluster.database_url", "cluster.internal_addr"]);
     }
+
+    #[test]
+    fn cluster_section_loads_from_toml_and_names_bad_keys() {
+        let config = crate::config::Config::from_toml_str(
+            "[cluster]\nnode_ttl = \"10s\"\nshard_count = 256\n",
+        )
+        .unwrap();
+        assert_eq!(config.cluster.node_ttl, HumanDuration::secs(10));
+        assert_eq!(config.cluster.shard_count, 256);
+        let err = crate::config::Config::from_toml_str("[cluster]\nself_fence = \"10s\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cluster.node_ttl"), "{err}");
+        let err = crate::config::Config::from_toml_str(
+            "[cluster]\nenabled = true\ninternal_addr = \"x:1\"\ndatabase_url = \"mysql://u:hunter2@h/db\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("cluster.database_url") && !err.contains("hunter2"),
+            "{err}"
+        );
+    }
 }
