@@ -272,15 +272,10 @@ fn spawn_listener(
             if !wake(&actor) {
                 return;
             }
-            loop {
-                match listener.try_recv().await {
-                    // A notification, or a reconnect after which some may have been lost.
-                    Ok(_) => {
-                        if !wake(&actor) {
-                            return;
-                        }
-                    }
-                    Err(_) => break,
+            // Ok(Some): a notification; Ok(None): reconnected, some may have been lost.
+            while listener.try_recv().await.is_ok() {
+                if !wake(&actor) {
+                    return;
                 }
             }
             tokio::time::sleep(retry).await;
