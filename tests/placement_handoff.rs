@@ -198,6 +198,7 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
     .execute(admin.pool())
     .await
     .unwrap();
+    let _role_guard = TempRole(role.clone());
     let b_url = db.url().replacen("postgres@", &format!("{role}@"), 1);
     assert_ne!(
         b_url,
@@ -278,16 +279,6 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
     a.shutdown().await;
     b.shutdown().await;
     admin.pool().close().await;
-    drop(db);
-    let admin_url = std::env::var("GRAVITON_TEST_DATABASE_URL")
-        .unwrap_or_else(|_| support::postgres::DEFAULT_ADMIN_URL.to_string());
-    if let Ok(pool) =
-        graviton::storage::pg::connect_pool(&admin_url, 1, Duration::from_secs(5)).await
-    {
-        let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}")))
-            .execute(&pool)
-            .await;
-    }
 }
 
 /// The checker itself is not vacuous: overlapping ingests on two nodes are caught.
@@ -313,4 +304,39 @@ fn checker_detects_overlap() {
         },
     ];
     check_no_overlap(&events, 1);
+}
+
+/// Drops a test role when the test ends, even on panic (after terminating its sessions).
+struct TempRole(String);
+
+impl Drop for TempRole {
+    fn drop(&mut self) {
+        let role = self.0.clone();
+        let admin_url = std::env::var("GRAVITON_TEST_DATABASE_URL")
+            .unwrap_or_else(|_| support::postgres::DEFAULT_ADMIN_URL.to_string());
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                use sqlx::Connection;
+                if let Ok(mut conn) = sqlx::PgConnection::connect(&admin_url).await {
+                    let _ = sqlx::query(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1",
+                    )
+                    .bind(&role)
+                    .execute(&mut conn)
+                    .await;
+                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}")))
+                        .execute(&mut conn)
+                        .await;
+                    let _ = conn.close().await;
+                }
+            });
+        })
+        .join();
+    }
 }

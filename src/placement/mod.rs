@@ -425,6 +425,12 @@ impl ClusterHandle {
         self.view.resolve(key)
     }
 
+    /// Owner of a shard from the local table, e.g. to name the current owner when a
+    /// forwarded request carries a stale epoch.
+    pub fn resolve_shard(&self, shard: ShardId) -> Result<Owner, ResolveError> {
+        self.view.resolve_shard(shard)
+    }
+
     /// May this node admit ingest for `shard` at `epoch` (owner, current epoch, no move
     /// pending, not self-fenced)?
     pub fn can_ingest(&self, shard: ShardId, epoch: Epoch) -> bool {
