@@ -320,7 +320,11 @@ async fn observer_heals_lost_notifications_within_the_polling_bound() {
     .await;
     let mut worst = Duration::ZERO;
     for victim in ["b", "a"] {
-        a.drain(&NodeId(victim.into())).await.unwrap();
+        assert!(
+            placement::request_drain(db.url(), &NodeId(victim.into()))
+                .await
+                .unwrap()
+        );
         let survivors: Vec<&str> = ["a", "b", "o"]
             .into_iter()
             .filter(|n| *n != victim && !(victim == "a" && *n == "b"))

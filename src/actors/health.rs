@@ -102,3 +102,58 @@ impl Actor for HealthActor {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::NodeId;
+    use crate::placement::health::HealthStatus;
+    use crate::placement::model::{Epoch, ShardEntry, ShardId, ShardTable};
+
+    #[tokio::test]
+    async fn actor_publishes_probes_of_the_view() {
+        let view = Arc::new(LocalView::new(
+            NodeId("a".into()),
+            2,
+            Duration::from_secs(60),
+        ));
+        let (actor, handle) = Actor::spawn(
+            None,
+            HealthActor,
+            HealthArgs {
+                view: view.clone(),
+                interval: Duration::from_millis(10),
+            },
+        )
+        .await
+        .unwrap();
+        // Fenced before any heartbeat: unavailable.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while view.health().status != HealthStatus::Unavailable {
+            assert!(tokio::time::Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let shards = (0..2)
+            .map(|s| ShardEntry {
+                shard: ShardId(s),
+                owner: Some(NodeId("a".into())),
+                epoch: Epoch(1),
+                moving_to: None,
+                revoke_acked: false,
+            })
+            .collect();
+        view.publish(ShardTable {
+            shards,
+            nodes: Default::default(),
+            manager_term: 1,
+        });
+        view.heartbeat_ok(std::time::Instant::now());
+        while view.health().status != HealthStatus::Healthy {
+            assert!(tokio::time::Instant::now() < deadline);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(view.health().ready);
+        actor.stop(None);
+        handle.await.unwrap();
+    }
+}

@@ -32,6 +32,7 @@
 //! // CLI:
 //! placement::migrate(url).await?;               // graviton migrate
 //! placement::cluster_status(url).await?;        // graviton cluster status
+//! placement::request_drain(url, &node).await?;  // graviton drain NODE
 //! placement::run_standalone_manager(node, &cfg).await?; // graviton manager (fails closed)
 //! ```
 //!
@@ -296,6 +297,17 @@ pub async fn migrate(url: &str) -> Result<(), ClusterError> {
     pg::migrate(&pool).await?;
     pool.close().await;
     Ok(())
+}
+
+/// `graviton drain NODE`: ask the manager to move every shard off `node`. Returns false
+/// for an unknown or dead node.
+pub async fn request_drain(url: &str, node: &NodeId) -> Result<bool, ClusterError> {
+    let pool = pg::connect_pool(url, 1, Duration::from_secs(10)).await?;
+    let drained = PlacementStore::new(pool.clone())
+        .request_drain(node)
+        .await?;
+    pool.close().await;
+    Ok(drained)
 }
 
 /// `graviton cluster status`: meta, nodes and shard rows, straight from PostgreSQL.

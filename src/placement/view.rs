@@ -284,3 +284,116 @@ impl Drop for IngestPermit {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::model::ShardEntry;
+
+    fn table(owner: &str, moving: Option<&str>, epoch: i64) -> ShardTable {
+        let shards = (0..4)
+            .map(|s| ShardEntry {
+                shard: ShardId(s),
+                owner: Some(NodeId(owner.into())),
+                epoch: Epoch(epoch),
+                moving_to: moving.map(|m| NodeId(m.into())),
+                revoke_acked: false,
+            })
+            .collect();
+        ShardTable {
+            shards,
+            nodes: Default::default(),
+            manager_term: 1,
+        }
+    }
+
+    fn view() -> Arc<LocalView> {
+        let view = Arc::new(LocalView::new(
+            NodeId("a".into()),
+            4,
+            Duration::from_secs(60),
+        ));
+        view.publish(table("a", None, 1));
+        view.heartbeat_ok(Instant::now());
+        view
+    }
+
+    #[tokio::test]
+    async fn permits_count_in_flight_and_wake_the_acker() {
+        let view = view();
+        let p1 = view.begin_ingest(ShardId(2), Epoch(1)).unwrap();
+        let p2 = view.begin_ingest(ShardId(2), Epoch(1)).unwrap();
+        assert!(
+            view.begin_ingest(ShardId(2), Epoch(0)).is_none(),
+            "stale epoch"
+        );
+        assert_eq!(view.in_flight(ShardId(2)), 2);
+        drop(p1);
+        assert_eq!(view.in_flight(ShardId(2)), 1);
+        let woken = view.ack_wake.notified();
+        drop(p2);
+        assert_eq!(view.in_flight(ShardId(2)), 0);
+        tokio::time::timeout(Duration::from_secs(1), woken)
+            .await
+            .expect("last permit wakes the acker");
+    }
+
+    #[tokio::test]
+    async fn a_revocation_stops_admission_and_revokes_permits() {
+        let view = view();
+        let permit = view.begin_ingest(ShardId(1), Epoch(1)).unwrap();
+        assert!(permit.is_valid());
+        let v = view.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            v.publish(table("a", Some("b"), 1));
+        });
+        tokio::time::timeout(Duration::from_secs(5), permit.revoked())
+            .await
+            .expect("revoked");
+        assert!(view.begin_ingest(ShardId(1), Epoch(1)).is_none());
+        assert!(!view.can_ingest(ShardId(1), Epoch(1)));
+    }
+
+    #[tokio::test]
+    async fn the_self_fence_revokes_permits_when_heartbeats_stop() {
+        let view = Arc::new(LocalView::new(
+            NodeId("a".into()),
+            4,
+            Duration::from_millis(50),
+        ));
+        view.publish(table("a", None, 1));
+        view.heartbeat_ok(Instant::now());
+        let permit = view
+            .begin_ingest(ShardId(0), Epoch(1))
+            .expect("fresh heartbeat");
+        // No further heartbeat: the fence trips by itself after 50ms.
+        tokio::time::timeout(Duration::from_secs(5), permit.revoked())
+            .await
+            .expect("fenced");
+        assert!(view.fenced());
+        assert!(view.begin_ingest(ShardId(0), Epoch(1)).is_none());
+        view.heartbeat_ok(Instant::now());
+        assert!(view.begin_ingest(ShardId(0), Epoch(1)).is_some());
+        view.fence_now();
+        assert!(!view.can_ingest(ShardId(0), Epoch(1)));
+    }
+
+    #[test]
+    fn resolution_reports_owner_epoch_and_move() {
+        let view = view();
+        let key = SessionKey {
+            tenant: crate::ids::TenantId::new_random(),
+            session: crate::ids::SessionId::new_random(),
+        };
+        let owner = view.resolve(&key).unwrap();
+        assert!(owner.is_local && !owner.moving);
+        assert_eq!(owner.epoch, Epoch(1));
+        view.publish(table("b", Some("a"), 2));
+        let owner = view.resolve(&key).unwrap();
+        assert!(!owner.is_local && owner.moving);
+        assert_eq!(owner.node, NodeId("b".into()));
+        let empty = LocalView::new(NodeId("a".into()), 4, Duration::from_secs(1));
+        assert_eq!(empty.resolve(&key), Err(ResolveError::NotLoaded));
+    }
+}
