@@ -325,10 +325,6 @@ async fn observer_heals_lost_notifications_within_the_polling_bound() {
                 .await
                 .unwrap()
         );
-        let survivors: Vec<&str> = ["a", "b", "o"]
-            .into_iter()
-            .filter(|n| *n != victim && !(victim == "a" && *n == "b"))
-            .collect();
         // Wait on the listening nodes, then time how long the observer lags behind.
         eventually(GENEROUS, "listeners see the drain", || {
             let t = a.view().table();
@@ -343,7 +339,6 @@ async fn observer_heals_lost_notifications_within_the_polling_bound() {
         )
         .await;
         worst = worst.max(lag);
-        assert!(!survivors.is_empty());
     }
     println!(
         "FIGURE observer_lag_without_notify_ms={} (poll_interval=250ms)",
