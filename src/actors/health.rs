@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use tokio::task::JoinHandle;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::placement::health::{self, Probe, ProbeFailure};
 use crate::placement::view::LocalView;
@@ -29,7 +29,8 @@ pub struct HealthActor;
 
 pub struct HealthState {
     view: Arc<LocalView>,
-    timer: JoinHandle<()>,
+    /// Aborted on drop, so a killed actor leaves no timer behind.
+    timer: AbortOnDropHandle<()>,
 }
 
 /// Run one probe against the view and store the result.
@@ -74,7 +75,8 @@ impl Actor for HealthActor {
         myself: ActorRef<HealthMsg>,
         args: HealthArgs,
     ) -> Result<HealthState, ActorProcessingErr> {
-        let timer = myself.send_interval(args.interval, || HealthMsg::Probe);
+        let timer =
+            AbortOnDropHandle::new(myself.send_interval(args.interval, || HealthMsg::Probe));
         Ok(HealthState {
             view: args.view,
             timer,

@@ -22,7 +22,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection, PgConnection};
-use tokio::task::JoinHandle;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::actors::shard_manager::{ShardManager, ShardManagerArgs, ShardManagerMsg};
 use crate::ids::NodeId;
@@ -62,7 +62,7 @@ pub struct ElectionState {
     args: ElectionArgs,
     conn: Option<PgConnection>,
     leading: Option<(i64, ActorRef<ShardManagerMsg>)>,
-    timer: Option<JoinHandle<()>>,
+    timer: Option<AbortOnDropHandle<()>>,
     timer_period: Duration,
 }
 
@@ -98,7 +98,9 @@ impl ManagerElection {
         if let Some(t) = state.timer.take() {
             t.abort();
         }
-        state.timer = Some(myself.send_interval(period, || ElectionMsg::Tick));
+        state.timer = Some(AbortOnDropHandle::new(
+            myself.send_interval(period, || ElectionMsg::Tick),
+        ));
         state.timer_period = period;
     }
 

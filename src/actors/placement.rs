@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use sqlx::postgres::PgListener;
 use tokio::task::JoinHandle;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::placement::handoff;
 use crate::placement::model::NodeState;
@@ -59,7 +60,9 @@ pub struct PlacementState {
     heartbeat_timeout: Duration,
     last_state: Option<NodeState>,
     refresh_queued: Arc<AtomicBool>,
-    tasks: Vec<JoinHandle<()>>,
+    /// Timers and listener tasks; aborted when the state is dropped, which also happens
+    /// when the actor is killed (`post_stop` does not run then).
+    tasks: Vec<AbortOnDropHandle<()>>,
 }
 
 impl Actor for PlacementActor {
@@ -81,26 +84,30 @@ impl Actor for PlacementActor {
 
         let refresh_queued = Arc::new(AtomicBool::new(false));
         let mut tasks = Vec::new();
-        tasks.push(myself.send_interval(args.poll_interval, || PlacementMsg::Refresh));
-        tasks.push(myself.send_interval(args.heartbeat_interval, || PlacementMsg::Heartbeat));
+        tasks.push(AbortOnDropHandle::new(
+            myself.send_interval(args.poll_interval, || PlacementMsg::Refresh),
+        ));
+        tasks.push(AbortOnDropHandle::new(
+            myself.send_interval(args.heartbeat_interval, || PlacementMsg::Heartbeat),
+        ));
         if args.listen_notify {
-            tasks.push(spawn_listener(
+            tasks.push(AbortOnDropHandle::new(spawn_listener(
                 args.store.clone(),
                 myself.clone(),
                 args.poll_interval,
                 refresh_queued.clone(),
-            ));
+            )));
         }
         let view = args.view.clone();
         let me = myself.clone();
-        tasks.push(tokio::spawn(async move {
+        tasks.push(AbortOnDropHandle::new(tokio::spawn(async move {
             loop {
                 view.ack_wake.notified().await;
                 if me.cast(PlacementMsg::CheckAcks).is_err() {
                     return;
                 }
             }
-        }));
+        })));
         Ok(PlacementState {
             store: args.store,
             registration: args.registration,

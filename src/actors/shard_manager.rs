@@ -20,6 +20,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use sqlx::postgres::PgListener;
 use tokio::task::JoinHandle;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::ids::NodeId;
 use crate::placement::handoff::{self, Action};
@@ -48,8 +49,10 @@ pub struct ShardManager;
 
 pub struct ShardManagerState {
     args: ShardManagerArgs,
-    tasks: Vec<JoinHandle<()>>,
-    follow_up: Option<JoinHandle<Result<(), ractor::MessagingErr<ShardManagerMsg>>>>,
+    /// Timers and listener tasks; aborted when the state is dropped, which also happens
+    /// when the actor is killed (`post_stop` does not run then).
+    tasks: Vec<AbortOnDropHandle<()>>,
+    follow_up: Option<AbortOnDropHandle<Result<(), ractor::MessagingErr<ShardManagerMsg>>>>,
 }
 
 /// What one round did.
@@ -78,14 +81,15 @@ impl Actor for ShardManager {
             term = args.term,
             "shard manager acting"
         );
-        let mut tasks =
-            vec![myself.send_interval(args.rebalance_interval, || ShardManagerMsg::Round)];
+        let mut tasks = vec![AbortOnDropHandle::new(
+            myself.send_interval(args.rebalance_interval, || ShardManagerMsg::Round),
+        )];
         if args.listen_notify {
-            tasks.push(spawn_listener(
+            tasks.push(AbortOnDropHandle::new(spawn_listener(
                 args.store.clone(),
                 myself.clone(),
                 args.rebalance_interval,
-            ));
+            )));
         }
         Ok(ShardManagerState {
             args,
@@ -114,8 +118,9 @@ impl Actor for ShardManager {
                         {
                             let quick = (args.rebalance_interval / 4)
                                 .clamp(Duration::from_millis(20), Duration::from_millis(100));
-                            state.follow_up =
-                                Some(myself.send_after(quick, || ShardManagerMsg::Round));
+                            state.follow_up = Some(AbortOnDropHandle::new(
+                                myself.send_after(quick, || ShardManagerMsg::Round),
+                            ));
                         }
                     }
                     Err(err @ StoreError::Fenced { .. }) => {

@@ -538,3 +538,20 @@ impl ClusterHandle {
         self.view.fence_now();
     }
 }
+
+impl Drop for ClusterHandle {
+    /// A handle dropped without [`ClusterHandle::shutdown`] still stops its actors (without
+    /// waiting), so the election releases the lock and heartbeats stop.
+    fn drop(&mut self) {
+        if let Some(e) = &self.election {
+            e.stop(None);
+        }
+        if let Some(h) = &self.health {
+            h.stop(None);
+        }
+        if let Some(p) = &self.placement {
+            p.stop(None);
+        }
+        self.view.fence_now();
+    }
+}
