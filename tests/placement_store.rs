@@ -238,3 +238,53 @@ async fn acknowledgement_is_bound_to_owner_epoch_and_incarnation() {
         (Some(b), Epoch(2), None, false)
     );
 }
+
+#[tokio::test]
+async fn batched_acknowledgements_skip_stale_entries() {
+    let Some(db) = TestDatabase::create("batched_acknowledgements_skip_stale_entries").await else {
+        return;
+    };
+    let store = placement_util::store(db.url()).await;
+    store.bootstrap(4).await.unwrap();
+    let (a, b) = (NodeId("a".into()), NodeId("b".into()));
+    let inc_a = store.register_node(&registration("a")).await.unwrap();
+    store.register_node(&registration("b")).await.unwrap();
+    let term = store.bump_term(&a).await.unwrap();
+    let mut tx = store.fenced(term).await.unwrap();
+    for s in 0..4 {
+        tx.assign_now(ShardId(s), Epoch(0), &a).await.unwrap();
+    }
+    for s in 0..3 {
+        tx.revoke(ShardId(s), Epoch(1), &a, &b).await.unwrap();
+    }
+    tx.commit("shards").await.unwrap();
+    // Shard 2 is quoted at a stale epoch, shard 3 has no move pending.
+    let acks = [
+        (ShardId(0), Epoch(1)),
+        (ShardId(1), Epoch(1)),
+        (ShardId(2), Epoch(0)),
+        (ShardId(3), Epoch(1)),
+    ];
+    assert_eq!(store.ack_revocations(&a, inc_a, &acks).await.unwrap(), 2);
+    assert_eq!(
+        store.ack_revocations(&a, inc_a, &acks).await.unwrap(),
+        0,
+        "idempotent"
+    );
+    assert_eq!(
+        store
+            .ack_revocations(&a, inc_a + 1, &[(ShardId(2), Epoch(1))])
+            .await
+            .unwrap(),
+        0
+    );
+    let acked: Vec<bool> = store
+        .read_table()
+        .await
+        .unwrap()
+        .shards
+        .iter()
+        .map(|s| s.revoke_acked)
+        .collect();
+    assert_eq!(acked, vec![true, true, false, false]);
+}

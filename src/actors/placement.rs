@@ -224,27 +224,28 @@ async fn heartbeat(state: &mut PlacementState) {
 }
 
 async fn check_acks(state: &mut PlacementState) {
+    // The table read here was published before the in-flight counts are read, and a
+    // published revocation blocks new permits, so a zero count is final.
     let table = state.view.table();
     let me = state.view.node().clone();
-    for entry in table.shards.iter() {
-        if handoff::should_ack(entry, &me, state.view.in_flight(entry.shard)) {
-            match state
-                .store
-                .ack_revocation(entry.shard, entry.epoch, &me, state.incarnation)
-                .await
-            {
-                Ok(true) => tracing::debug!(
-                    component = "placement",
-                    shard = entry.shard.0,
-                    "revocation acknowledged"
-                ),
-                Ok(false) => {}
-                Err(err) => {
-                    tracing::warn!(component = "placement", error = %err, "revocation ack failed");
-                    return;
-                }
-            }
-        }
+    let acks: Vec<_> = table
+        .shards
+        .iter()
+        .filter(|e| handoff::should_ack(e, &me, state.view.in_flight(e.shard)))
+        .map(|e| (e.shard, e.epoch))
+        .collect();
+    match state
+        .store
+        .ack_revocations(&me, state.incarnation, &acks)
+        .await
+    {
+        Ok(0) => {}
+        Ok(n) => tracing::debug!(
+            component = "placement",
+            count = n,
+            "revocations acknowledged"
+        ),
+        Err(err) => tracing::warn!(component = "placement", error = %err, "revocation ack failed"),
     }
 }
 

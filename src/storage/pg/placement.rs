@@ -186,6 +186,42 @@ impl PlacementStore {
         Ok(state.as_deref() == Some("draining"))
     }
 
+    /// Acknowledge several revocations in one statement and one notification. Each
+    /// `(shard, epoch)` is acknowledged only if `node` (at `incarnation`) still owns it at
+    /// that epoch with a move pending. Returns how many were acknowledged.
+    pub async fn ack_revocations(
+        &self,
+        node: &NodeId,
+        incarnation: i64,
+        acks: &[(ShardId, Epoch)],
+    ) -> Result<u64, StoreError> {
+        if acks.is_empty() {
+            return Ok(0);
+        }
+        let shards: Vec<i32> = acks.iter().map(|(s, _)| s.0 as i32).collect();
+        let epochs: Vec<i64> = acks.iter().map(|(_, e)| e.0).collect();
+        let mut tx = self.pool.begin().await?;
+        let n = sqlx::query(
+            "UPDATE placement_shards s SET revoke_acked = true, updated_at = now()
+             FROM unnest($2::int[], $3::bigint[]) AS a(shard, epoch)
+             WHERE s.shard = a.shard AND s.epoch = a.epoch AND s.node_id = $1
+               AND s.moving_to IS NOT NULL AND NOT s.revoke_acked
+               AND EXISTS (SELECT 1 FROM placement_nodes WHERE id = $1 AND incarnation = $4)",
+        )
+        .bind(&node.0)
+        .bind(&shards)
+        .bind(&epochs)
+        .bind(incarnation)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n > 0 {
+            notify(&mut tx, "ack").await?;
+        }
+        tx.commit().await?;
+        Ok(n)
+    }
+
     /// The owner acknowledges the revocation of `shard` at `epoch`: it ingests nothing more.
     pub async fn ack_revocation(
         &self,
