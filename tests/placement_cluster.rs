@@ -232,6 +232,22 @@ async fn manager_failover_to_a_standby_with_a_higher_term() {
         store.fenced(term1).await,
         Err(StoreError::Fenced { .. })
     ));
+    // The old leader stepped down: exactly one node leads, under the newest term.
+    let since = Instant::now();
+    loop {
+        let current = store.meta().await.unwrap().manager_term;
+        let mut terms = [leader.leading_term().await, standby.leading_term().await];
+        terms.sort();
+        if terms == [0, current] {
+            break;
+        }
+        assert!(
+            since.elapsed() < GENEROUS,
+            "leadership did not settle: {terms:?} vs {current}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let term2 = store.meta().await.unwrap().manager_term;
 
     // 2. Stop the current leader's process-level actors: the other node takes over.
     let current = store.meta().await.unwrap().manager_node.unwrap();
