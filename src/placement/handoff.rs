@@ -224,4 +224,179 @@ mod tests {
             Action::Cancel
         );
     }
+
+    /// A model of the protocol on one shard with three nodes, explored by proptest: every
+    /// interleaving of stale views, permits, acknowledgements, manager moves, completions,
+    /// self-fencing, death and rejoin keeps at most one node with ingest in flight.
+    mod model_check {
+        use super::*;
+        use proptest::prelude::*;
+
+        const NODES: usize = 3;
+
+        #[derive(Clone, Debug)]
+        enum Step {
+            Refresh(usize),
+            Acquire(usize),
+            Release(usize),
+            Ack(usize),
+            Plan(usize),
+            Complete,
+            Fence(usize),
+            DeclareDead(usize),
+            Rejoin(usize),
+        }
+
+        fn step() -> impl Strategy<Value = Step> {
+            let n = 0..NODES;
+            prop_oneof![
+                4 => n.clone().prop_map(Step::Refresh),
+                4 => n.clone().prop_map(Step::Acquire),
+                3 => n.clone().prop_map(Step::Release),
+                3 => n.clone().prop_map(Step::Ack),
+                3 => n.clone().prop_map(Step::Plan),
+                3 => Just(Step::Complete),
+                1 => n.clone().prop_map(Step::Fence),
+                1 => n.clone().prop_map(Step::DeclareDead),
+                1 => n.prop_map(Step::Rejoin),
+            ]
+        }
+
+        fn id(i: usize) -> NodeId {
+            NodeId(format!("n{i}"))
+        }
+
+        struct World {
+            db: ShardEntry,
+            state: [NodeState; NODES],
+            view: [ShardEntry; NODES],
+            in_flight: [usize; NODES],
+            fenced: [bool; NODES],
+        }
+
+        impl World {
+            fn new() -> Self {
+                let empty = ShardEntry {
+                    shard: crate::placement::model::ShardId(0),
+                    owner: None,
+                    epoch: Epoch(0),
+                    moving_to: None,
+                    revoke_acked: false,
+                };
+                Self {
+                    db: empty.clone(),
+                    state: [NodeState::Active; NODES],
+                    view: [empty.clone(), empty.clone(), empty],
+                    in_flight: [0; NODES],
+                    fenced: [false; NODES],
+                }
+            }
+
+            fn state_of(&self, node: &Option<NodeId>) -> Option<NodeState> {
+                node.as_ref()
+                    .and_then(|n| (0..NODES).find(|i| id(*i) == *n))
+                    .map(|i| self.state[i])
+            }
+
+            fn apply(&mut self, step: &Step) {
+                match *step {
+                    Step::Refresh(i) => {
+                        // A dead node learns it is dead on its next heartbeat; model: it
+                        // cannot refresh its way back without rejoining.
+                        if self.state[i] != NodeState::Dead {
+                            self.view[i] = self.db.clone();
+                        }
+                    }
+                    Step::Acquire(i) => {
+                        let v = &self.view[i];
+                        if may_ingest(v, &id(i), v.epoch, self.fenced[i]) {
+                            self.in_flight[i] += 1;
+                        }
+                    }
+                    Step::Release(i) => self.in_flight[i] = self.in_flight[i].saturating_sub(1),
+                    Step::Ack(i) => {
+                        let v = &self.view[i];
+                        let db = &self.db;
+                        if should_ack(v, &id(i), self.in_flight[i])
+                            && db.owner == v.owner
+                            && db.epoch == v.epoch
+                            && db.moving_to.is_some()
+                            && self.state[i] != NodeState::Dead
+                        {
+                            self.db.revoke_acked = true;
+                        }
+                    }
+                    Step::Plan(to) => {
+                        if !self.state[to].accepts_shards() {
+                            return;
+                        }
+                        let planned = Move {
+                            shard: self.db.shard,
+                            from: self.db.owner.clone(),
+                            to: id(to),
+                            forced: false,
+                        };
+                        match action_for(&self.db, &planned, self.state_of(&self.db.owner)) {
+                            Action::AssignNow { to } => {
+                                self.db.owner = Some(to);
+                                self.db.epoch = Epoch(self.db.epoch.0 + 1);
+                                self.db.moving_to = None;
+                                self.db.revoke_acked = false;
+                            }
+                            Action::Revoke { to } => self.db.moving_to = Some(to),
+                            Action::Cancel => {
+                                self.db.moving_to = None;
+                                self.db.revoke_acked = false;
+                            }
+                        }
+                    }
+                    Step::Complete => {
+                        let owner_state = self.state_of(&self.db.owner);
+                        let target_state = self.state_of(&self.db.moving_to);
+                        if may_complete(&self.db, owner_state, target_state) {
+                            self.db.owner = self.db.moving_to.take();
+                            self.db.epoch = Epoch(self.db.epoch.0 + 1);
+                            self.db.revoke_acked = false;
+                        }
+                    }
+                    Step::Fence(i) => {
+                        // Self-fence: no new permits; in-flight ingest is aborted within the
+                        // node_ttl - self_fence margin (modelled as immediate).
+                        self.fenced[i] = true;
+                        self.in_flight[i] = 0;
+                    }
+                    Step::DeclareDead(i) => {
+                        // node_ttl > self_fence: only an already fenced node can be dead.
+                        if self.fenced[i] {
+                            self.state[i] = NodeState::Dead;
+                        }
+                    }
+                    Step::Rejoin(i) => {
+                        if self.state[i] == NodeState::Dead {
+                            // Re-register (joining), read the table, then unfence.
+                            self.state[i] = NodeState::Joining;
+                            self.view[i] = self.db.clone();
+                            self.fenced[i] = false;
+                        } else if self.fenced[i] {
+                            // Heartbeats resumed before the TTL: unfence.
+                            self.fenced[i] = false;
+                        }
+                    }
+                }
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+            #[test]
+            fn at_most_one_node_ingests(steps in proptest::collection::vec(step(), 1..80)) {
+                let mut world = World::new();
+                for s in &steps {
+                    world.apply(s);
+                    let busy = world.in_flight.iter().filter(|c| **c > 0).count();
+                    prop_assert!(busy <= 1, "after {:?}: in flight {:?}", s, world.in_flight);
+                }
+            }
+        }
+    }
 }
