@@ -145,13 +145,33 @@ async fn no_two_nodes_ingest_a_session_at_once() {
     })
     .await;
 
-    // 2. A new node joins: budgeted rebalance over several rounds.
+    // 2. A new node joins: budgeted rebalance over several rounds. Once it is under way the
+    //    manager loses its lock connection; a standby (or the same node again) takes over
+    //    with a newer term and finishes whatever moves are still pending.
     let d = Arc::new(start_node(db.url(), "d", tweak).await);
     spawn_for(&d, &mut workers);
+    eventually(GENEROUS, "rebalance under way", || {
+        placement_util::owned(&a, "d") > 0
+    })
+    .await;
+    let admin = placement_util::store(db.url()).await;
+    let term_before = admin.meta().await.unwrap().manager_term;
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .execute(admin.pool())
+    .await
+    .unwrap();
     eventually(GENEROUS, "d joined", || {
         settled(&[&a, &b, &d], &["a", "b", "d"])
     })
     .await;
+    let since = Instant::now();
+    while admin.meta().await.unwrap().manager_term <= term_before {
+        assert!(since.elapsed() < GENEROUS, "no manager took over");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     // 3. b goes silent (no drain): its shards move only after the TTL.
     b.shutdown().await;
