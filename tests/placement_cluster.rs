@@ -77,6 +77,13 @@ async fn three_nodes_share_shards_evenly_with_one_manager() {
     assert_eq!(snapshot.assigned_shards, 64);
     assert_eq!(snapshot.nodes.len(), 3);
     assert!(snapshot.manager_term >= 1);
+    assert!(snapshot.counters.table_reads > 0 && snapshot.counters.heartbeats > 0);
+    assert_eq!(snapshot.local_shards, a.owned_shards().len());
+    let json = serde_json::to_string(&snapshot).unwrap();
+    assert!(
+        json.contains("\"status\":\"healthy\"") && json.contains("\"state\":\"active\""),
+        "{json}"
+    );
 
     let status = placement::cluster_status(db.url()).await.unwrap();
     assert_eq!(status.shard_count, 64);
@@ -120,6 +127,10 @@ async fn drain_moves_shards_immediately() {
     })
     .await;
     assert!(!c.health().ready);
+    assert!(
+        c.snapshot().counters.acks > 0,
+        "c acknowledged its revocations"
+    );
     assert!(a.health().ready && b.health().ready);
     // Drain is generous-bounded here; the figure is recorded in docs/locality.md.
     assert!(took < Duration::from_secs(10));

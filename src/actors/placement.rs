@@ -26,7 +26,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::placement::handoff;
 use crate::placement::model::NodeState;
-use crate::placement::view::LocalView;
+use crate::placement::view::{LocalView, PlacementCounters};
 use crate::storage::pg::placement::{NOTIFY_CHANNEL, NodeRegistration, PlacementStore};
 
 /// Messages of the placement actor.
@@ -163,9 +163,11 @@ async fn refresh(state: &mut PlacementState) {
                 state.view.set_read_ok(false);
                 return;
             }
+            PlacementCounters::bump(&state.view.counters.table_reads, 1);
             state.view.publish(table);
         }
         Err(err) => {
+            PlacementCounters::bump(&state.view.counters.table_read_failures, 1);
             if state.view.placement_readable() {
                 tracing::warn!(component = "placement", node_id = %state.registration.id, error = %err, "placement table unreadable; routing with the last table");
             }
@@ -184,6 +186,7 @@ async fn heartbeat(state: &mut PlacementState) {
     .await
     {
         Ok(Ok(Some(node_state))) => {
+            PlacementCounters::bump(&state.view.counters.heartbeats, 1);
             state.view.heartbeat_ok(started);
             if state.last_state != Some(node_state) {
                 tracing::info!(component = "placement", node_id = %node, state = node_state.as_str(), "node state");
@@ -191,6 +194,7 @@ async fn heartbeat(state: &mut PlacementState) {
             }
         }
         Ok(Ok(None)) => {
+            PlacementCounters::bump(&state.view.counters.reregistrations, 1);
             // Declared dead or superseded: stop ingesting now, then come back as a new
             // incarnation with a table read after the re-registration.
             state.view.fence_now();
@@ -215,9 +219,11 @@ async fn heartbeat(state: &mut PlacementState) {
             }
         }
         Ok(Err(err)) => {
+            PlacementCounters::bump(&state.view.counters.heartbeat_failures, 1);
             tracing::warn!(component = "placement", node_id = %node, error = %err, "heartbeat failed");
         }
         Err(_) => {
+            PlacementCounters::bump(&state.view.counters.heartbeat_failures, 1);
             tracing::warn!(component = "placement", node_id = %node, "heartbeat timed out");
         }
     }
@@ -240,11 +246,14 @@ async fn check_acks(state: &mut PlacementState) {
         .await
     {
         Ok(0) => {}
-        Ok(n) => tracing::debug!(
-            component = "placement",
-            count = n,
-            "revocations acknowledged"
-        ),
+        Ok(n) => {
+            PlacementCounters::bump(&state.view.counters.acks, n);
+            tracing::debug!(
+                component = "placement",
+                count = n,
+                "revocations acknowledged"
+            )
+        }
         Err(err) => tracing::warn!(component = "placement", error = %err, "revocation ack failed"),
     }
 }

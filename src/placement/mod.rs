@@ -69,7 +69,7 @@ use crate::storage::pg::{self as pg};
 pub use config::ClusterConfig;
 pub use health::{HealthSnapshot, HealthStatus};
 pub use model::{Epoch, NodeInfo, NodeState, ShardEntry, ShardId, ShardTable};
-pub use view::{IngestPermit, LocalView, Owner, ResolveError};
+pub use view::{CounterSnapshot, IngestPermit, LocalView, Owner, ResolveError};
 
 /// Errors starting or operating the cluster runtime.
 #[derive(Debug, thiserror::Error)]
@@ -121,6 +121,7 @@ pub struct ClusterSnapshot {
     pub max_epoch: i64,
     pub fenced: bool,
     pub nodes: Vec<NodeSummary>,
+    pub counters: CounterSnapshot,
 }
 
 /// What `graviton cluster status` prints.
@@ -484,6 +485,17 @@ impl ClusterHandle {
         }
     }
 
+    /// Shards this node owns in its local table (e.g. to stop session owners of shards
+    /// that moved away; pair with [`ClusterHandle::subscribe`]).
+    pub fn owned_shards(&self) -> Vec<ShardId> {
+        self.view.owned_shards()
+    }
+
+    /// Changes whenever the local table or the self-fence changes.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.view.subscribe()
+    }
+
     /// The readiness snapshot.
     pub fn health(&self) -> HealthSnapshot {
         self.view.health()
@@ -503,6 +515,7 @@ impl ClusterHandle {
             max_epoch: table.max_epoch().0,
             fenced: self.view.fenced(),
             nodes: summarize(&table),
+            counters: self.view.counters.snapshot(),
         }
     }
 

@@ -37,6 +37,47 @@ pub struct Owner {
     pub moving: bool,
 }
 
+/// Process-lifetime counters of the placement runtime on this node (for metrics; no
+/// labels, no identifiers).
+#[derive(Debug, Default)]
+pub struct PlacementCounters {
+    pub table_reads: AtomicU64,
+    pub table_read_failures: AtomicU64,
+    pub heartbeats: AtomicU64,
+    pub heartbeat_failures: AtomicU64,
+    pub reregistrations: AtomicU64,
+    pub acks: AtomicU64,
+}
+
+/// A copy of [`PlacementCounters`] at one instant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CounterSnapshot {
+    pub table_reads: u64,
+    pub table_read_failures: u64,
+    pub heartbeats: u64,
+    pub heartbeat_failures: u64,
+    pub reregistrations: u64,
+    pub acks: u64,
+}
+
+impl PlacementCounters {
+    pub fn snapshot(&self) -> CounterSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        CounterSnapshot {
+            table_reads: get(&self.table_reads),
+            table_read_failures: get(&self.table_read_failures),
+            heartbeats: get(&self.heartbeats),
+            heartbeat_failures: get(&self.heartbeat_failures),
+            reregistrations: get(&self.reregistrations),
+            acks: get(&self.acks),
+        }
+    }
+
+    pub(crate) fn bump(counter: &AtomicU64, by: u64) {
+        counter.fetch_add(by, Ordering::Relaxed);
+    }
+}
+
 /// Why a session could not be resolved.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ResolveError {
@@ -56,6 +97,8 @@ pub struct LocalView {
     /// Nanoseconds since `origin` until which ingest is allowed; 0 = fenced.
     fence_deadline_ns: AtomicU64,
     read_ok: AtomicBool,
+    /// Counters for metrics.
+    pub counters: PlacementCounters,
     in_flight: Box<[AtomicU32]>,
     changes: watch::Sender<u64>,
     pub(crate) ack_wake: Notify,
@@ -82,6 +125,7 @@ impl LocalView {
             table: RwLock::new(Arc::new(ShardTable::default())),
             fence_deadline_ns: AtomicU64::new(0),
             read_ok: AtomicBool::new(false),
+            counters: PlacementCounters::default(),
             in_flight: (0..shard_count).map(|_| AtomicU32::new(0)).collect(),
             changes,
             ack_wake: Notify::new(),
@@ -205,6 +249,17 @@ impl LocalView {
             shard,
             epoch,
         })
+    }
+
+    /// Shards this node owns in its current table (including ones being moved away).
+    pub fn owned_shards(&self) -> Vec<ShardId> {
+        let table = self.table();
+        table
+            .shards
+            .iter()
+            .filter(|s| s.owner.as_ref() == Some(&self.node))
+            .map(|s| s.shard)
+            .collect()
     }
 
     /// Ingests in flight on `shard`.
