@@ -84,7 +84,31 @@ async fn zombie_manager_writes_are_refused() {
     assert_eq!(epoch, Some(Epoch(1)));
     let store2 = store.clone();
     let bump = tokio::spawn(async move { store2.bump_term(&NodeId("m3".into())).await.unwrap() });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Wait until PostgreSQL reports the bump blocked on a lock, then check it is still
+    // pending: it cannot finish before the fenced transaction ends.
+    let since = std::time::Instant::now();
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'
+               AND query LIKE 'UPDATE placement_meta SET manager_term%'",
+        )
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        if waiting == 1 {
+            break;
+        }
+        assert!(
+            !bump.is_finished(),
+            "the term bump must wait for the fenced transaction"
+        );
+        assert!(
+            since.elapsed() < Duration::from_secs(10),
+            "the term bump never blocked"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert!(
         !bump.is_finished(),
         "the term bump must wait for the fenced transaction"
