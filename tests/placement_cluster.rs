@@ -513,3 +513,18 @@ async fn single_node_mode_owns_everything_without_postgres() {
     assert_eq!(handle.health().status, HealthStatus::Healthy);
     assert_eq!(handle.snapshot().local_shards, 1024);
 }
+
+#[tokio::test]
+async fn unsafe_timings_refuse_to_start() {
+    let Some(db) = TestDatabase::create("unsafe_timings_refuse_to_start").await else {
+        return;
+    };
+    let mut config = placement_util::config(db.url(), "a");
+    config.node_ttl = graviton::config::HumanDuration::millis(300); // below self_fence (400ms)
+    let err = placement::Cluster::connect_and_start(NodeId("a".into()), &config, "test")
+        .await
+        .err()
+        .expect("must refuse");
+    assert!(matches!(err, ClusterError::InvalidConfig(_)), "{err}");
+    assert!(err.to_string().contains("cluster.node_ttl"), "{err}");
+}

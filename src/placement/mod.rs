@@ -76,6 +76,8 @@ pub use view::{CounterSnapshot, IngestPermit, LocalView, Owner, ResolveError};
 pub enum ClusterError {
     #[error("cluster.enabled is false or cluster.database_url is missing")]
     NotConfigured,
+    #[error("invalid [cluster] configuration: {0}")]
+    InvalidConfig(String),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(
@@ -157,6 +159,17 @@ impl Cluster {
         version: &str,
         pool: PgPool,
     ) -> Result<ClusterHandle, ClusterError> {
+        // The timing rules (node_ttl > self_fence, ...) are part of the safety argument:
+        // refuse to run with a configuration that breaks them, even when called directly.
+        let problems: Vec<String> = config
+            .problems()
+            .iter()
+            .filter(|p| p.key != "cluster.database_url")
+            .map(|p| p.to_string())
+            .collect();
+        if !problems.is_empty() {
+            return Err(ClusterError::InvalidConfig(problems.join("; ")));
+        }
         let store = PlacementStore::new(pool.clone());
         store.bootstrap(config.shard_count).await?;
         let view = Arc::new(LocalView::new(
