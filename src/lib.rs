@@ -25,6 +25,7 @@ pub mod http;
 pub mod ids;
 pub mod metrics;
 pub mod node;
+pub mod placement;
 pub mod session;
 pub mod storage;
 pub mod telemetry;

@@ -38,6 +38,7 @@ pub struct Config {
     pub admin: AdminConfig,
     /// `[control]`: cluster control plane and internal listener (see `control::config`).
     pub control: crate::control::config::ControlConfig,
+    pub cluster: crate::placement::config::ClusterConfig,
 }
 
 /// `[node]`: identity and listeners.
@@ -287,8 +288,8 @@ impl Config {
                 "must be at least 16 characters",
             ));
         }
-        // Integration: pass the cluster switch (`self.cluster.enabled`) once it exists.
-        problems.extend(self.control.problems_in(false));
+        problems.extend(self.control.problems_in(self.cluster.enabled));
+        problems.extend(self.cluster.problems());
         problems
     }
 

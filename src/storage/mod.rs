@@ -3,6 +3,7 @@
 //! - [`block`]: the [`BlockStore`] trait (put once, get, contains).
 //! - [`manifest`]: the [`ManifestStore`] trait (create once, get).
 //! - [`fs`]: filesystem implementations of both, the embedded default.
+//! - [`pg`]: PostgreSQL: the placement store (nodes, shard assignments, manager term).
 //!
 //! The traits return boxed futures so they can be used as `Arc<dyn ...>` and implemented
 //! by network stores (PostgreSQL manifests, S3 blocks) without touching the callers.
@@ -10,6 +11,7 @@
 pub mod block;
 pub mod fs;
 pub mod manifest;
+pub mod pg;
 
 pub use block::{BlockStore, PutOutcome};
 pub use manifest::{CreateOutcome, ManifestStore};
