@@ -40,6 +40,10 @@ pub struct AppState {
     pub metrics: Metrics,
     pub readiness: ops::Readiness,
     pub started_at: Instant,
+    /// Placement: every shard local in embedded mode, the PostgreSQL table in cluster mode.
+    pub cluster: Arc<crate::placement::ClusterHandle>,
+    /// Streams uploads of remotely owned sessions to their owner (cluster mode).
+    pub forwarder: Option<forward::Forwarder>,
 }
 
 /// The public router.
