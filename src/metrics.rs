@@ -52,6 +52,11 @@ pub struct ActorLabels {
     pub actor: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: &'static str,
+}
+
 /// Every metric handle of the node. Cloning is cheap (handles are `Arc`s).
 #[derive(Clone)]
 pub struct Metrics {
@@ -68,6 +73,17 @@ pub struct Metrics {
     pub session_stops: Family<ReasonLabels, Counter>,
     pub actor_restarts: Family<ActorLabels, Counter>,
     pub forwarded_uploads: Counter,
+    /// Session uploads by routing decision: local, remote.
+    pub routing: Family<KindLabels, Counter>,
+    /// Routing failures by stage: resolve, permit, forward_config.
+    pub routing_failures: Family<KindLabels, Counter>,
+    /// Shard counts by kind: configured, assigned, local, moving (refreshed on scrape).
+    pub shards: Family<KindLabels, Gauge>,
+    pub manager_term: Gauge,
+    pub observed_nodes: Gauge,
+    pub placement_ready: Gauge,
+    /// Placement runtime events by kind (table reads, heartbeats, failures, acks).
+    pub placement_events: Family<KindLabels, Counter>,
     registry: Arc<std::sync::Mutex<Registry>>,
 }
 
@@ -92,6 +108,13 @@ impl Metrics {
             session_stops: Family::default(),
             actor_restarts: Family::default(),
             forwarded_uploads: Counter::default(),
+            routing: Family::default(),
+            routing_failures: Family::default(),
+            shards: Family::default(),
+            manager_term: Gauge::default(),
+            observed_nodes: Gauge::default(),
+            placement_ready: Gauge::default(),
+            placement_events: Family::default(),
             registry: Arc::new(std::sync::Mutex::new(Registry::default())),
         };
         registry.register(
@@ -159,8 +182,70 @@ impl Metrics {
             "Session uploads streamed to their owner node",
             metrics.forwarded_uploads.clone(),
         );
+        registry.register(
+            "routing",
+            "Session uploads by routing decision",
+            metrics.routing.clone(),
+        );
+        registry.register(
+            "routing_failures",
+            "Session upload routing failures by stage",
+            metrics.routing_failures.clone(),
+        );
+        registry.register(
+            "shards",
+            "Shards by kind as seen by this node",
+            metrics.shards.clone(),
+        );
+        registry.register(
+            "manager_term",
+            "Manager term in this node's placement table",
+            metrics.manager_term.clone(),
+        );
+        registry.register(
+            "observed_nodes",
+            "Nodes in this node's placement table",
+            metrics.observed_nodes.clone(),
+        );
+        registry.register(
+            "placement_ready",
+            "1 when placement considers this node ready",
+            metrics.placement_ready.clone(),
+        );
+        registry.register(
+            "placement_events",
+            "Placement runtime events by kind",
+            metrics.placement_events.clone(),
+        );
         *metrics.registry.lock().expect("fresh mutex") = registry;
         metrics
+    }
+
+    /// Copy the placement snapshot into the gauges and counters (called on scrape).
+    pub fn sync_placement(&self, snapshot: &crate::placement::ClusterSnapshot) {
+        let shard = |kind| self.shards.get_or_create(&KindLabels { kind });
+        shard("configured").set(i64::from(snapshot.configured_shards));
+        shard("assigned").set(snapshot.assigned_shards as i64);
+        shard("local").set(snapshot.local_shards as i64);
+        shard("moving").set(snapshot.moving_shards as i64);
+        self.manager_term.set(snapshot.manager_term);
+        self.observed_nodes.set(snapshot.nodes.len() as i64);
+        self.placement_ready.set(i64::from(snapshot.health.ready));
+        let c = &snapshot.counters;
+        for (kind, value) in [
+            ("table_reads", c.table_reads),
+            ("table_read_failures", c.table_read_failures),
+            ("heartbeats", c.heartbeats),
+            ("heartbeat_failures", c.heartbeat_failures),
+            ("reregistrations", c.reregistrations),
+            ("revocation_acks", c.acks),
+        ] {
+            let counter = self.placement_events.get_or_create(&KindLabels { kind });
+            let seen = counter.get();
+            if value > seen {
+                counter.inc_by(value - seen);
+            }
+        }
     }
 
     /// Register more metrics (other subsystems) before serving.

@@ -62,6 +62,7 @@ pub async fn readyz(State(app): State<Arc<AppState>>) -> Response {
 }
 
 pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
+    app.metrics.sync_placement(&app.cluster.snapshot());
     (
         [(
             header::CONTENT_TYPE,

@@ -104,10 +104,16 @@ pub async fn post_blob(
         let report = ingest_owned(&app, None, parsed.content_length, body).await?;
         return Ok(created(&app, &report));
     };
-    let owner = app
-        .cluster
-        .resolve(&key)
-        .map_err(crate::node::cluster::unresolved)?;
+    let kind = |kind| crate::metrics::KindLabels { kind };
+    let owner = app.cluster.resolve(&key).map_err(|err| {
+        app.metrics
+            .routing_failures
+            .get_or_create(&kind("resolve"))
+            .inc();
+        crate::node::cluster::unresolved(err)
+    })?;
+    let decision = if owner.is_local { "local" } else { "remote" };
+    app.metrics.routing.get_or_create(&kind(decision)).inc();
     if owner.is_local {
         let route = LocalRoute {
             key,
@@ -118,6 +124,10 @@ pub async fn post_blob(
         return Ok(created(&app, &report));
     }
     let Some(forwarder) = &app.forwarder else {
+        app.metrics
+            .routing_failures
+            .get_or_create(&kind("forward_config"))
+            .inc();
         return Err(ApiError::unavailable(
             "owner_unavailable",
             "this session is owned by another node and forwarding is not configured",
