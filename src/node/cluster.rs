@@ -227,3 +227,29 @@ pub async fn keep_peers_current(
         }
     }
 }
+
+/// Stop the session owners of shards this node no longer owns, whenever the table changes.
+pub async fn release_lost_sessions(
+    cluster: Arc<ClusterHandle>,
+    sessions: crate::actors::SessionRegionHandle,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let mut changes = cluster.subscribe();
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            changed = changes.changed() => if changed.is_err() { return },
+        }
+        let owned: std::collections::HashSet<ShardId> =
+            cluster.owned_shards().into_iter().collect();
+        let probe = cluster.clone();
+        let filter = Box::new(move |key: &SessionKey| !owned.contains(&probe.shard_of(key)));
+        match sessions.stop_matching(filter).await {
+            Ok(0) => {}
+            Ok(stopped) => {
+                tracing::info!(stopped, "stopped session owners of shards this node lost")
+            }
+            Err(err) => tracing::debug!(error = %err, "could not release session owners"),
+        }
+    }
+}

@@ -281,6 +281,11 @@ async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, Star
         config.cluster.poll_interval.get(),
         stop.clone(),
     ));
+    tokio::spawn(cluster::release_lost_sessions(
+        state.cluster.clone(),
+        state.sessions.clone(),
+        stop.clone(),
+    ));
     Ok(ClusterParts {
         internal,
         internal_addr,
