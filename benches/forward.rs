@@ -1,0 +1,110 @@
+//! Forwarded vs direct upload, with real `graviton serve` processes in cluster mode on one
+//! PostgreSQL database (two nodes): throughput of an upload sent straight to the session's
+//! owner against the same upload sent to the other node, which streams it to the owner;
+//! and the forwarding node's peak RSS during a large forwarded upload.
+//!
+//! Run: `cargo bench --bench forward` (PostgreSQL from scripts/services.sh or
+//! GRAVITON_TEST_DATABASE_URL). `GRAVITON_BENCH_LARGE_GIB` sets the large upload (default 2).
+
+#[path = "../tests/support/mod.rs"]
+#[allow(dead_code, unused_imports)]
+mod support;
+
+use std::time::{Duration, Instant};
+
+use graviton::ids::{SessionId, SessionKey, TenantId};
+use graviton::placement::hash::shard_of;
+use support::cluster::{NodeProcess, eventually, is_ready};
+
+const SHARDS: u32 = 16;
+
+fn vm_hwm_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+async fn upload(client: &reqwest::Client, url: &str, key: &SessionKey, size: u64, seed: u64) -> Duration {
+    // Generated on the fly in 1 MiB pieces so the client holds no large buffer.
+    let piece = support::node::random_bytes(1 << 20, seed);
+    let pieces = size.div_ceil(1 << 20);
+    let stream = futures_util::stream::iter((0..pieces).map(move |i| {
+        let mut buf = piece.clone();
+        buf[..8].copy_from_slice(&(i ^ seed.rotate_left(17)).to_le_bytes());
+        let take = (size - i * (1 << 20)).min(1 << 20) as usize;
+        buf.truncate(take);
+        Ok::<_, std::io::Error>(bytes::Bytes::from(buf))
+    }));
+    let started = Instant::now();
+    let response = client
+        .post(format!("{url}/v1/blobs"))
+        .header("x-graviton-tenant-id", key.tenant.to_string())
+        .header("x-graviton-upload-session-id", key.session.to_string())
+        .header("content-length", size)
+        .body(reqwest::Body::wrap_stream(stream))
+        .send()
+        .await
+        .expect("upload");
+    assert_eq!(response.status(), 201, "{:?}", response.text().await);
+    started.elapsed()
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    runtime.block_on(async {
+        let Some(db) = support::TestDatabase::create("bench_forward").await else {
+            println!("forward bench: PostgreSQL unavailable; nothing measured");
+            return;
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = dir.path().join("data");
+        let owner = NodeProcess::start(dir.path(), "owner", db.url(), SHARDS, &data);
+        let front = NodeProcess::start(dir.path(), "front", db.url(), SHARDS, &data);
+        let client = reqwest::Client::builder().no_proxy().build().expect("client");
+        let ready = eventually(Duration::from_secs(60), || async {
+            is_ready(&client, &owner.url).await && is_ready(&client, &front.url).await
+        })
+        .await;
+        assert!(ready, "nodes not ready");
+        // A session owned by "owner".
+        let status = graviton::placement::cluster_status(db.url()).await.expect("status");
+        let key = loop {
+            let key = SessionKey { tenant: TenantId::new_random(), session: SessionId::new_random() };
+            let shard = shard_of(&key, SHARDS);
+            if status.shards.iter().any(|s| s.shard == shard && s.owner.as_ref().is_some_and(|o| o.0 == "owner")) {
+                break key;
+            }
+        };
+        let size = 512u64 << 20;
+        let mut direct = Duration::MAX;
+        let mut forwarded = Duration::MAX;
+        for round in 0..3u64 {
+            direct = direct.min(upload(&client, &owner.url, &key, size, 100 + round).await);
+            forwarded = forwarded.min(upload(&client, &front.url, &key, size, 200 + round).await);
+        }
+        let mbps = |d: Duration| size as f64 / d.as_secs_f64() / 1e6;
+        println!("graviton forward benchmark: {} MiB per upload, best of 3, two serve processes", size >> 20);
+        println!("direct to owner                 {:>8.1} MB/s   (baseline)", mbps(direct));
+        println!(
+            "forwarded via the other node    {:>8.1} MB/s   ratio vs direct: {:.2}   target >= 0.8",
+            mbps(forwarded),
+            direct.as_secs_f64() / forwarded.as_secs_f64()
+        );
+
+        let gib: u64 = std::env::var("GRAVITON_BENCH_LARGE_GIB").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+        let pid = front.pid().expect("front pid");
+        let before = vm_hwm_kib(pid);
+        upload(&client, &front.url, &key, gib << 30, 999).await;
+        let after = vm_hwm_kib(pid);
+        println!(
+            "forwarding node peak RSS: {} MiB before, {} MiB after a {} GiB forwarded upload (+{} MiB, target < 64 MiB)",
+            before / 1024,
+            after / 1024,
+            gib,
+            after.saturating_sub(before) / 1024
+        );
+    });
+}
