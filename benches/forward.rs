@@ -7,7 +7,7 @@
 //! GRAVITON_TEST_DATABASE_URL). `GRAVITON_BENCH_LARGE_GIB` sets the large upload (default 2).
 
 #[path = "../tests/support/mod.rs"]
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 mod support;
 
 use std::time::{Duration, Instant};
