@@ -27,7 +27,13 @@ fn vm_hwm_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-async fn upload(client: &reqwest::Client, url: &str, key: &SessionKey, size: u64, seed: u64) -> Duration {
+async fn upload(
+    client: &reqwest::Client,
+    url: &str,
+    key: &SessionKey,
+    size: u64,
+    seed: u64,
+) -> Duration {
     // Generated on the fly in 1 MiB pieces so the client holds no large buffer.
     let piece = support::node::random_bytes(1 << 20, seed);
     let pieces = size.div_ceil(1 << 20);
@@ -53,7 +59,10 @@ async fn upload(client: &reqwest::Client, url: &str, key: &SessionKey, size: u64
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     runtime.block_on(async {
         let Some(db) = support::TestDatabase::create("bench_forward").await else {
             println!("forward bench: PostgreSQL unavailable; nothing measured");
