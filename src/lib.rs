@@ -15,6 +15,9 @@
 //! - [`client`]: the HTTP client used by `graviton put` and `graviton get`.
 //! - `lua/` and `sql/` at the crate root hold the Redis script and PostgreSQL migrations.
 
+pub mod actors;
+pub mod admission;
 pub mod config;
 pub mod http;
 pub mod ids;
+pub mod storage;

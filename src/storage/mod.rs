@@ -1,0 +1,3 @@
+//! I/O adapters that hold no policy.
+
+pub mod redis;
