@@ -334,6 +334,10 @@ impl Admission {
         backend: Option<&str>,
     ) -> Result<AdmissionSnapshot, Error> {
         let local = self.inner.budget.snapshot();
+        self.inner
+            .metrics
+            .local_available_bytes
+            .set(local.process_bytes_available as i64);
         let cluster = match &self.inner.cluster {
             Some(cluster) => {
                 let snap = cluster.snapshot(tenant, backend).await?;
