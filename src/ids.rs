@@ -153,11 +153,7 @@ mod tests {
             "0b4e7a1c-9a8e-4f5e-8d8f2-c3b4a5d6e7f",
             " 0b4e7a1c-9a8e-4f5e-8d8f-2c3b4a5d6e7f",
         ] {
-            assert_eq!(
-                text.parse::<TenantId>(),
-                Err(IdError::NotCanonicalUuid),
-                "{text:?}"
-            );
+            assert_eq!(text.parse::<TenantId>(), Err(IdError::NotCanonicalUuid), "{text:?}");
         }
         assert_eq!(
             "00000000-0000-0000-0000-000000000000".parse::<TenantId>(),
