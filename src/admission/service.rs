@@ -88,7 +88,8 @@ impl std::fmt::Debug for Admission {
 
 impl Admission {
     /// Build the service. With `[admission.redis]` the Redis client is created without
-    /// connecting, so a node starts while Redis is down and admission fails closed.
+    /// connecting, so a node starts while Redis is down and admission fails closed. Call it
+    /// inside a tokio runtime.
     pub fn new(config: &AdmissionConfig, metrics: AdmissionMetrics) -> Result<Self, Error> {
         let cluster = config
             .redis

@@ -32,7 +32,11 @@ impl TestDatabase {
             .expect("create test database");
         let _ = admin.close().await;
         let url = replace_database(&admin_url, &name);
-        Some(Self { admin_url, name, url })
+        Some(Self {
+            admin_url,
+            name,
+            url,
+        })
     }
 
     /// Connection URL of the test database.
@@ -51,7 +55,10 @@ impl Drop for TestDatabase {
         let name = self.name.clone();
         // Drop runs outside any async context we can rely on: use a private runtime on a thread.
         let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
                 return;
             };
             rt.block_on(async move {
