@@ -35,56 +35,81 @@ local function split(s)
   return out
 end
 
-local function count(field)
-  local v = redis.call('HGET', K_COUNTS, field)
-  if v then
-    return tonumber(v)
-  end
-  return 0
-end
-
--- Add delta to a counter; at zero or below the field is deleted (clamped at zero).
-local function add(field, delta)
-  if delta == 0 then
-    return
-  end
-  local v = redis.call('HINCRBY', K_COUNTS, field, fmt(delta))
-  if v <= 0 then
-    redis.call('HDEL', K_COUNTS, field)
-  end
-end
-
-local function occupancy(tenant, backend)
-  local tb, tc, bc = '-1', '-1', '0'
+-- Counter field names of one (tenant, backend) scope.
+local function fields_for(tenant, backend)
+  local names = { 's:b', 's:c' }
   if tenant ~= '-' then
-    tb = fmt(count('t:' .. tenant .. ':b'))
-    tc = fmt(count('t:' .. tenant .. ':c'))
+    names[#names + 1] = 't:' .. tenant .. ':b'
+    names[#names + 1] = 't:' .. tenant .. ':c'
   end
   if backend ~= '-' then
-    bc = fmt(count('b:' .. backend .. ':c'))
+    names[#names + 1] = 'b:' .. backend .. ':c'
   end
-  return { fmt(count('s:b')), fmt(count('s:c')), tb, tc, bc }
+  return names
+end
+
+-- Read the scope's counters with one HMGET: returns the names and a name -> value map.
+local function load_counts(tenant, backend)
+  local names = fields_for(tenant, backend)
+  local raw = redis.call('HMGET', K_COUNTS, unpack(names))
+  local v = {}
+  for i = 1, #names do
+    v[names[i]] = tonumber(raw[i]) or 0
+  end
+  return names, v
+end
+
+-- Add sign * (bytes, 1 transfer) to every counter of the scope and write them back with
+-- one HSET; counters at or below zero are deleted (clamped at zero).
+local function apply(tenant, backend, names, v, bytes, sign)
+  v['s:b'] = v['s:b'] + sign * bytes
+  v['s:c'] = v['s:c'] + sign
+  if tenant ~= '-' then
+    local tb, tc = 't:' .. tenant .. ':b', 't:' .. tenant .. ':c'
+    v[tb] = v[tb] + sign * bytes
+    v[tc] = v[tc] + sign
+  end
+  if backend ~= '-' then
+    local bc = 'b:' .. backend .. ':c'
+    v[bc] = v[bc] + sign
+  end
+  local set, del = {}, {}
+  for _, name in ipairs(names) do
+    if v[name] > 0 then
+      set[#set + 1] = name
+      set[#set + 1] = fmt(v[name])
+    else
+      v[name] = 0
+      del[#del + 1] = name
+    end
+  end
+  if #set > 0 then
+    redis.call('HSET', K_COUNTS, unpack(set))
+  end
+  if #del > 0 then
+    redis.call('HDEL', K_COUNTS, unpack(del))
+  end
+end
+
+-- Occupancy strings {sB, sC, tB, tC, bC}; tenant values are -1 without a tenant.
+local function occupancy(tenant, backend, v)
+  local tb, tc, bc = '-1', '-1', '0'
+  if tenant ~= '-' then
+    tb = fmt(v['t:' .. tenant .. ':b'])
+    tc = fmt(v['t:' .. tenant .. ':c'])
+  end
+  if backend ~= '-' then
+    bc = fmt(v['b:' .. backend .. ':c'])
+  end
+  return { fmt(v['s:b']), fmt(v['s:c']), tb, tc, bc }
 end
 
 local function policy_version()
-  local v = redis.call('HGET', K_POLICY, 'version')
-  if v then
-    return tonumber(v)
-  end
-  return 0
+  return tonumber(redis.call('HGET', K_POLICY, 'version')) or 0
 end
 
-local function limit(field, default)
-  local v = redis.call('HGET', K_POLICY, field)
-  if v then
-    return tonumber(v)
-  end
-  return tonumber(default)
-end
-
--- Append one decision event with the occupancy after the transition.
-local function event(kind, lease, token, tenant, backend, bytes, operation, outcome, version)
-  local o = occupancy(tenant, backend)
+-- Append one decision event; o is the occupancy after the transition.
+local function event(kind, lease, token, tenant, backend, bytes, operation, outcome, version, o)
   redis.call('XADD', K_EVENTS, 'MAXLEN', '~', max_events, '*',
     'schema', 'graviton-admission-event-v1', 'kind', kind, 'at_ms', fmt(now),
     'lease', lease, 'fencing_token', token, 'tenant', tenant, 'backend', backend,
@@ -102,16 +127,11 @@ local function drop_lease(id, kind, outcome)
     return false
   end
   local r = split(raw)
-  local tenant, backend, bytes = r[2], r[3], tonumber(r[4])
-  add('s:b', -bytes)
-  add('s:c', -1)
-  if tenant ~= '-' then
-    add('t:' .. tenant .. ':b', -bytes)
-    add('t:' .. tenant .. ':c', -1)
-  end
-  add('b:' .. backend .. ':c', -1)
+  local tenant, backend = r[2], r[3]
+  local names, v = load_counts(tenant, backend)
+  apply(tenant, backend, names, v, tonumber(r[4]), -1)
   redis.call('HDEL', K_LEASES, id)
-  event(kind, id, r[1], tenant, backend, r[4], r[6], outcome, policy_version())
+  event(kind, id, r[1], tenant, backend, r[4], r[6], outcome, policy_version(), occupancy(tenant, backend, v))
   return true
 end
 
@@ -128,8 +148,9 @@ local function reap(batch)
 end
 
 local function forget_waiter(id)
-  redis.call('ZREM', K_WAITERS, id)
-  redis.call('HDEL', K_WAITING, id)
+  if redis.call('ZREM', K_WAITERS, id) == 1 then
+    redis.call('HDEL', K_WAITING, id)
+  end
 end
 
 -- The oldest waiter that polled within waiter_ttl, pruning dead ones (bounded).
@@ -162,7 +183,6 @@ local function acquire()
     return { 'PROTOCOL', 'invalid_acquire' }
   end
   reap(reap_limit)
-  local version = policy_version()
 
   -- Idempotent retry: the same lease id answers with the lease it already holds.
   local existing = redis.call('HGET', K_LEASES, id)
@@ -170,19 +190,22 @@ local function acquire()
     local score = redis.call('ZSCORE', K_EXP, id)
     if score and tonumber(score) > now then
       local r = split(existing)
-      local o = occupancy(r[2], r[3])
+      local _, v = load_counts(r[2], r[3])
+      local o = occupancy(r[2], r[3], v)
       return { 'ADMITTED', r[1], fmt(tonumber(score)), r[7], o[1], o[2], o[3], o[4], o[5] }
     end
     drop_lease(id, 'expired', 'lease_expired')
   end
 
-  local svc_b, svc_c = limit('svc:b', ARGV[8]), limit('svc:c', ARGV[9])
-  local ten_b, ten_c = 0, 0
-  if tenant ~= '-' then
-    ten_b = limit('t:' .. tenant .. ':b', ARGV[10])
-    ten_c = limit('t:' .. tenant .. ':c', ARGV[11])
-  end
-  local back_c = limit('b:' .. backend .. ':c', ARGV[12])
+  -- Live overrides win over the defaults the caller passed.
+  local p = redis.call('HMGET', K_POLICY, 'version', 'svc:b', 'svc:c',
+    't:' .. tenant .. ':b', 't:' .. tenant .. ':c', 'b:' .. backend .. ':c')
+  local version = tonumber(p[1]) or 0
+  local svc_b = tonumber(p[2]) or tonumber(ARGV[8])
+  local svc_c = tonumber(p[3]) or tonumber(ARGV[9])
+  local ten_b = tonumber(p[4]) or tonumber(ARGV[10])
+  local ten_c = tonumber(p[5]) or tonumber(ARGV[11])
+  local back_c = tonumber(p[6]) or tonumber(ARGV[12])
 
   -- A footprint above a ceiling can never be admitted: say so at once.
   local never = nil
@@ -210,16 +233,17 @@ local function acquire()
     hold_b, hold_c = head_bytes, 1
   end
 
+  local names, v = load_counts(tenant, backend)
   local dim = nil
-  if count('s:b') + bytes + hold_b > svc_b then
+  if v['s:b'] + bytes + hold_b > svc_b then
     dim = 'service_bytes'
-  elseif count('s:c') + 1 + hold_c > svc_c then
+  elseif v['s:c'] + 1 + hold_c > svc_c then
     dim = 'service_transfers'
-  elseif tenant ~= '-' and count('t:' .. tenant .. ':b') + bytes > ten_b then
+  elseif tenant ~= '-' and v['t:' .. tenant .. ':b'] + bytes > ten_b then
     dim = 'tenant_bytes'
-  elseif tenant ~= '-' and count('t:' .. tenant .. ':c') + 1 > ten_c then
+  elseif tenant ~= '-' and v['t:' .. tenant .. ':c'] + 1 > ten_c then
     dim = 'tenant_transfers'
-  elseif count('b:' .. backend .. ':c') + 1 > back_c then
+  elseif v['b:' .. backend .. ':c'] + 1 > back_c then
     dim = 'backend_transfers'
   end
 
@@ -230,28 +254,24 @@ local function acquire()
     else
       forget_waiter(id)
     end
+    local o = occupancy(tenant, backend, v)
     if first then
-      event('queued', id, '-', tenant, backend, fmt(bytes), operation, dim, version)
+      event('queued', id, '-', tenant, backend, fmt(bytes), operation, dim, version, o)
     end
-    local o = occupancy(tenant, backend)
     return { 'REJECTED', dim, fmt(version), o[1], o[2], o[3], o[4], o[5] }
   end
 
-  forget_waiter(id)
+  if head == id or not first then
+    forget_waiter(id)
+  end
   local token = redis.call('INCR', K_FENCE)
   local expires = now + ttl
-  add('s:b', bytes)
-  add('s:c', 1)
-  if tenant ~= '-' then
-    add('t:' .. tenant .. ':b', bytes)
-    add('t:' .. tenant .. ':c', 1)
-  end
-  add('b:' .. backend .. ':c', 1)
+  apply(tenant, backend, names, v, bytes, 1)
   redis.call('HSET', K_LEASES, id,
     table.concat({ fmt(token), tenant, backend, fmt(bytes), fmt(now), operation, fmt(version) }, '|'))
   redis.call('ZADD', K_EXP, fmt(expires), id)
-  event('admitted', id, fmt(token), tenant, backend, fmt(bytes), operation, 'admitted', version)
-  local o = occupancy(tenant, backend)
+  local o = occupancy(tenant, backend, v)
+  event('admitted', id, fmt(token), tenant, backend, fmt(bytes), operation, 'admitted', version, o)
   return { 'ADMITTED', fmt(token), fmt(expires), fmt(version), o[1], o[2], o[3], o[4], o[5] }
 end
 
@@ -303,7 +323,9 @@ local function abandon()
     released = 1
   end
   if ARGV[9] ~= '-' then
-    event('timed_out', id, '-', ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], policy_version())
+    local _, v = load_counts(ARGV[5], ARGV[6])
+    event('timed_out', id, '-', ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], policy_version(),
+      occupancy(ARGV[5], ARGV[6], v))
   end
   return { 'ABANDONED', fmt(released) }
 end
@@ -311,7 +333,8 @@ end
 -- ARGV: 4 tenant hash or '-', 5 backend hash or '-'.
 local function snapshot()
   reap(reap_limit)
-  local o = occupancy(ARGV[4], ARGV[5])
+  local _, v = load_counts(ARGV[4], ARGV[5])
+  local o = occupancy(ARGV[4], ARGV[5], v)
   return { 'SNAPSHOT', o[1], o[2], o[3], o[4], o[5], fmt(policy_version()), fmt(now),
     fmt(redis.call('ZCARD', K_WAITERS)) }
 end
@@ -342,7 +365,8 @@ local function policy()
   if ARGV[5] == '-' and ARGV[6] == '-' then
     outcome = 'cleared'
   end
-  event('policy_changed', '-', '-', tenant, '-', '0', 'control', outcome, version)
+  local _, v = load_counts(tenant, '-')
+  event('policy_changed', '-', '-', tenant, '-', '0', 'control', outcome, version, occupancy(tenant, '-', v))
   return { 'POLICY', fmt(version) }
 end
 
@@ -353,7 +377,9 @@ local function append_event()
   if not kinds[ARGV[4]] then
     return { 'PROTOCOL', 'unknown_event_kind' }
   end
-  event(ARGV[4], ARGV[5], '-', ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], policy_version())
+  local _, v = load_counts(ARGV[6], ARGV[7])
+  event(ARGV[4], ARGV[5], '-', ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], policy_version(),
+    occupancy(ARGV[6], ARGV[7], v))
   return { 'RECORDED' }
 end
 
