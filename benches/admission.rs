@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use graviton::admission::reply::AcquireReply;
 use graviton::admission::{
-    Admission, AdmissionConfig, AdmissionMetrics, Footprint, Operation, Outcome, RedisAdmissionConfig, TransferRequest,
+    Admission, AdmissionConfig, AdmissionMetrics, Footprint, Operation, Outcome,
+    RedisAdmissionConfig, TransferRequest,
 };
 use graviton::config::{ByteSize, HumanDuration};
 use graviton::ids::TenantId;
@@ -35,15 +36,33 @@ impl Drop for Server {
 }
 
 fn start_redis() -> Server {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let dir = tempfile::tempdir().unwrap();
     let child = Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir"])
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+        ])
         .arg(dir.path())
         .stdout(Stdio::null())
         .spawn()
         .expect("redis-server on PATH");
-    let server = Server { child, port, _dir: dir };
+    let server = Server {
+        child,
+        port,
+        _dir: dir,
+    };
     for _ in 0..500 {
         if cli(port, &["PING"]).trim() == "PONG" {
             return server;
@@ -54,7 +73,11 @@ fn start_redis() -> Server {
 }
 
 fn cli(port: u16, args: &[&str]) -> String {
-    let out = Command::new("redis-cli").args(["-p", &port.to_string()]).args(args).output().expect("redis-cli");
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -70,9 +93,22 @@ fn redis_cpu(port: u16) -> f64 {
 }
 
 fn baseline(port: u16, ops: usize) -> f64 {
-    let sha = cli(port, &["SCRIPT", "LOAD", "return 1"]).trim().to_string();
+    let sha = cli(port, &["SCRIPT", "LOAD", "return 1"])
+        .trim()
+        .to_string();
     let out = Command::new("redis-benchmark")
-        .args(["-p", &port.to_string(), "-c", &CLIENTS.to_string(), "-n", &ops.to_string(), "-q", "EVALSHA", &sha, "0"])
+        .args([
+            "-p",
+            &port.to_string(),
+            "-c",
+            &CLIENTS.to_string(),
+            "-n",
+            &ops.to_string(),
+            "-q",
+            "EVALSHA",
+            &sha,
+            "0",
+        ])
         .output()
         .expect("redis-benchmark");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -115,7 +151,11 @@ struct Run {
     latencies: Vec<Duration>,
 }
 
-async fn coordinator_run(coordinator: RedisCoordinator, tenants: Arc<Vec<TenantId>>, ops: usize) -> Run {
+async fn coordinator_run(
+    coordinator: RedisCoordinator,
+    tenants: Arc<Vec<TenantId>>,
+    ops: usize,
+) -> Run {
     let started = Instant::now();
     let mut tasks = Vec::new();
     for client in 0..CLIENTS {
@@ -132,10 +172,18 @@ async fn coordinator_run(coordinator: RedisCoordinator, tenants: Arc<Vec<TenantI
                     operation: Operation::Upload,
                 };
                 let t = Instant::now();
-                let reply = coordinator.try_acquire(&request, true).await.expect("acquire");
+                let reply = coordinator
+                    .try_acquire(&request, true)
+                    .await
+                    .expect("acquire");
                 latencies.push(t.elapsed());
-                let AcquireReply::Admitted { token, .. } = reply else { panic!("rejected: {reply:?}") };
-                coordinator.release(&request.lease_id, &token, Outcome::Completed).await.expect("release");
+                let AcquireReply::Admitted { token, .. } = reply else {
+                    panic!("rejected: {reply:?}")
+                };
+                coordinator
+                    .release(&request.lease_id, &token, Outcome::Completed)
+                    .await
+                    .expect("release");
             }
             latencies
         }));
@@ -146,7 +194,10 @@ async fn coordinator_run(coordinator: RedisCoordinator, tenants: Arc<Vec<TenantI
     }
     let elapsed = started.elapsed();
     latencies.sort();
-    Run { per_second: latencies.len() as f64 / elapsed.as_secs_f64(), latencies }
+    Run {
+        per_second: latencies.len() as f64 / elapsed.as_secs_f64(),
+        latencies,
+    }
 }
 
 async fn facade_run(admission: Admission, tenants: Arc<Vec<TenantId>>, ops: usize) -> Run {
@@ -180,7 +231,10 @@ async fn facade_run(admission: Admission, tenants: Arc<Vec<TenantId>>, ops: usiz
     }
     let elapsed = started.elapsed();
     latencies.sort();
-    Run { per_second: latencies.len() as f64 / elapsed.as_secs_f64(), latencies }
+    Run {
+        per_second: latencies.len() as f64 / elapsed.as_secs_f64(),
+        latencies,
+    }
 }
 
 fn report(name: &str, run: &Run, baseline: f64, cpu: f64) {
@@ -196,7 +250,10 @@ fn report(name: &str, run: &Run, baseline: f64, cpu: f64) {
 
 fn main() {
     // `cargo bench` passes `--bench`; nothing else to parse.
-    let ops: usize = std::env::var("ADMISSION_BENCH_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(40_000);
+    let ops: usize = std::env::var("ADMISSION_BENCH_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(40_000);
     let server = start_redis();
     let cpu0 = redis_cpu(server.port);
     let base = baseline(server.port, ops * 2);
@@ -207,7 +264,11 @@ fn main() {
         base_cpu / (ops * 2) as f64 * 1e6
     );
 
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     runtime.block_on(async {
         let cfg = config(server.port);
         let admission = Admission::new(&cfg, AdmissionMetrics::default()).unwrap();
@@ -219,11 +280,21 @@ fn main() {
 
         let cpu = redis_cpu(server.port);
         let run = coordinator_run(coordinator.clone(), tenants.clone(), ops).await;
-        report("coordinator acquire+release", &run, base, redis_cpu(server.port) - cpu);
+        report(
+            "coordinator acquire+release",
+            &run,
+            base,
+            redis_cpu(server.port) - cpu,
+        );
 
         let cpu = redis_cpu(server.port);
         let run = facade_run(admission.clone(), tenants.clone(), ops / 4).await;
-        report("Admission::admit+finish (local + lease + holder actor)", &run, base, redis_cpu(server.port) - cpu);
+        report(
+            "Admission::admit+finish (local + lease + holder actor)",
+            &run,
+            base,
+            redis_cpu(server.port) - cpu,
+        );
         let snap = coordinator.snapshot(None, None).await.unwrap();
         assert_eq!(snap.occupancy.service_transfers, 0, "every lease released");
     });

@@ -108,7 +108,7 @@ impl fmt::Debug for SessionId {
 }
 
 /// The `(tenant, session)` pair that has exactly one owner node at a time.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Serialize, Deserialize)]
 pub struct SessionKey {
     pub tenant: TenantId,
     pub session: SessionId,
@@ -153,7 +153,11 @@ mod tests {
             "0b4e7a1c-9a8e-4f5e-8d8f2-c3b4a5d6e7f",
             " 0b4e7a1c-9a8e-4f5e-8d8f-2c3b4a5d6e7f",
         ] {
-            assert_eq!(text.parse::<TenantId>(), Err(IdError::NotCanonicalUuid), "{text:?}");
+            assert_eq!(
+                text.parse::<TenantId>(),
+                Err(IdError::NotCanonicalUuid),
+                "{text:?}"
+            );
         }
         assert_eq!(
             "00000000-0000-0000-0000-000000000000".parse::<TenantId>(),

@@ -1,3 +1,27 @@
-//! ractor actors: thin message handlers over pure logic.
+//! ractor actors: thin shells that own state and I/O and call into pure modules.
+//!
+//! - [`supervisor`]: `NodeSupervisor`, the root of a node's tree; restarts children with
+//!   backoff and never stops because a child exited.
+//! - [`session_region`]: `SessionRegion`, which spawns one `SessionOwner` per active
+//!   session of the locally owned shards, bounded by `sessions.max_hot`.
+//! - [`session_owner`]: `SessionOwner`, the bounded hot state of one session.
+//! - [`lease_holder`]: `LeaseHolder`, one per admitted transfer: renews its cluster lease,
+//!   reports loss, releases it on stop.
+//! - [`handle`]: typed handles (`SessionRegionHandle`, `IngestTicket`) that callers use
+//!   instead of message enums.
+//!
+//! Upload bytes never travel through these mailboxes (they are unbounded): only
+//! control messages and counters do.
 
+pub mod backoff;
+pub mod handle;
 pub mod lease_holder;
+pub mod session_owner;
+pub mod session_region;
+pub mod supervisor;
+
+pub use handle::{IngestTicket, SessionRegionHandle};
+pub use supervisor::{NodeSupervisor, SupervisorHandle};
+
+#[cfg(test)]
+mod tests;

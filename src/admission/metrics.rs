@@ -76,8 +76,9 @@ impl Default for AdmissionMetrics {
 }
 
 impl AdmissionMetrics {
+    /// Register under `admission_`; the node's registry carries the `graviton` prefix.
     pub fn register(&self, registry: &mut Registry) {
-        let r = registry.sub_registry_with_prefix("graviton_admission");
+        let r = registry.sub_registry_with_prefix("admission");
         r.register(
             "decisions",
             "Admission decisions by operation and outcome",
@@ -156,7 +157,7 @@ mod tests {
                 operation: "download",
             })
             .inc();
-        let mut registry = Registry::default();
+        let mut registry = Registry::with_prefix("graviton");
         metrics.register(&mut registry);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();

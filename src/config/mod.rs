@@ -55,7 +55,9 @@ impl Default for NodeConfig {
     fn default() -> Self {
         Self {
             id: "local".to_string(),
-            listen: LISTEN_DEFAULT.parse().expect("valid default listen address"),
+            listen: LISTEN_DEFAULT
+                .parse()
+                .expect("valid default listen address"),
             shutdown_grace: HumanDuration::secs(30),
         }
     }
@@ -73,7 +75,10 @@ pub struct StorageConfig {
 
 impl Default for StorageConfig {
     fn default() -> Self {
-        Self { data_dir: PathBuf::from(DATA_DIR_DEFAULT), fsync: true }
+        Self {
+            data_dir: PathBuf::from(DATA_DIR_DEFAULT),
+            fsync: true,
+        }
     }
 }
 
@@ -111,7 +116,10 @@ pub struct UploadConfig {
 
 impl Default for UploadConfig {
     fn default() -> Self {
-        Self { max_blob_size: ByteSize::gib(64), body_idle_timeout: HumanDuration::secs(60) }
+        Self {
+            max_blob_size: ByteSize::gib(64),
+            body_idle_timeout: HumanDuration::secs(60),
+        }
     }
 }
 
@@ -135,7 +143,10 @@ pub struct LogConfig {
 
 impl Default for LogConfig {
     fn default() -> Self {
-        Self { format: LogFormat::Human, level: "info".to_string() }
+        Self {
+            format: LogFormat::Human,
+            level: "info".to_string(),
+        }
     }
 }
 
@@ -173,7 +184,10 @@ impl std::fmt::Display for Problem {
 
 impl Problem {
     pub fn new(key: &'static str, message: impl Into<String>) -> Self {
-        Self { key, message: message.into() }
+        Self {
+            key,
+            message: message.into(),
+        }
     }
 }
 
@@ -192,7 +206,9 @@ impl Config {
             figment = figment.merge(Toml::file_exact(path));
         }
         figment = figment.merge(Self::env_provider());
-        let config: Config = figment.extract().map_err(|err| ConfigError::Parse(describe(err)))?;
+        let config: Config = figment
+            .extract()
+            .map_err(|err| ConfigError::Parse(describe(err)))?;
         config.validate()?;
         Ok(config)
     }
@@ -227,7 +243,10 @@ impl Config {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
         {
-            problems.push(Problem::new("node.id", "only ASCII letters, digits, '-', '_' and '.' are allowed"));
+            problems.push(Problem::new(
+                "node.id",
+                "only ASCII letters, digits, '-', '_' and '.' are allowed",
+            ));
         }
         if self.storage.data_dir.as_os_str().is_empty() {
             problems.push(Problem::new("storage.data_dir", "must not be empty"));
@@ -236,21 +255,36 @@ impl Config {
             problems.push(Problem::new("sessions.max_hot", "must be at least 1"));
         }
         if self.sessions.idle_timeout.get().is_zero() {
-            problems.push(Problem::new("sessions.idle_timeout", "must be greater than zero"));
+            problems.push(Problem::new(
+                "sessions.idle_timeout",
+                "must be greater than zero",
+            ));
         }
         if self.sessions.sweep_interval.get().is_zero() {
-            problems.push(Problem::new("sessions.sweep_interval", "must be greater than zero"));
+            problems.push(Problem::new(
+                "sessions.sweep_interval",
+                "must be greater than zero",
+            ));
         }
         if self.upload.max_blob_size.bytes() == 0 {
-            problems.push(Problem::new("upload.max_blob_size", "must be greater than zero"));
+            problems.push(Problem::new(
+                "upload.max_blob_size",
+                "must be greater than zero",
+            ));
         }
         if self.upload.body_idle_timeout.get().is_zero() {
-            problems.push(Problem::new("upload.body_idle_timeout", "must be greater than zero"));
+            problems.push(Problem::new(
+                "upload.body_idle_timeout",
+                "must be greater than zero",
+            ));
         }
         if let Some(token) = &self.admin.token
             && token.expose().len() < 16
         {
-            problems.push(Problem::new("admin.token", "must be at least 16 characters"));
+            problems.push(Problem::new(
+                "admin.token",
+                "must be at least 16 characters",
+            ));
         }
         problems.extend(self.admission.problems());
         problems
@@ -258,7 +292,11 @@ impl Config {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let problems = self.problems();
-        if problems.is_empty() { Ok(()) } else { Err(ConfigError::Invalid(problems)) }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid(problems))
+        }
     }
 
     /// A configuration for tests: random loopback port, the given data directory, no fsync.
@@ -314,17 +352,25 @@ mod tests {
 
     #[test]
     fn errors_name_the_offending_key() {
-        let err = Config::from_toml_str("[upload]\nmax_blob_size = \"lots\"\n").unwrap_err().to_string();
+        let err = Config::from_toml_str("[upload]\nmax_blob_size = \"lots\"\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("upload.max_blob_size"), "{err}");
-        let err = Config::from_toml_str("[sessions]\nmax_hot = 0\n").unwrap_err().to_string();
+        let err = Config::from_toml_str("[sessions]\nmax_hot = 0\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("sessions.max_hot"), "{err}");
-        let err = Config::from_toml_str("[node]\nlisten_typo = \"x\"\n").unwrap_err().to_string();
+        let err = Config::from_toml_str("[node]\nlisten_typo = \"x\"\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("listen_typo"), "{err}");
     }
 
     #[test]
     fn short_admin_token_is_rejected_without_echoing_it() {
-        let err = Config::from_toml_str("[admin]\ntoken = \"abc\"\n").unwrap_err().to_string();
+        let err = Config::from_toml_str("[admin]\ntoken = \"abc\"\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("admin.token"), "{err}");
         assert!(!err.contains("abc\""), "{err}");
     }

@@ -77,7 +77,12 @@ impl FromStr for ByteSize {
 
 impl fmt::Display for ByteSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const UNITS: [(u64, &str); 4] = [(1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+        const UNITS: [(u64, &str); 4] = [
+            (1 << 40, "TiB"),
+            (1 << 30, "GiB"),
+            (1 << 20, "MiB"),
+            (1 << 10, "KiB"),
+        ];
         for (size, name) in UNITS {
             if self.0 >= size && self.0.is_multiple_of(size) {
                 return write!(f, "{}{}", self.0 / size, name);
@@ -95,7 +100,9 @@ impl Serialize for ByteSize {
 
 impl<'de> Deserialize<'de> for ByteSize {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(UnitVisitor::<ByteSize>::new("a byte size such as \"512MiB\""))
+        deserializer.deserialize_any(UnitVisitor::<ByteSize>::new(
+            "a byte size such as \"512MiB\"",
+        ))
     }
 }
 
@@ -127,9 +134,11 @@ impl FromStr for HumanDuration {
                 .map_err(|_| UnitError(format!("invalid duration {text:?}: number too large")))?;
             return Ok(Self(Duration::from_millis(millis)));
         }
-        humantime::parse_duration(trimmed)
-            .map(Self)
-            .map_err(|err| UnitError(format!("invalid duration {text:?}: {err} (examples: \"250ms\", \"30s\", \"5m\")")))
+        humantime::parse_duration(trimmed).map(Self).map_err(|err| {
+            UnitError(format!(
+                "invalid duration {text:?}: {err} (examples: \"250ms\", \"30s\", \"5m\")"
+            ))
+        })
     }
 }
 
@@ -147,7 +156,9 @@ impl Serialize for HumanDuration {
 
 impl<'de> Deserialize<'de> for HumanDuration {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(UnitVisitor::<HumanDuration>::new("a duration such as \"30s\""))
+        deserializer.deserialize_any(UnitVisitor::<HumanDuration>::new(
+            "a duration such as \"30s\"",
+        ))
     }
 }
 
@@ -165,7 +176,10 @@ struct UnitVisitor<T> {
 
 impl<T> UnitVisitor<T> {
     fn new(expecting: &'static str) -> Self {
-        Self { expecting, _marker: std::marker::PhantomData }
+        Self {
+            expecting,
+            _marker: std::marker::PhantomData,
+        }
     }
 }
 
@@ -189,7 +203,10 @@ where
 
     fn visit_i64<E: de::Error>(self, value: i64) -> Result<T, E> {
         if value < 0 {
-            return Err(E::custom(format!("{value} is negative; {}", self.expecting)));
+            return Err(E::custom(format!(
+                "{value} is negative; {}",
+                self.expecting
+            )));
         }
         self.visit_str(&value.to_string())
     }
@@ -213,18 +230,36 @@ mod tests {
 
     #[test]
     fn sizes_display_round_trips() {
-        for size in [ByteSize(0), ByteSize(1000), ByteSize::kib(3), ByteSize::mib(512), ByteSize::gib(2)] {
+        for size in [
+            ByteSize(0),
+            ByteSize(1000),
+            ByteSize::kib(3),
+            ByteSize::mib(512),
+            ByteSize::gib(2),
+        ] {
             assert_eq!(size.to_string().parse::<ByteSize>().unwrap(), size);
         }
     }
 
     #[test]
     fn durations_parse_humantime_and_bare_millis() {
-        assert_eq!("30s".parse::<HumanDuration>().unwrap(), HumanDuration::secs(30));
-        assert_eq!("1h 30m".parse::<HumanDuration>().unwrap(), HumanDuration::secs(5400));
-        assert_eq!("250".parse::<HumanDuration>().unwrap(), HumanDuration::millis(250));
+        assert_eq!(
+            "30s".parse::<HumanDuration>().unwrap(),
+            HumanDuration::secs(30)
+        );
+        assert_eq!(
+            "1h 30m".parse::<HumanDuration>().unwrap(),
+            HumanDuration::secs(5400)
+        );
+        assert_eq!(
+            "250".parse::<HumanDuration>().unwrap(),
+            HumanDuration::millis(250)
+        );
         assert!("soon".parse::<HumanDuration>().is_err());
         let shown = HumanDuration::millis(1500).to_string();
-        assert_eq!(shown.parse::<HumanDuration>().unwrap(), HumanDuration::millis(1500));
+        assert_eq!(
+            shown.parse::<HumanDuration>().unwrap(),
+            HumanDuration::millis(1500)
+        );
     }
 }

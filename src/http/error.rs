@@ -28,7 +28,12 @@ struct ErrorBody<'a> {
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into(), retry_after: None }
+        Self {
+            status,
+            code,
+            message: message.into(),
+            retry_after: None,
+        }
     }
 
     pub fn with_retry_after(mut self, after: Duration) -> Self {
@@ -55,7 +60,13 @@ impl ApiError {
 
 impl std::fmt::Display for ApiError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {}: {}", self.status.as_u16(), self.code, self.message)
+        write!(
+            f,
+            "{} {}: {}",
+            self.status.as_u16(),
+            self.code,
+            self.message
+        )
     }
 }
 
@@ -63,7 +74,10 @@ impl std::error::Error for ApiError {}
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = ErrorBody { error: self.code, message: &self.message };
+        let body = ErrorBody {
+            error: self.code,
+            message: &self.message,
+        };
         let mut response = (self.status, Json(body)).into_response();
         if let Some(after) = self.retry_after {
             // Whole seconds, rounded up, at least 1.

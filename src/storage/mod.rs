@@ -1,3 +1,41 @@
-//! I/O adapters that hold no policy.
+//! Storage adapters. They translate between domain types and a medium and hold no policy.
+//!
+//! - [`block`]: the [`BlockStore`] trait (put once, get, contains).
+//! - [`manifest`]: the [`ManifestStore`] trait (create once, get).
+//! - [`fs`]: filesystem implementations of both, the embedded default.
+//! - [`redis`]: the admission coordinator (cluster leases, quotas, decision events).
+//!
+//! The traits return boxed futures so they can be used as `Arc<dyn ...>` and implemented
+//! by network stores (PostgreSQL manifests, S3 blocks) without touching the callers.
 
+pub mod block;
+pub mod fs;
+pub mod manifest;
 pub mod redis;
+
+pub use block::{BlockStore, PutOutcome};
+pub use manifest::{CreateOutcome, ManifestStore};
+
+/// A storage failure. Messages name the operation, never secrets.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{op}: {source}")]
+    Io {
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Corrupt(String),
+    #[error("storage unavailable: {0}")]
+    Unavailable(String),
+}
+
+impl StoreError {
+    pub fn io(op: &'static str, source: std::io::Error) -> Self {
+        Self::Io { op, source }
+    }
+}
+
+/// The future type returned by store methods.
+pub type StoreFuture<'a, T> = futures_util::future::BoxFuture<'a, Result<T, StoreError>>;

@@ -12,10 +12,13 @@
 //! fails the test instead: CI can never go green by skipping.
 #![allow(dead_code)]
 
+pub mod node;
 pub mod postgres;
 pub mod redis;
 
+#[allow(unused_imports)]
 pub use postgres::TestDatabase;
+#[allow(unused_imports)]
 pub use redis::RedisServer;
 
 /// True when the run demands every external service (`GRAVITON_REQUIRE_SERVICES=1`).

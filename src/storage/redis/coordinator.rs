@@ -10,6 +10,7 @@
 //!   [`Error::Unavailable`], so no server message or connection detail leaks.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -234,11 +235,16 @@ impl RedisCoordinator {
             armed: true,
         };
         let retry_interval = self.inner.config.retry_interval.get();
+        // Set once any reply arrived: a deadline that passes before that is an unreachable
+        // coordinator (503 admission_unavailable), after it saturation (503 busy).
+        let answered = AtomicBool::new(false);
         let attempts = async {
             let mut attempt = 0u32;
             loop {
                 let sent_at = Instant::now();
-                match self.try_acquire(request, attempt == 0).await? {
+                let reply = self.try_acquire(request, attempt == 0).await?;
+                answered.store(true, Ordering::Relaxed);
+                match reply {
                     AcquireReply::Admitted {
                         token,
                         policy_version,
@@ -270,9 +276,13 @@ impl RedisCoordinator {
                 }
             }
         };
-        let result = tokio::time::timeout_at(deadline, attempts)
-            .await
-            .unwrap_or(Err(Error::TimedOut("cluster lease")));
+        let result = match tokio::time::timeout_at(deadline, attempts).await {
+            Ok(result) => result,
+            Err(_) if !answered.load(Ordering::Relaxed) => {
+                Err(Error::Unavailable("timeout".into()))
+            }
+            Err(_) => Err(Error::TimedOut("cluster lease")),
+        };
         if matches!(result, Ok(_) | Err(Error::NeverFits(_))) {
             guard.armed = false;
         }

@@ -1,0 +1,420 @@
+//! The streaming ingest pipeline: body -> chunks -> blocks -> manifest.
+//!
+//! ```text
+//!  body frames --(bounded queue)--> chunk + hash thread --(bounded queue)--> block writes
+//!  (async, counts bytes,            (blocking pool: FastCDC cut,            (async, a few in
+//!   enforces limits)                 BLAKE3 per block and of the whole)      flight, ordered)
+//! ```
+//! Every stage is bounded, so memory per upload stays a few MiB whatever the blob size,
+//! and a slow or stopped block store stops the reading of the request body (back-pressure
+//! reaches the client through TCP). CPU-heavy work runs on the blocking pool, never on the
+//! async workers.
+//!
+//! The manifest is written only after every block is stored and the byte count matches
+//! the declared length, so a failed, truncated or cancelled upload never makes a blob
+//! visible. Dropping the future cancels the pipeline.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt, TryStreamExt};
+use tokio::sync::mpsc;
+
+use super::chunker::StreamChunker;
+use super::keys::{BlobKey, BlockKey};
+use super::manifest::{BlockRef, Manifest};
+use crate::storage::{BlockStore, CreateOutcome, ManifestStore, PutOutcome, StoreError};
+
+/// Body frames queued between the reader and the chunker.
+const FRAME_QUEUE: usize = 8;
+/// Chunks queued between the chunker and the block writes.
+const CHUNK_QUEUE: usize = 8;
+/// Block writes in flight at once per upload.
+const STORE_CONCURRENCY: usize = 4;
+
+/// Limits checked while the body streams.
+#[derive(Debug, Clone, Copy)]
+pub struct IngestLimits {
+    /// Largest blob accepted.
+    pub max_size: u64,
+    /// `Content-Length` of the request, when declared.
+    pub declared_size: Option<u64>,
+    /// Abort when the body delivers nothing for this long.
+    pub idle_timeout: Duration,
+}
+
+/// What an upload produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IngestReport {
+    pub key: BlobKey,
+    pub blocks: usize,
+    pub fresh_blocks: usize,
+    pub duplicate_blocks: usize,
+    pub fresh_bytes: u64,
+    pub manifest: CreateOutcome,
+}
+
+/// Why an upload failed. Nothing is visible after any of these.
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    #[error("blob exceeds the maximum size of {limit} bytes")]
+    TooLarge { limit: u64 },
+    #[error("body length {received} does not match Content-Length {declared}")]
+    LengthMismatch { declared: u64, received: u64 },
+    #[error("no body data for {0:?}")]
+    BodyIdle(Duration),
+    #[error("request body failed: {0}")]
+    Body(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("ingest pipeline stopped unexpectedly: {0}")]
+    Pipeline(String),
+}
+
+enum Frame {
+    Data(Bytes),
+    End,
+}
+
+/// Chunk, hash and store a body; write the manifest; report. `on_bytes` is called with
+/// the size of every body frame as it is accepted (progress, counters).
+pub async fn ingest<S, E>(
+    body: S,
+    limits: IngestLimits,
+    blocks: Arc<dyn BlockStore>,
+    manifests: Arc<dyn ManifestStore>,
+    mut on_bytes: impl FnMut(u64) + Send,
+) -> Result<IngestReport, IngestError>
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + Unpin,
+    E: std::fmt::Display,
+{
+    let (frame_tx, frame_rx) = mpsc::channel::<Frame>(FRAME_QUEUE);
+    let (chunk_tx, chunk_rx) = mpsc::channel::<(BlockKey, Bytes)>(CHUNK_QUEUE);
+    let hashing = tokio::task::spawn_blocking(move || chunk_and_hash(frame_rx, chunk_tx));
+
+    let feed = feed_frames(body, limits, frame_tx, &mut on_bytes);
+    let store = store_blocks(chunk_rx, blocks);
+    let (received, stored) = futures_util::try_join!(feed, store)?;
+
+    let whole_hash = hashing
+        .await
+        .map_err(|e| IngestError::Pipeline(format!("chunker task: {e}")))?
+        .ok_or_else(|| IngestError::Pipeline("chunker ended without the end of the body".into()))?;
+
+    let stored_bytes: u64 = stored.refs.iter().map(|r| u64::from(r.size)).sum();
+    if stored_bytes != received {
+        return Err(IngestError::Pipeline(format!(
+            "stored {stored_bytes} bytes of {received} received"
+        )));
+    }
+    let key = BlobKey {
+        hash: whole_hash,
+        size: received,
+    };
+    let blocks_total = stored.refs.len();
+    let manifest = Manifest::new(key, stored.refs, unix_millis());
+    let outcome = manifests.create(&manifest).await?;
+    Ok(IngestReport {
+        key,
+        blocks: blocks_total,
+        fresh_blocks: stored.fresh,
+        duplicate_blocks: blocks_total - stored.fresh,
+        fresh_bytes: stored.fresh_bytes,
+        manifest: outcome,
+    })
+}
+
+/// Pull body frames, enforce limits, pass them on. Returns the byte count.
+async fn feed_frames<S, E>(
+    mut body: S,
+    limits: IngestLimits,
+    frames: mpsc::Sender<Frame>,
+    on_bytes: &mut (impl FnMut(u64) + Send),
+) -> Result<u64, IngestError>
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + Unpin,
+    E: std::fmt::Display,
+{
+    let mut received: u64 = 0;
+    loop {
+        let next = tokio::time::timeout(limits.idle_timeout, body.next())
+            .await
+            .map_err(|_| IngestError::BodyIdle(limits.idle_timeout))?;
+        let Some(frame) = next else { break };
+        let frame = frame.map_err(|e| IngestError::Body(e.to_string()))?;
+        if frame.is_empty() {
+            continue;
+        }
+        received += frame.len() as u64;
+        if received > limits.max_size {
+            return Err(IngestError::TooLarge {
+                limit: limits.max_size,
+            });
+        }
+        if let Some(declared) = limits.declared_size
+            && received > declared
+        {
+            return Err(IngestError::LengthMismatch { declared, received });
+        }
+        on_bytes(frame.len() as u64);
+        if frames.send(Frame::Data(frame)).await.is_err() {
+            // The chunker only stops early when the block writes failed; that error wins.
+            return Err(IngestError::Pipeline("chunker stopped".into()));
+        }
+    }
+    if let Some(declared) = limits.declared_size
+        && received != declared
+    {
+        return Err(IngestError::LengthMismatch { declared, received });
+    }
+    frames
+        .send(Frame::End)
+        .await
+        .map_err(|_| IngestError::Pipeline("chunker stopped".into()))?;
+    Ok(received)
+}
+
+/// Runs on the blocking pool. Returns the whole-content hash, or `None` when the body
+/// ended without `Frame::End` (the upload was aborted) or the writer went away.
+fn chunk_and_hash(
+    mut frames: mpsc::Receiver<Frame>,
+    chunks: mpsc::Sender<(BlockKey, Bytes)>,
+) -> Option<[u8; 32]> {
+    let mut chunker = StreamChunker::new();
+    let mut whole = blake3::Hasher::new();
+    let mut emit = |chunk: Bytes| -> Option<()> {
+        whole.update(&chunk);
+        let key = BlockKey::of(&chunk);
+        chunks.blocking_send((key, chunk)).ok()
+    };
+    loop {
+        match frames.blocking_recv()? {
+            Frame::Data(data) => {
+                chunker.push(&data);
+                while let Some(chunk) = chunker.next_chunk(false) {
+                    emit(chunk)?;
+                }
+            }
+            Frame::End => {
+                while let Some(chunk) = chunker.next_chunk(true) {
+                    emit(chunk)?;
+                }
+                return Some(*whole.finalize().as_bytes());
+            }
+        }
+    }
+}
+
+struct Stored {
+    refs: Vec<BlockRef>,
+    fresh: usize,
+    fresh_bytes: u64,
+}
+
+/// Write blocks, a few at a time, keeping their order.
+async fn store_blocks(
+    chunks: mpsc::Receiver<(BlockKey, Bytes)>,
+    blocks: Arc<dyn BlockStore>,
+) -> Result<Stored, IngestError> {
+    let mut stored = Stored {
+        refs: Vec::new(),
+        fresh: 0,
+        fresh_bytes: 0,
+    };
+    let mut writes = tokio_stream_from(chunks)
+        .map(|(key, data)| {
+            let blocks = blocks.clone();
+            async move {
+                let size = data.len() as u32;
+                let outcome = blocks.put(key, data).await?;
+                Ok::<_, StoreError>((BlockRef { key, size }, outcome))
+            }
+        })
+        .buffered(STORE_CONCURRENCY);
+    while let Some((block, outcome)) = writes.try_next().await? {
+        if outcome == PutOutcome::Fresh {
+            stored.fresh += 1;
+            stored.fresh_bytes += u64::from(block.size);
+        }
+        stored.refs.push(block);
+    }
+    Ok(stored)
+}
+
+fn tokio_stream_from<T: Send + 'static>(mut rx: mpsc::Receiver<T>) -> impl Stream<Item = T> {
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+fn unix_millis() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::fs::{FsBlockStore, FsManifestStore};
+
+    fn stores(dir: &std::path::Path) -> (Arc<dyn BlockStore>, Arc<dyn ManifestStore>) {
+        (
+            Arc::new(FsBlockStore::open(dir, false).unwrap()),
+            Arc::new(FsManifestStore::open(dir, false).unwrap()),
+        )
+    }
+
+    fn limits(declared: Option<u64>) -> IngestLimits {
+        IngestLimits {
+            max_size: 1 << 30,
+            declared_size: declared,
+            idle_timeout: Duration::from_secs(5),
+        }
+    }
+
+    fn body_of(
+        data: &[u8],
+        piece: usize,
+    ) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Unpin {
+        let pieces: Vec<_> = data
+            .chunks(piece)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
+        futures_util::stream::iter(pieces)
+    }
+
+    fn data(len: usize, seed: u8) -> Vec<u8> {
+        let mut state = u64::from(seed) + 1;
+        (0..len)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (state >> 33) as u8
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn ingest_produces_content_key_and_dedups() {
+        let dir = tempfile::tempdir().unwrap();
+        let (blocks, manifests) = stores(dir.path());
+        let content = data(3 << 20, 1);
+        let mut seen = 0;
+        let first = ingest(
+            body_of(&content, 50_000),
+            limits(Some(content.len() as u64)),
+            blocks.clone(),
+            manifests.clone(),
+            |n| seen += n,
+        )
+        .await
+        .unwrap();
+        assert_eq!(seen, content.len() as u64);
+        assert_eq!(first.key, BlobKey::of(&content));
+        assert_eq!(first.fresh_blocks, first.blocks);
+        assert!(first.blocks > 10);
+        assert_eq!(first.manifest, CreateOutcome::Created);
+
+        let second = ingest(
+            body_of(&content, 7_777),
+            limits(None),
+            blocks,
+            manifests.clone(),
+            |_| {},
+        )
+        .await
+        .unwrap();
+        assert_eq!(second.key, first.key);
+        assert_eq!(second.fresh_blocks, 0);
+        assert_eq!(second.duplicate_blocks, first.blocks);
+        assert_eq!(second.manifest, CreateOutcome::AlreadyExists);
+        assert!(manifests.get(first.key).await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn short_or_long_bodies_store_no_manifest() {
+        let dir = tempfile::tempdir().unwrap();
+        let (blocks, manifests) = stores(dir.path());
+        let content = data(1 << 20, 2);
+        for declared in [content.len() as u64 + 1, content.len() as u64 - 1] {
+            let err = ingest(
+                body_of(&content, 65_536),
+                limits(Some(declared)),
+                blocks.clone(),
+                manifests.clone(),
+                |_| {},
+            )
+            .await
+            .unwrap_err();
+            assert!(matches!(err, IngestError::LengthMismatch { .. }), "{err}");
+        }
+        assert!(
+            manifests
+                .get(BlobKey::of(&content))
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[tokio::test]
+    async fn failing_body_and_size_limit_store_no_manifest() {
+        let dir = tempfile::tempdir().unwrap();
+        let (blocks, manifests) = stores(dir.path());
+        let content = data(1 << 20, 3);
+        let mut pieces: Vec<Result<Bytes, std::io::Error>> = content
+            .chunks(100_000)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
+        pieces.push(Err(std::io::Error::other("client went away")));
+        let err = ingest(
+            futures_util::stream::iter(pieces),
+            limits(None),
+            blocks.clone(),
+            manifests.clone(),
+            |_| {},
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, IngestError::Body(_)), "{err}");
+
+        let small = IngestLimits {
+            max_size: 1000,
+            ..limits(None)
+        };
+        let err = ingest(
+            body_of(&content, 4096),
+            small,
+            blocks,
+            manifests.clone(),
+            |_| {},
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(err, IngestError::TooLarge { limit: 1000 }),
+            "{err}"
+        );
+        assert!(
+            manifests
+                .get(BlobKey::of(&content))
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[tokio::test]
+    async fn empty_body_is_a_valid_empty_blob() {
+        let dir = tempfile::tempdir().unwrap();
+        let (blocks, manifests) = stores(dir.path());
+        let report = ingest(body_of(b"", 1), limits(Some(0)), blocks, manifests, |_| {})
+            .await
+            .unwrap();
+        assert_eq!(report.key, BlobKey::of(b""));
+        assert_eq!(report.blocks, 0);
+    }
+}

@@ -1,0 +1,178 @@
+//! `GET` and `HEAD /v1/blobs/{key}`: streamed, verified downloads with single-range support.
+//!
+//! Admission (and the request quota) runs before the manifest is read; every chunk is
+//! charged to the tenant's egress quota just before it is sent (`http::admission`).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::Stream;
+
+use super::{ApiError, AppState};
+use crate::cas::BlobKey;
+use crate::cas::range::{RangeRequest, parse_range};
+use super::admission::{BoxError, charge_egress};
+use crate::admission::Operation;
+use crate::cas::read::read_blob;
+use crate::metrics::{Metrics, OutcomeLabels};
+use crate::storage::StoreError;
+
+pub async fn get_blob(
+    State(app): State<Arc<AppState>>,
+    method: Method,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let key: BlobKey = key.parse().map_err(|e: crate::cas::KeyError| {
+        ApiError::bad_request("invalid_blob_key", e.to_string())
+    })?;
+    // Quota and admission before the manifest or any block is read. HEAD moves no body
+    // bytes: it is charged as a request but holds no transfer permit.
+    let tenant = super::admission::tenant_header(&headers)?;
+    let permit = if method == Method::HEAD {
+        if let Some(tenant) = &tenant {
+            app.admission.charge_request(tenant).await?;
+        }
+        None
+    } else {
+        Some(super::admission::admit(&app, Operation::Download, tenant).await?)
+    };
+    let manifest = match app.manifests.get(key).await {
+        Ok(Some(manifest)) => Arc::new(manifest),
+        Ok(None) => {
+            return Err(ApiError::not_found(
+                "blob_not_found",
+                "no blob with this key",
+            ));
+        }
+        Err(StoreError::Corrupt(detail)) => {
+            tracing::error!(%detail, "corrupt manifest");
+            return Err(ApiError::internal("the blob's manifest is corrupt"));
+        }
+        Err(err) => {
+            tracing::error!(error = %err, "manifest store failed");
+            return Err(ApiError::unavailable(
+                "storage_unavailable",
+                "storage is temporarily unavailable",
+            )
+            .with_retry_after(std::time::Duration::from_secs(5)));
+        }
+    };
+    let etag = key.etag();
+    if let Some(candidates) = headers
+        .get(header::IF_NONE_MATCH)
+        .and_then(|v| v.to_str().ok())
+        && candidates
+            .split(',')
+            .any(|c| c.trim() == etag || c.trim() == "*")
+    {
+        let mut response = StatusCode::NOT_MODIFIED.into_response();
+        response.headers_mut().insert(
+            header::ETAG,
+            HeaderValue::from_str(&etag).expect("hex etag"),
+        );
+        return Ok(response);
+    }
+
+    let size = manifest.size();
+    let range_header = headers.get(header::RANGE).and_then(|v| v.to_str().ok());
+    let (status, range) = match parse_range(range_header, size) {
+        RangeRequest::Full => (StatusCode::OK, None),
+        RangeRequest::Partial(range) => (StatusCode::PARTIAL_CONTENT, Some(range)),
+        RangeRequest::Unsatisfiable => {
+            let mut response = ApiError::new(
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                "range_not_satisfiable",
+                "the requested range lies outside the blob",
+            )
+            .into_response();
+            response.headers_mut().insert(
+                header::CONTENT_RANGE,
+                HeaderValue::from_str(&format!("bytes */{size}")).expect("ascii"),
+            );
+            return Ok(response);
+        }
+    };
+    let length = range.map(|r| r.len()).unwrap_or(size);
+
+    let body = if method == Method::HEAD {
+        Body::empty()
+    } else {
+        let stream = read_blob(app.blocks.clone(), manifest, range);
+        let stream = charge_egress(stream, app.admission.clone(), tenant, permit);
+        Body::from_stream(Metered {
+            inner: Box::pin(stream),
+            metrics: app.metrics.clone(),
+            done: false,
+        })
+    };
+    let mut response = Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(header::CONTENT_LENGTH, length)
+        .header(header::ACCEPT_RANGES, "bytes")
+        .header(header::ETAG, &etag)
+        .body(body)
+        .map_err(|e| ApiError::internal(format!("build response: {e}")))?;
+    if let Some(range) = range {
+        response.headers_mut().insert(
+            header::CONTENT_RANGE,
+            HeaderValue::from_str(&range.content_range(size)).expect("ascii"),
+        );
+    }
+    Ok(response)
+}
+
+/// Counts bytes sent and records the outcome when the stream ends or is dropped.
+struct Metered {
+    inner: Pin<Box<dyn Stream<Item = Result<Bytes, BoxError>> + Send>>,
+    metrics: Metrics,
+    done: bool,
+}
+
+impl Metered {
+    fn record(&mut self, outcome: &'static str) {
+        if !self.done {
+            self.done = true;
+            self.metrics
+                .downloads
+                .get_or_create(&OutcomeLabels { outcome })
+                .inc();
+        }
+    }
+}
+
+impl Stream for Metered {
+    type Item = Result<Bytes, BoxError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let polled = self.inner.as_mut().poll_next(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(bytes))) => {
+                self.metrics.download_bytes.inc_by(bytes.len() as u64);
+            }
+            Poll::Ready(Some(Err(err))) => {
+                // The response is already streaming: abort it (the client sees a broken
+                // transfer, never a silently short 200).
+                tracing::error!(error = %err, "download aborted");
+                self.record("server_error");
+            }
+            Poll::Ready(None) => self.record("ok"),
+            Poll::Pending => {}
+        }
+        polled
+    }
+}
+
+impl Drop for Metered {
+    fn drop(&mut self) {
+        // Dropped before the end: the client went away.
+        self.record("client_error");
+    }
+}

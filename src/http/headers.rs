@@ -1,0 +1,224 @@
+//! Request header checks that run before any body byte is read (pure functions).
+
+use axum::http::{HeaderMap, StatusCode, header};
+
+use super::ApiError;
+use crate::ids::{SessionId, SessionKey, TenantId};
+
+/// Header naming the tenant of an upload session.
+pub const TENANT_HEADER: &str = "x-graviton-tenant-id";
+/// Header naming the upload session.
+pub const SESSION_HEADER: &str = "x-graviton-upload-session-id";
+
+/// Everything an upload needs to know from its headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UploadHeaders {
+    /// Declared body length, if any.
+    pub content_length: Option<u64>,
+    /// The session, when both locality headers are present.
+    pub session: Option<SessionKey>,
+}
+
+fn single_value<'a>(
+    headers: &'a HeaderMap,
+    name: &str,
+    code: &'static str,
+) -> Result<Option<&'a str>, ApiError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(first) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(ApiError::bad_request(
+            code,
+            format!("{name} must appear at most once"),
+        ));
+    }
+    first
+        .to_str()
+        .map(Some)
+        .map_err(|_| ApiError::bad_request(code, format!("{name} must be visible ASCII")))
+}
+
+/// `Content-Length` must be ASCII digits only (no sign, spaces, or list).
+pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+    const CODE: &str = "invalid_content_length";
+    let Some(value) = single_value(headers, header::CONTENT_LENGTH.as_str(), CODE)? else {
+        return Ok(None);
+    };
+    if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(ApiError::bad_request(
+            CODE,
+            "Content-Length must be ASCII digits only",
+        ));
+    }
+    value
+        .parse::<u64>()
+        .map(Some)
+        .map_err(|_| ApiError::bad_request(CODE, "Content-Length is too large"))
+}
+
+/// Both locality headers or neither; each a canonical UUID.
+pub fn session_key(headers: &HeaderMap) -> Result<Option<SessionKey>, ApiError> {
+    let tenant = single_value(headers, TENANT_HEADER, "invalid_tenant_id")?;
+    let session = single_value(headers, SESSION_HEADER, "invalid_session_id")?;
+    match (tenant, session) {
+        (None, None) => Ok(None),
+        (Some(_), None) | (None, Some(_)) => Err(ApiError::bad_request(
+            "incomplete_session_headers",
+            "X-Graviton-Tenant-Id and X-Graviton-Upload-Session-Id must be sent together",
+        )),
+        (Some(tenant), Some(session)) => {
+            let tenant: TenantId = tenant.parse().map_err(|e| {
+                ApiError::bad_request("invalid_tenant_id", format!("X-Graviton-Tenant-Id {e}"))
+            })?;
+            let session: SessionId = session.parse().map_err(|e| {
+                ApiError::bad_request(
+                    "invalid_session_id",
+                    format!("X-Graviton-Upload-Session-Id {e}"),
+                )
+            })?;
+            Ok(Some(SessionKey { tenant, session }))
+        }
+    }
+}
+
+/// Refuse bodies that are clearly not a raw blob (a multipart form would be stored as
+/// its envelope). Any other type, or none, is accepted as opaque bytes.
+pub fn content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(value) = single_value(
+        headers,
+        header::CONTENT_TYPE.as_str(),
+        "invalid_content_type",
+    )?
+    else {
+        return Ok(());
+    };
+    if value.trim().to_ascii_lowercase().starts_with("multipart/") {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "send the blob as the raw request body (for curl: --data-binary @FILE), not as a multipart form",
+        ));
+    }
+    Ok(())
+}
+
+/// All header checks of `POST /v1/blobs`, in order, plus the size limit.
+pub fn upload_headers(headers: &HeaderMap, max_blob_size: u64) -> Result<UploadHeaders, ApiError> {
+    let content_length = content_length(headers)?;
+    if let Some(length) = content_length
+        && length > max_blob_size
+    {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "blob_too_large",
+            "the blob is larger than this server accepts",
+        ));
+    }
+    content_type(headers)?;
+    let session = session_key(headers)?;
+    Ok(UploadHeaders {
+        content_length,
+        session,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.append(*name, HeaderValue::from_str(value).unwrap());
+        }
+        map
+    }
+
+    const T: &str = "0b4e7a1c-9a8e-4f5e-8d8f-2c3b4a5d6e7f";
+    const S: &str = "01890a5d-ac96-774b-bcce-b302099a8057";
+
+    #[test]
+    fn content_length_accepts_only_digits() {
+        assert_eq!(
+            content_length(&headers(&[("content-length", "123")])).unwrap(),
+            Some(123)
+        );
+        assert_eq!(content_length(&HeaderMap::new()).unwrap(), None);
+        for bad in [
+            "+1",
+            "-1",
+            "1 ",
+            "0x10",
+            "1,1",
+            "",
+            "99999999999999999999999",
+        ] {
+            let err = content_length(&headers(&[("content-length", bad)])).unwrap_err();
+            assert_eq!(err.code, "invalid_content_length", "{bad:?}");
+        }
+        let err = content_length(&headers(&[
+            ("content-length", "1"),
+            ("content-length", "1"),
+        ]))
+        .unwrap_err();
+        assert_eq!(err.code, "invalid_content_length");
+    }
+
+    #[test]
+    fn locality_headers_are_both_or_none() {
+        assert_eq!(session_key(&HeaderMap::new()).unwrap(), None);
+        let key = session_key(&headers(&[(TENANT_HEADER, T), (SESSION_HEADER, S)]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(key.session.to_string(), S);
+        assert_eq!(
+            session_key(&headers(&[(TENANT_HEADER, T)]))
+                .unwrap_err()
+                .code,
+            "incomplete_session_headers"
+        );
+        assert_eq!(
+            session_key(&headers(&[(SESSION_HEADER, S)]))
+                .unwrap_err()
+                .code,
+            "incomplete_session_headers"
+        );
+        assert_eq!(
+            session_key(&headers(&[
+                (TENANT_HEADER, "tenant-1"),
+                (SESSION_HEADER, S)
+            ]))
+            .unwrap_err()
+            .code,
+            "invalid_tenant_id"
+        );
+        assert_eq!(
+            session_key(&headers(&[(TENANT_HEADER, T), (SESSION_HEADER, "{x}")]))
+                .unwrap_err()
+                .code,
+            "invalid_session_id"
+        );
+    }
+
+    #[test]
+    fn size_limit_and_multipart_are_refused_up_front() {
+        let err = upload_headers(&headers(&[("content-length", "1001")]), 1000).unwrap_err();
+        assert_eq!(err.status, StatusCode::PAYLOAD_TOO_LARGE);
+        let err = upload_headers(
+            &headers(&[("content-type", "multipart/form-data; boundary=x")]),
+            1000,
+        )
+        .unwrap_err();
+        assert_eq!(err.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+        assert!(
+            upload_headers(
+                &headers(&[("content-type", "application/x-www-form-urlencoded")]),
+                1000
+            )
+            .is_ok()
+        );
+    }
+}

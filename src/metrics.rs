@@ -1,0 +1,214 @@
+//! Prometheus metrics (prometheus-client), registered once at start-up.
+//!
+//! Labels are bounded: route templates, status classes, fixed enums. Never tenant or
+//! session ids, never blob keys.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HttpLabels {
+    pub route: String,
+    pub method: String,
+    pub status: &'static str,
+}
+
+/// Status class label value ("2xx".."5xx", "other").
+pub fn status_class(status: u16) -> &'static str {
+    match status {
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        500..=599 => "5xx",
+        _ => "other",
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BlockLabels {
+    /// "fresh" or "duplicate"
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// "ok", "client_error" or "server_error"
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ActorLabels {
+    pub actor: &'static str,
+}
+
+/// Every metric handle of the node. Cloning is cheap (handles are `Arc`s).
+#[derive(Clone)]
+pub struct Metrics {
+    pub http_requests: Family<HttpLabels, Counter>,
+    pub http_duration: Family<HttpLabels, Histogram>,
+    pub upload_bytes: Counter,
+    pub uploads: Family<OutcomeLabels, Counter>,
+    pub upload_duration: Histogram,
+    pub download_bytes: Counter,
+    pub downloads: Family<OutcomeLabels, Counter>,
+    pub blocks: Family<BlockLabels, Counter>,
+    pub hot_sessions: Gauge,
+    pub active_sessions: Gauge,
+    pub session_stops: Family<ReasonLabels, Counter>,
+    pub actor_restarts: Family<ActorLabels, Counter>,
+    registry: Arc<std::sync::Mutex<Registry>>,
+}
+
+fn duration_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 18))
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("graviton");
+        let metrics = Self {
+            http_requests: Family::default(),
+            http_duration: Family::new_with_constructor(duration_histogram),
+            upload_bytes: Counter::default(),
+            uploads: Family::default(),
+            upload_duration: duration_histogram(),
+            download_bytes: Counter::default(),
+            downloads: Family::default(),
+            blocks: Family::default(),
+            hot_sessions: Gauge::default(),
+            active_sessions: Gauge::default(),
+            session_stops: Family::default(),
+            actor_restarts: Family::default(),
+            registry: Arc::new(std::sync::Mutex::new(Registry::default())),
+        };
+        registry.register(
+            "http_requests",
+            "HTTP requests by route, method and status class",
+            metrics.http_requests.clone(),
+        );
+        registry.register(
+            "http_request_duration_seconds",
+            "HTTP request duration until the response head",
+            metrics.http_duration.clone(),
+        );
+        registry.register(
+            "upload_bytes",
+            "Body bytes accepted by uploads",
+            metrics.upload_bytes.clone(),
+        );
+        registry.register(
+            "uploads",
+            "Finished uploads by outcome",
+            metrics.uploads.clone(),
+        );
+        registry.register(
+            "upload_duration_seconds",
+            "Duration of successful uploads",
+            metrics.upload_duration.clone(),
+        );
+        registry.register(
+            "download_bytes",
+            "Bytes sent by downloads",
+            metrics.download_bytes.clone(),
+        );
+        registry.register(
+            "downloads",
+            "Finished downloads by outcome",
+            metrics.downloads.clone(),
+        );
+        registry.register(
+            "blocks",
+            "Blocks ingested, fresh or duplicate",
+            metrics.blocks.clone(),
+        );
+        registry.register(
+            "hot_sessions",
+            "Session owners held in memory",
+            metrics.hot_sessions.clone(),
+        );
+        registry.register(
+            "active_sessions",
+            "Sessions with an upload in progress",
+            metrics.active_sessions.clone(),
+        );
+        registry.register(
+            "session_stops",
+            "Session owners stopped, by reason",
+            metrics.session_stops.clone(),
+        );
+        registry.register(
+            "actor_restarts",
+            "Actor restarts by the node supervisor",
+            metrics.actor_restarts.clone(),
+        );
+        *metrics.registry.lock().expect("fresh mutex") = registry;
+        metrics
+    }
+
+    /// Register more metrics (other subsystems) before serving.
+    pub fn register_with(&self, register: impl FnOnce(&mut Registry)) {
+        let mut registry = self.registry.lock().expect("metrics registry lock");
+        register(&mut registry);
+    }
+
+    /// OpenMetrics text of every registered metric.
+    pub fn encode(&self) -> String {
+        let registry = self.registry.lock().expect("metrics registry lock");
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry)
+            .expect("encoding into a String");
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_encode_with_bounded_labels() {
+        let metrics = Metrics::new();
+        metrics
+            .blocks
+            .get_or_create(&BlockLabels { kind: "fresh" })
+            .inc_by(3);
+        metrics
+            .http_requests
+            .get_or_create(&HttpLabels {
+                route: "/v1/blobs".into(),
+                method: "POST".into(),
+                status: status_class(201),
+            })
+            .inc();
+        let text = metrics.encode();
+        assert!(
+            text.contains("graviton_blocks_total{kind=\"fresh\"} 3"),
+            "{text}"
+        );
+        assert!(text.contains("status=\"2xx\""), "{text}");
+        assert!(text.ends_with("# EOF\n"));
+    }
+}

@@ -1,0 +1,258 @@
+//! Filesystem block and manifest stores (the embedded default).
+//!
+//! Layout under the data directory:
+//! ```text
+//! blocks/<first 2 hex>/<64 hex>                 one file per block
+//! manifests/<first 2 hex>/<64 hex>-<size>.json  one file per blob
+//! tmp/                                          in-flight writes
+//! ```
+//! Every write goes to a temporary file in the same filesystem, is optionally fsynced,
+//! and is published with a no-clobber link, so readers see complete files or nothing, and
+//! an existing file is never rewritten. With `fsync` on, the parent directory is synced
+//! after publishing. Blocks of a failed upload may remain (they are content-addressed and
+//! harmless); no manifest is written for a failed upload, so no partial blob is visible.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::{BlockStore, CreateOutcome, ManifestStore, PutOutcome, StoreError, StoreFuture};
+use crate::cas::{BlobKey, BlockKey, Manifest};
+
+/// Shared directory handling of both stores.
+#[derive(Debug)]
+struct Dirs {
+    root: PathBuf,
+    tmp: PathBuf,
+    fsync: bool,
+}
+
+impl Dirs {
+    fn open(root: &Path, sub: &str, fsync: bool) -> Result<Self, StoreError> {
+        let root = root.join(sub);
+        let tmp = root.parent().unwrap_or(&root).join("tmp");
+        std::fs::create_dir_all(&root).map_err(|e| StoreError::io("create store directory", e))?;
+        std::fs::create_dir_all(&tmp).map_err(|e| StoreError::io("create tmp directory", e))?;
+        Ok(Self { root, tmp, fsync })
+    }
+
+    /// Atomically publish `data` at `path`; `Ok(false)` if the file already exists.
+    fn publish(&self, path: &Path, data: &[u8]) -> Result<bool, StoreError> {
+        if path.exists() {
+            return Ok(false);
+        }
+        let parent = path.parent().expect("store paths have a parent");
+        std::fs::create_dir_all(parent).map_err(|e| StoreError::io("create directory", e))?;
+        let mut tmp = tempfile::NamedTempFile::new_in(&self.tmp)
+            .map_err(|e| StoreError::io("create temporary file", e))?;
+        tmp.write_all(data)
+            .map_err(|e| StoreError::io("write temporary file", e))?;
+        if self.fsync {
+            tmp.as_file()
+                .sync_data()
+                .map_err(|e| StoreError::io("fsync file", e))?;
+        }
+        match tmp.persist_noclobber(path) {
+            Ok(_) => {
+                if self.fsync {
+                    sync_dir(parent)?;
+                }
+                Ok(true)
+            }
+            Err(err) if err.error.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+            Err(err) => Err(StoreError::io("publish file", err.error)),
+        }
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| StoreError::io("fsync directory", e))
+}
+
+fn read_optional(path: &Path) -> Result<Option<Vec<u8>>, StoreError> {
+    match std::fs::read(path) {
+        Ok(data) => Ok(Some(data)),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(err) => Err(StoreError::io("read file", err)),
+    }
+}
+
+async fn blocking<T, F>(work: F) -> Result<T, StoreError>
+where
+    F: FnOnce() -> Result<T, StoreError> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("storage task failed: {e}")))?
+}
+
+/// Blocks as files under `<data_dir>/blocks`.
+#[derive(Debug, Clone)]
+pub struct FsBlockStore {
+    dirs: Arc<Dirs>,
+}
+
+impl FsBlockStore {
+    pub fn open(data_dir: &Path, fsync: bool) -> Result<Self, StoreError> {
+        Ok(Self {
+            dirs: Arc::new(Dirs::open(data_dir, "blocks", fsync)?),
+        })
+    }
+
+    /// Path of a block's file.
+    pub fn path_of(&self, key: &BlockKey) -> PathBuf {
+        let hex = key.to_hex();
+        self.dirs.root.join(&hex[..2]).join(hex)
+    }
+}
+
+impl BlockStore for FsBlockStore {
+    fn put(&self, key: BlockKey, data: Bytes) -> StoreFuture<'_, PutOutcome> {
+        let path = self.path_of(&key);
+        let dirs = self.dirs.clone();
+        Box::pin(blocking(move || {
+            Ok(if dirs.publish(&path, &data)? {
+                PutOutcome::Fresh
+            } else {
+                PutOutcome::Duplicate
+            })
+        }))
+    }
+
+    fn get(&self, key: BlockKey) -> StoreFuture<'_, Option<Bytes>> {
+        let path = self.path_of(&key);
+        Box::pin(blocking(move || Ok(read_optional(&path)?.map(Bytes::from))))
+    }
+
+    fn contains(&self, key: BlockKey) -> StoreFuture<'_, bool> {
+        let path = self.path_of(&key);
+        Box::pin(blocking(move || Ok(path.is_file())))
+    }
+}
+
+/// Manifests as JSON files under `<data_dir>/manifests`.
+#[derive(Debug, Clone)]
+pub struct FsManifestStore {
+    dirs: Arc<Dirs>,
+}
+
+impl FsManifestStore {
+    pub fn open(data_dir: &Path, fsync: bool) -> Result<Self, StoreError> {
+        Ok(Self {
+            dirs: Arc::new(Dirs::open(data_dir, "manifests", fsync)?),
+        })
+    }
+
+    pub fn path_of(&self, key: &BlobKey) -> PathBuf {
+        let hex = key.hash_hex();
+        self.dirs
+            .root
+            .join(&hex[..2])
+            .join(format!("{hex}-{}.json", key.size))
+    }
+}
+
+impl ManifestStore for FsManifestStore {
+    fn create(&self, manifest: &Manifest) -> StoreFuture<'_, CreateOutcome> {
+        let path = self.path_of(&manifest.key);
+        let dirs = self.dirs.clone();
+        let encoded = serde_json::to_vec(manifest);
+        Box::pin(blocking(move || {
+            let data = encoded.map_err(|e| StoreError::Corrupt(format!("encode manifest: {e}")))?;
+            Ok(if dirs.publish(&path, &data)? {
+                CreateOutcome::Created
+            } else {
+                CreateOutcome::AlreadyExists
+            })
+        }))
+    }
+
+    fn get(&self, key: BlobKey) -> StoreFuture<'_, Option<Manifest>> {
+        let path = self.path_of(&key);
+        Box::pin(blocking(move || {
+            let Some(data) = read_optional(&path)? else {
+                return Ok(None);
+            };
+            let manifest: Manifest = serde_json::from_slice(&data).map_err(|e| {
+                StoreError::Corrupt(format!("manifest of {key} does not parse: {e}"))
+            })?;
+            if manifest.key != key {
+                return Err(StoreError::Corrupt(format!(
+                    "manifest file of {key} names another blob"
+                )));
+            }
+            manifest
+                .validate()
+                .map_err(|e| StoreError::Corrupt(format!("manifest of {key}: {e}")))?;
+            Ok(Some(manifest))
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cas::BlockRef;
+
+    #[tokio::test]
+    async fn blocks_are_written_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsBlockStore::open(dir.path(), true).unwrap();
+        let data = Bytes::from_static(b"block bytes");
+        let key = BlockKey::of(&data);
+        assert_eq!(
+            store.put(key, data.clone()).await.unwrap(),
+            PutOutcome::Fresh
+        );
+        assert_eq!(
+            store.put(key, data.clone()).await.unwrap(),
+            PutOutcome::Duplicate
+        );
+        assert_eq!(store.get(key).await.unwrap(), Some(data));
+        assert!(store.contains(key).await.unwrap());
+        assert_eq!(store.get(BlockKey([7; 32])).await.unwrap(), None);
+        // nothing left behind in tmp/
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("tmp")).unwrap().count(),
+            0
+        );
+    }
+
+    #[tokio::test]
+    async fn manifests_are_created_once_and_validated_on_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FsManifestStore::open(dir.path(), false).unwrap();
+        let content = b"hello manifest";
+        let manifest = Manifest::new(
+            BlobKey::of(content),
+            vec![BlockRef {
+                key: BlockKey::of(content),
+                size: content.len() as u32,
+            }],
+            1,
+        );
+        assert_eq!(
+            store.create(&manifest).await.unwrap(),
+            CreateOutcome::Created
+        );
+        assert_eq!(
+            store.create(&manifest).await.unwrap(),
+            CreateOutcome::AlreadyExists
+        );
+        assert_eq!(
+            store.get(manifest.key).await.unwrap(),
+            Some(manifest.clone())
+        );
+        // a tampered file is reported as corrupt, not served
+        std::fs::write(store.path_of(&manifest.key), b"{not json").unwrap();
+        assert!(matches!(
+            store.get(manifest.key).await,
+            Err(StoreError::Corrupt(_))
+        ));
+    }
+}

@@ -1,0 +1,193 @@
+//! The `graviton` binary as a real process: serve on the embedded default, put, get,
+//! check-config, SIGTERM.
+
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use support::node::random_bytes;
+
+const BIN: &str = env!("CARGO_BIN_EXE_graviton");
+
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(data_dir: &std::path::Path) -> Server {
+    let port = support::free_port();
+    let mut child = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--data-dir",
+        ])
+        .arg(data_dir)
+        .env_remove("GRAVITON_CONFIG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn graviton serve");
+    let url = format!("http://127.0.0.1:{port}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::time::Instant::now() < deadline {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Server { child, url };
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("graviton serve did not listen within 20s");
+}
+
+#[test]
+fn put_then_get_through_the_cli_is_verified_and_deduplicated() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = serve(&dir.path().join("data"));
+    let file = dir.path().join("input.bin");
+    let data = random_bytes(3 << 20, 21);
+    std::fs::write(&file, &data).unwrap();
+
+    let put = Command::new(BIN)
+        .args(["put", "--server", &server.url])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        put.status.success(),
+        "{}",
+        String::from_utf8_lossy(&put.stderr)
+    );
+    let key = String::from_utf8(put.stdout).unwrap().trim().to_string();
+    assert_eq!(key, graviton::cas::BlobKey::of(&data).to_string());
+    assert!(String::from_utf8_lossy(&put.stderr).contains("new"));
+
+    let again = Command::new(BIN)
+        .args(["put", "--server", &server.url])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("(0 new"),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+
+    let out = dir.path().join("output.bin");
+    let get = Command::new(BIN)
+        .args(["get", "--server", &server.url, &key, "-o"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        get.status.success(),
+        "{}",
+        String::from_utf8_lossy(&get.stderr)
+    );
+    assert!(std::fs::read(&out).unwrap() == data);
+
+    // An unknown key fails loudly and writes nothing.
+    let missing = graviton::cas::BlobKey::of(b"missing").to_string();
+    let nothing = dir.path().join("nothing.bin");
+    let get = Command::new(BIN)
+        .args(["get", "--server", &server.url, &missing, "-o"])
+        .arg(&nothing)
+        .output()
+        .unwrap();
+    assert!(!get.status.success());
+    assert!(String::from_utf8_lossy(&get.stderr).contains("blob_not_found"));
+    assert!(!nothing.exists());
+}
+
+#[test]
+fn sigterm_stops_the_server_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = serve(dir.path());
+    let pid = server.child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            assert!(status.success(), "exit status {status}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "server ignored SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn check_config_names_the_offending_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.toml");
+    std::fs::write(
+        &good,
+        "[node]\nlisten = \"127.0.0.1:9000\"\n[upload]\nmax_blob_size = \"10GiB\"\n",
+    )
+    .unwrap();
+    let ok = Command::new(BIN)
+        .args(["check-config", "--config"])
+        .arg(&good)
+        .output()
+        .unwrap();
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[sessions]\nidle_timeout = \"soon\"\n").unwrap();
+    let out = Command::new(BIN)
+        .args(["check-config", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("sessions.idle_timeout"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let missing = Command::new(BIN)
+        .args(["check-config", "--config", "/nonexistent/graviton.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("no such file"));
+}
+
+#[test]
+fn environment_overrides_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("c.toml");
+    std::fs::write(&file, "[sessions]\nmax_hot = 10\n").unwrap();
+    let out = Command::new(BIN)
+        .args(["check-config", "--config"])
+        .arg(&file)
+        .env("GRAVITON_SESSIONS__MAX_HOT", "0")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sessions.max_hot"));
+}

@@ -1,0 +1,129 @@
+//! An in-process graviton node on a random loopback port with its own data directory.
+
+use graviton::config::Config;
+use graviton::node::{NodeOptions, RunningNode};
+
+pub struct TestNode {
+    pub node: Option<RunningNode>,
+    pub dir: tempfile::TempDir,
+    pub url: String,
+}
+
+impl TestNode {
+    pub async fn start() -> Self {
+        Self::start_with(|_| {}, NodeOptions::default()).await
+    }
+
+    /// Start with a config tweak and optional replacement stores.
+    pub async fn start_with(tweak: impl FnOnce(&mut Config), options: NodeOptions) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut config = Config::for_test(dir.path());
+        tweak(&mut config);
+        config.validate().expect("valid test config");
+        let node = graviton::node::start_with(config, options)
+            .await
+            .expect("start node");
+        let url = node.base_url();
+        Self {
+            node: Some(node),
+            dir,
+            url,
+        }
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.node.as_ref().expect("running").local_addr()
+    }
+
+    pub fn metrics_text(&self) -> String {
+        self.node
+            .as_ref()
+            .expect("running")
+            .state()
+            .metrics
+            .encode()
+    }
+
+    /// Number of manifest files on disk.
+    pub fn manifest_count(&self) -> usize {
+        count_files(&self.dir.path().join("manifests"))
+    }
+
+    pub fn block_count(&self) -> usize {
+        count_files(&self.dir.path().join("blocks"))
+    }
+
+    pub async fn shutdown(&mut self) -> graviton::node::ShutdownOutcome {
+        self.node.take().expect("running").shutdown().await
+    }
+}
+
+pub fn count_files(dir: &std::path::Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| {
+            let path = e.path();
+            if path.is_dir() { count_files(&path) } else { 1 }
+        })
+        .sum()
+}
+
+/// Deterministic pseudo-random bytes.
+pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.extend_from_slice(&state.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// Send raw bytes on a fresh connection and read whatever the server answers first
+/// (status line and headers, up to the end of the head), without closing our side.
+pub async fn raw_exchange(
+    addr: std::net::SocketAddr,
+    head_and_partial_body: &[u8],
+) -> (tokio::net::TcpStream, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream
+        .write_all(head_and_partial_body)
+        .await
+        .expect("write request");
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let read = tokio::time::timeout_at(deadline, stream.read(&mut chunk))
+            .await
+            .expect("server answered within 10s while the body was still incomplete")
+            .expect("read");
+        if read == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..read]);
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            // read the JSON body too when Content-Length is small and already here
+            let head = String::from_utf8_lossy(&buf[..end]).to_string();
+            let body_len = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                })
+                .unwrap_or(0);
+            if buf.len() >= end + 4 + body_len {
+                break;
+            }
+        }
+    }
+    (stream, String::from_utf8_lossy(&buf).to_string())
+}
