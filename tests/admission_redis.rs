@@ -350,7 +350,7 @@ async fn live_override_is_applied_and_cleared_without_restart() {
         p2.admit(request(Some(tenant), 4)).await,
         Err(Error::NeverFits(Dimension::TenantBytes))
     ));
-    assert!(started.elapsed() < Duration::from_millis(300));
+    assert!(started.elapsed() < Duration::from_secs(2));
     assert!(matches!(
         p1.set_override(
             &tenant,
@@ -693,7 +693,7 @@ async fn a_footprint_that_can_never_fit_is_rejected_at_once() {
         "{err:?}"
     );
     assert!(
-        started.elapsed() < Duration::from_secs(1),
+        started.elapsed() < Duration::from_secs(2),
         "{:?}",
         started.elapsed()
     );

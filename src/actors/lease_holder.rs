@@ -280,6 +280,21 @@ mod tests {
     }
 
     async fn start(reply: Option<RenewReply>, policy: LeaseLossPolicy) -> Harness {
+        start_with(
+            reply,
+            policy,
+            Duration::from_millis(600),
+            Duration::from_millis(150),
+        )
+        .await
+    }
+
+    async fn start_with(
+        reply: Option<RenewReply>,
+        policy: LeaseLossPolicy,
+        ttl: Duration,
+        renew: Duration,
+    ) -> Harness {
         let fake = Arc::new(Fake {
             renew_reply: Mutex::new(reply),
             ..Fake::default()
@@ -294,8 +309,8 @@ mod tests {
             token: FencingToken::for_test(1),
             sent_at: Instant::now(),
             timing: LeaseTiming {
-                ttl: Duration::from_millis(600),
-                renew_interval: Duration::from_millis(150),
+                ttl,
+                renew_interval: renew,
                 retry_interval: Duration::from_millis(20),
             },
             policy,
@@ -354,22 +369,26 @@ mod tests {
     #[tokio::test]
     async fn transient_failures_become_a_loss_before_the_server_expiry() {
         let started = Instant::now();
-        let h = start(None, LeaseLossPolicy::Report).await;
+        let ttl = Duration::from_millis(1500);
+        let h = start_with(
+            None,
+            LeaseLossPolicy::Report,
+            ttl,
+            Duration::from_millis(400),
+        )
+        .await;
         let declared = async {
             while h.losses.load(Ordering::SeqCst) == 0 {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             Instant::now()
         };
-        let at = tokio::time::timeout(Duration::from_secs(2), declared)
+        let at = tokio::time::timeout(Duration::from_secs(5), declared)
             .await
             .unwrap();
-        // The server would expire the lease no earlier than sent_at + ttl (600 ms).
-        assert!(
-            at < started + Duration::from_millis(600),
-            "loss declared after {:?}",
-            at - started
-        );
+        // The server would expire the lease no earlier than sent_at + ttl; the holder gives
+        // up one renewal interval (400 ms) before that.
+        assert!(at < started + ttl, "loss declared after {:?}", at - started);
         assert!(
             h.fake.renews.load(Ordering::SeqCst) >= 2,
             "it retried before giving up"
