@@ -22,7 +22,7 @@ use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 
-use super::headers::TENANT_HEADER;
+use super::headers::{TENANT_HEADER, single_value};
 use super::{ApiError, AppState};
 use crate::admission::{
     Admission, AdmissionPermit, AdmissionSnapshot, Footprint, Operation, Outcome, TenantOverride,
@@ -39,22 +39,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The optional `X-Graviton-Tenant-Id` header as a tenant.
 pub fn tenant_header(headers: &HeaderMap) -> Result<Option<TenantId>, ApiError> {
-    let mut values = headers.get_all(TENANT_HEADER).iter();
-    let Some(value) = values.next() else {
+    let Some(text) = single_value(headers, TENANT_HEADER, "invalid_tenant_id")? else {
         return Ok(None);
     };
-    if values.next().is_some() {
-        return Err(ApiError::bad_request(
-            "invalid_tenant_id",
-            "X-Graviton-Tenant-Id must appear at most once",
-        ));
-    }
-    let text = value.to_str().map_err(|_| {
-        ApiError::bad_request(
-            "invalid_tenant_id",
-            "X-Graviton-Tenant-Id must be visible ASCII",
-        )
-    })?;
     text.parse().map(Some).map_err(|e| {
         ApiError::bad_request("invalid_tenant_id", format!("X-Graviton-Tenant-Id {e}"))
     })
