@@ -245,8 +245,8 @@ impl Admission {
                 outcome,
             }),
             Err(_) => {
-                // The args (and token) went down with the failed spawn; the lease expires by
-                // TTL. Treat it as a coordinator failure.
+                // The token went down with the failed spawn: drop the lease by id (abandon)
+                // and answer as a coordinator failure.
                 let _ = cluster.abandon(&lease_request, None).await;
                 Err(Error::Unavailable("lease_holder_spawn".into()))
             }
