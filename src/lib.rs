@@ -11,6 +11,7 @@
 //! - [`session`]: pure hot-state logic of upload sessions (phases, counters, the bounded table).
 //! - [`actors`]: ractor actors (node supervisor, session region and owners) as thin shells
 //!   over the pure modules. Bytes never travel through actor mailboxes.
+//! - [`control`]: node-to-node control plane (envelopes, transport over ractor_cluster).
 //! - [`http`]: the axum/hyper server: public API, ops endpoints, error mapping.
 //! - [`metrics`]: the Prometheus registry and the metric handles.
 //! - [`node`]: assembles one running node and shuts it down.
@@ -22,10 +23,12 @@ pub mod admission;
 pub mod cas;
 pub mod client;
 pub mod config;
+pub mod control;
 pub mod http;
 pub mod ids;
 pub mod metrics;
 pub mod node;
+pub mod placement;
 pub mod session;
 pub mod storage;
 pub mod telemetry;

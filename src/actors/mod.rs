@@ -5,6 +5,9 @@
 //! - [`session_region`]: `SessionRegion`, which spawns one `SessionOwner` per active
 //!   session of the locally owned shards, bounded by `sessions.max_hot`.
 //! - [`session_owner`]: `SessionOwner`, the bounded hot state of one session.
+//! - [`placement`], [`health`], [`manager_election`], [`shard_manager`]: cluster
+//!   placement (local shard table, readiness, the advisory-lock election and the
+//!   term-fenced shard manager); see docs/locality.md.
 //! - [`lease_holder`]: `LeaseHolder`, one per admitted transfer: renews its cluster lease,
 //!   reports loss, releases it on stop.
 //! - [`handle`]: typed handles (`SessionRegionHandle`, `IngestTicket`) that callers use
@@ -15,9 +18,13 @@
 
 pub mod backoff;
 pub mod handle;
+pub mod health;
 pub mod lease_holder;
+pub mod manager_election;
+pub mod placement;
 pub mod session_owner;
 pub mod session_region;
+pub mod shard_manager;
 pub mod supervisor;
 
 pub use handle::{IngestTicket, SessionRegionHandle};

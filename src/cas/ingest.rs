@@ -1,9 +1,10 @@
 //! The streaming ingest pipeline: body -> chunks -> blocks -> manifest.
 //!
 //! ```text
-//!  body frames --(bounded queue)--> chunk + hash thread --(bounded queue)--> block writes
-//!  (async, counts bytes,            (blocking pool: FastCDC cut,            (async, a few in
-//!   enforces limits)                 BLAKE3 per block and of the whole)      flight, ordered)
+//!  body frames --(bounded queue)--> chunk thread ---------(bounded queue)--> block writes
+//!  (async: counts bytes, enforces   (blocking pool: FastCDC cut,            (async, a few in
+//!   limits, BLAKE3 of the whole,     BLAKE3 of each block)                   flight, ordered)
+//!   batches frames)
 //! ```
 //! Every stage is bounded, so memory per upload stays a few MiB whatever the blob size,
 //! and a slow or stopped block store stops the reading of the request body (back-pressure
@@ -26,8 +27,10 @@ use super::keys::{BlobKey, BlockKey};
 use super::manifest::{BlockRef, Manifest};
 use crate::storage::{BlockStore, CreateOutcome, ManifestStore, PutOutcome, StoreError};
 
-/// Body frames queued between the reader and the chunker.
-const FRAME_QUEUE: usize = 8;
+/// Frame batches queued between the reader and the chunker.
+const FRAME_QUEUE: usize = 4;
+/// Body bytes gathered into one batch before it is handed to the chunker thread.
+const BATCH_BYTES: usize = 256 * 1024;
 /// Chunks queued between the chunker and the block writes.
 const CHUNK_QUEUE: usize = 8;
 /// Block writes in flight at once per upload.
@@ -73,7 +76,8 @@ pub enum IngestError {
 }
 
 enum Frame {
-    Data(Bytes),
+    /// A batch of body frames (batched to keep thread hand-offs few when frames are small).
+    Data(Vec<Bytes>),
     End,
 }
 
@@ -92,13 +96,13 @@ where
 {
     let (frame_tx, frame_rx) = mpsc::channel::<Frame>(FRAME_QUEUE);
     let (chunk_tx, chunk_rx) = mpsc::channel::<(BlockKey, Bytes)>(CHUNK_QUEUE);
-    let hashing = tokio::task::spawn_blocking(move || chunk_and_hash(frame_rx, chunk_tx));
+    let chunking = tokio::task::spawn_blocking(move || chunk_blocks(frame_rx, chunk_tx));
 
     let feed = feed_frames(body, limits, frame_tx, &mut on_bytes);
     let store = store_blocks(chunk_rx, blocks);
-    let (received, stored) = futures_util::try_join!(feed, store)?;
+    let ((received, whole_hash), stored) = futures_util::try_join!(feed, store)?;
 
-    let whole_hash = hashing
+    chunking
         .await
         .map_err(|e| IngestError::Pipeline(format!("chunker task: {e}")))?
         .ok_or_else(|| IngestError::Pipeline("chunker ended without the end of the body".into()))?;
@@ -126,18 +130,23 @@ where
     })
 }
 
-/// Pull body frames, enforce limits, pass them on. Returns the byte count.
+/// Pull body frames, enforce limits, hash the whole content, pass the frames on in
+/// batches. Returns the byte count and the whole-content BLAKE3 hash. (Hashing here, on
+/// the async side, runs in parallel with the chunker thread's cut-point search.)
 async fn feed_frames<S, E>(
     mut body: S,
     limits: IngestLimits,
     frames: mpsc::Sender<Frame>,
     on_bytes: &mut (impl FnMut(u64) + Send),
-) -> Result<u64, IngestError>
+) -> Result<(u64, [u8; 32]), IngestError>
 where
     S: Stream<Item = Result<Bytes, E>> + Send + Unpin,
     E: std::fmt::Display,
 {
     let mut received: u64 = 0;
+    let mut whole = blake3::Hasher::new();
+    let mut batch: Vec<Bytes> = Vec::new();
+    let mut batch_bytes = 0usize;
     loop {
         let next = tokio::time::timeout(limits.idle_timeout, body.next())
             .await
@@ -159,9 +168,19 @@ where
             return Err(IngestError::LengthMismatch { declared, received });
         }
         on_bytes(frame.len() as u64);
-        if frames.send(Frame::Data(frame)).await.is_err() {
-            // The chunker only stops early when the block writes failed; that error wins.
-            return Err(IngestError::Pipeline("chunker stopped".into()));
+        whole.update(&frame);
+        batch_bytes += frame.len();
+        batch.push(frame);
+        if batch_bytes >= BATCH_BYTES {
+            batch_bytes = 0;
+            if frames
+                .send(Frame::Data(std::mem::take(&mut batch)))
+                .await
+                .is_err()
+            {
+                // The chunker only stops early when the block writes failed; that error wins.
+                return Err(IngestError::Pipeline("chunker stopped".into()));
+            }
         }
     }
     if let Some(declared) = limits.declared_size
@@ -169,39 +188,40 @@ where
     {
         return Err(IngestError::LengthMismatch { declared, received });
     }
-    frames
-        .send(Frame::End)
-        .await
-        .map_err(|_| IngestError::Pipeline("chunker stopped".into()))?;
-    Ok(received)
+    let stopped = |_| IngestError::Pipeline("chunker stopped".into());
+    if !batch.is_empty() {
+        frames.send(Frame::Data(batch)).await.map_err(stopped)?;
+    }
+    frames.send(Frame::End).await.map_err(stopped)?;
+    Ok((received, *whole.finalize().as_bytes()))
 }
 
-/// Runs on the blocking pool. Returns the whole-content hash, or `None` when the body
+/// Runs on the blocking pool: cut blocks and hash each one. Returns `None` when the body
 /// ended without `Frame::End` (the upload was aborted) or the writer went away.
-fn chunk_and_hash(
+fn chunk_blocks(
     mut frames: mpsc::Receiver<Frame>,
     chunks: mpsc::Sender<(BlockKey, Bytes)>,
-) -> Option<[u8; 32]> {
+) -> Option<()> {
     let mut chunker = StreamChunker::new();
-    let mut whole = blake3::Hasher::new();
-    let mut emit = |chunk: Bytes| -> Option<()> {
-        whole.update(&chunk);
+    let emit = |chunk: Bytes| -> Option<()> {
         let key = BlockKey::of(&chunk);
         chunks.blocking_send((key, chunk)).ok()
     };
     loop {
         match frames.blocking_recv()? {
-            Frame::Data(data) => {
-                chunker.push(&data);
-                while let Some(chunk) = chunker.next_chunk(false) {
-                    emit(chunk)?;
+            Frame::Data(batch) => {
+                for data in batch {
+                    chunker.push(&data);
+                    while let Some(chunk) = chunker.next_chunk(false) {
+                        emit(chunk)?;
+                    }
                 }
             }
             Frame::End => {
                 while let Some(chunk) = chunker.next_chunk(true) {
                     emit(chunk)?;
                 }
-                return Some(*whole.finalize().as_bytes());
+                return Some(());
             }
         }
     }

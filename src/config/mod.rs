@@ -37,6 +37,9 @@ pub struct Config {
     pub log: LogConfig,
     pub admin: AdminConfig,
     pub admission: crate::admission::AdmissionConfig,
+    /// `[control]`: cluster control plane and internal listener (see `control::config`).
+    pub control: crate::control::config::ControlConfig,
+    pub cluster: crate::placement::config::ClusterConfig,
 }
 
 /// `[node]`: identity and listeners.
@@ -287,6 +290,8 @@ impl Config {
             ));
         }
         problems.extend(self.admission.problems());
+        problems.extend(self.control.problems_in(self.cluster.enabled));
+        problems.extend(self.cluster.problems());
         problems
     }
 

@@ -11,7 +11,9 @@
 pub mod admission;
 pub mod download;
 pub mod error;
+pub mod forward;
 pub mod headers;
+pub mod internal;
 pub mod observe;
 pub mod ops;
 pub mod upload;

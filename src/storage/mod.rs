@@ -3,6 +3,7 @@
 //! - [`block`]: the [`BlockStore`] trait (put once, get, contains).
 //! - [`manifest`]: the [`ManifestStore`] trait (create once, get).
 //! - [`fs`]: filesystem implementations of both, the embedded default.
+//! - [`pg`]: PostgreSQL: the placement store (nodes, shard assignments, manager term).
 //! - [`redis`]: the admission coordinator (cluster leases, quotas, decision events).
 //!
 //! The traits return boxed futures so they can be used as `Arc<dyn ...>` and implemented
@@ -11,6 +12,7 @@
 pub mod block;
 pub mod fs;
 pub mod manifest;
+pub mod pg;
 pub mod redis;
 
 pub use block::{BlockStore, PutOutcome};

@@ -1,0 +1,233 @@
+//! Ingest benchmarks, printed as ratios against baselines measured in the same run.
+//!
+//! 1. raw: FastCDC cut points + BLAKE3 of every chunk over an in-memory buffer (one thread).
+//! 2. in-process ingest: the real pipeline into the filesystem stores (fsync off and on).
+//! 3. HTTP upload to an in-process node over loopback (fsync off), vs in-process ingest.
+//! 4. peak RSS of a `graviton serve` process during a small and a large upload.
+//!
+//! Run: `cargo bench --bench ingest` (add `-- --quick` for a shorter run,
+//! `GRAVITON_BENCH_LARGE_GIB=2` to set the large upload's size).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use graviton::cas::ingest::{IngestLimits, ingest};
+use graviton::cas::{AVG_CHUNK, MAX_CHUNK, MIN_CHUNK};
+use graviton::config::Config;
+use graviton::storage::fs::{FsBlockStore, FsManifestStore};
+use graviton::storage::{BlockStore, ManifestStore};
+
+fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.extend_from_slice(&state.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn mb_per_s(bytes: usize, elapsed: Duration) -> f64 {
+    bytes as f64 / elapsed.as_secs_f64() / 1e6
+}
+
+/// Best of `runs` timings.
+fn best<F: FnMut() -> Duration>(runs: usize, mut f: F) -> Duration {
+    (0..runs).map(|_| f()).min().expect("at least one run")
+}
+
+fn raw_cdc_blake3(data: &[u8]) -> Duration {
+    let started = Instant::now();
+    let mut blocks = 0usize;
+    for chunk in fastcdc::v2020::FastCDC::new(data, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK) {
+        let hash = blake3::hash(&data[chunk.offset..chunk.offset + chunk.length]);
+        blocks += hash.as_bytes()[0] as usize & 1;
+    }
+    std::hint::black_box(blocks);
+    started.elapsed()
+}
+
+fn frames(data: &Bytes) -> Vec<Result<Bytes, std::io::Error>> {
+    (0..data.len())
+        .step_by(64 * 1024)
+        .map(|at| Ok(data.slice(at..(at + 64 * 1024).min(data.len()))))
+        .collect()
+}
+
+async fn in_process(data: &Bytes, fsync: bool) -> Duration {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let blocks: Arc<dyn BlockStore> =
+        Arc::new(FsBlockStore::open(dir.path(), fsync).expect("blocks"));
+    let manifests: Arc<dyn ManifestStore> =
+        Arc::new(FsManifestStore::open(dir.path(), fsync).expect("manifests"));
+    let body = futures_util::stream::iter(frames(data));
+    let limits = IngestLimits {
+        max_size: u64::MAX,
+        declared_size: Some(data.len() as u64),
+        idle_timeout: Duration::from_secs(60),
+    };
+    let started = Instant::now();
+    let report = ingest(body, limits, blocks, manifests, |_| {})
+        .await
+        .expect("ingest");
+    let elapsed = started.elapsed();
+    assert_eq!(report.key.size, data.len() as u64);
+    elapsed
+}
+
+async fn http_upload(data: &Bytes) -> Duration {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut config = Config::for_test(dir.path());
+    config.storage.fsync = false;
+    let node = graviton::node::start(config).await.expect("node");
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client");
+    let started = Instant::now();
+    let response = client
+        .post(format!("{}/v1/blobs", node.base_url()))
+        .body(data.clone())
+        .send()
+        .await
+        .expect("upload");
+    assert_eq!(response.status(), 201);
+    let _ = response.bytes().await;
+    let elapsed = started.elapsed();
+    node.shutdown().await;
+    elapsed
+}
+
+/// Peak RSS (VmHWM, KiB) of a fresh `graviton serve` after uploading `size` bytes.
+fn served_peak_rss_kib(size: u64) -> Option<(u64, u64)> {
+    use std::io::{Read, Write};
+    let bin = env!("CARGO_BIN_EXE_graviton");
+    let dir = tempfile::tempdir().ok()?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .ok()?
+        .local_addr()
+        .ok()?
+        .port();
+    let mut child = std::process::Command::new(bin)
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--data-dir",
+        ])
+        .arg(dir.path())
+        .env("GRAVITON_STORAGE__FSYNC", "false")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let hwm = |pid: u32| -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let mut stream = loop {
+        if let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let idle = hwm(child.id());
+    let head = format!(
+        "POST /v1/blobs HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {size}\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).ok()?;
+    let piece = random_bytes(1 << 20, 99);
+    let mut sent = 0u64;
+    let mut counter = 0u64;
+    let mut buf = piece.clone();
+    while sent < size {
+        // vary the content so nothing deduplicates
+        counter += 1;
+        buf[..8].copy_from_slice(&counter.to_le_bytes());
+        let take = (size - sent).min(buf.len() as u64) as usize;
+        stream.write_all(&buf[..take]).ok()?;
+        sent += take as u64;
+    }
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).ok()?;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    let peak = hwm(child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+    Some((idle, peak))
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let size = if quick { 64 << 20 } else { 256 << 20 };
+    let runs = if quick { 2 } else { 3 };
+    let data = Bytes::from(random_bytes(size, 7));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+
+    println!(
+        "graviton ingest benchmark: {} MiB of random data, best of {runs}",
+        size >> 20
+    );
+    let raw = best(runs, || raw_cdc_blake3(&data));
+    let ingest_nosync = best(runs, || runtime.block_on(in_process(&data, false)));
+    let ingest_sync = best(1, || runtime.block_on(in_process(&data, true)));
+    let http = best(runs, || runtime.block_on(http_upload(&data)));
+
+    let row = |name: &str, d: Duration, base: Option<(&str, Duration)>| match base {
+        Some((base_name, b)) => println!(
+            "{name:<44} {:>8.1} MB/s   ratio vs {base_name}: {:.2}",
+            mb_per_s(size, d),
+            b.as_secs_f64() / d.as_secs_f64()
+        ),
+        None => println!("{name:<44} {:>8.1} MB/s   (baseline)", mb_per_s(size, d)),
+    };
+    row("raw FastCDC + BLAKE3 (1 thread, in memory)", raw, None);
+    row(
+        "in-process ingest to fs (fsync off)",
+        ingest_nosync,
+        Some(("raw", raw)),
+    );
+    row(
+        "in-process ingest to fs (fsync on)",
+        ingest_sync,
+        Some(("raw", raw)),
+    );
+    row(
+        "HTTP upload, one node, loopback (fsync off)",
+        http,
+        Some(("in-process", ingest_nosync)),
+    );
+
+    let large_gib: u64 = std::env::var("GRAVITON_BENCH_LARGE_GIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let small = 64u64 << 20;
+    let large = if quick { 512u64 << 20 } else { large_gib << 30 };
+    if let (Some((idle_s, peak_s)), Some((idle_l, peak_l))) =
+        (served_peak_rss_kib(small), served_peak_rss_kib(large))
+    {
+        println!(
+            "peak RSS of graviton serve: idle {} MiB; {} MiB upload -> {} MiB; {} MiB upload -> {} MiB (ratio large/small {:.2})",
+            idle_s.max(idle_l) / 1024,
+            small >> 20,
+            peak_s / 1024,
+            large >> 20,
+            peak_l / 1024,
+            peak_l as f64 / peak_s.max(1) as f64
+        );
+    } else {
+        println!("peak RSS: could not run graviton serve");
+    }
+}

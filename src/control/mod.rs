@@ -1,0 +1,25 @@
+//! Node-to-node control plane.
+//!
+//! - [`config`]: the `[control]` section.
+//! - [`envelope`]: pure, versioned MessagePack messages with a 64 KiB cap.
+//! - [`backoff`]: pure re-dial backoff with jitter.
+//! - [`transport`]: the [`ControlTransport`] / [`ControlHandler`] ports and the
+//!   in-memory implementation used by actor unit tests.
+//! - [`cluster`]: the real transport over `ractor_cluster` (NodeServer, ControlActor,
+//!   dialer with re-dial).
+//!
+//! PostgreSQL stays the source of truth for placement; messages here are RPCs with
+//! short deadlines and hints. A lost message is converged by NOTIFY/polling elsewhere.
+
+pub mod backoff;
+pub mod cluster;
+pub mod config;
+pub mod envelope;
+pub mod transport;
+
+pub use cluster::{ClusterOptions, ClusterTransport, StartError};
+pub use config::ControlConfig;
+pub use envelope::{Envelope, Reply};
+pub use transport::{
+    ControlError, ControlHandler, ControlTransport, FnHandler, InMemoryNetwork, InMemoryTransport,
+};

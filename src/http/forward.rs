@@ -1,0 +1,592 @@
+//! The forwarding client: streams an upload body from a non-owner to the owner's
+//! internal listener, exactly once.
+//!
+//! Protocol (see docs/control-plane.md):
+//! 1. **Pre-flight** `HEAD /internal/v1/sessions/{t}/{s}/blobs` with the token, shard
+//!    and epoch. The body is untouched. `409 stale_epoch` → ask the caller's
+//!    [`OwnerResolver`] once for the current owner and pre-flight again.
+//! 2. **Stream** `POST` the same path with the original body wrapped, frame by frame,
+//!    in `reqwest::Body::wrap_stream` (no buffering beyond the frames hyper holds, no
+//!    replay). `Content-Type` and `Content-Length` are copied.
+//! 3. **Relay** the owner's status and JSON body (capped at 1 MiB).
+//!
+//! If the epoch moves between pre-flight and POST, the owner still refuses before
+//! reading; the forwarder retries (once in total) only if no byte of the body was
+//! pulled yet, else it answers `503 owner_moved` with `Retry-After`.
+//!
+//! Failure model: one shared `reqwest::Client` with connect and per-read timeouts and
+//! no total deadline (long uploads are fine, stalls are not). Owner unreachable →
+//! `503 owner_unavailable`; owner lost mid-stream → `502 owner_unavailable`; both with
+//! `Retry-After`. The client's own body failing → `400 upload_interrupted`. Nothing
+//! waits without a deadline.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, BodyDataStream};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::Stream;
+use futures_util::future::BoxFuture;
+
+use crate::config::Secret;
+use crate::http::ApiError;
+use crate::http::internal::{
+    CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, INTERNAL_TOKEN_HEADER, SHARD_EPOCH_HEADER,
+    SHARD_HEADER, ingest_path, parse_digits,
+};
+use crate::ids::{NodeId, SessionKey};
+
+/// Largest owner response relayed (the owner answers a small JSON document).
+pub const MAX_OWNER_RESPONSE_BYTES: usize = 1024 * 1024;
+/// `Retry-After` on owner failures.
+pub const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Where to send an upload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnerTarget {
+    pub node: NodeId,
+    /// The owner's internal listener.
+    pub internal_addr: SocketAddr,
+    pub shard: u32,
+    /// The shard epoch this route was resolved at.
+    pub epoch: u64,
+}
+
+/// What the owner said when it refused a stale epoch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaleEpoch {
+    pub refused_by: NodeId,
+    pub current_owner: Option<NodeId>,
+    pub current_epoch: Option<u64>,
+}
+
+/// Implemented by the node's placement: find the current owner after a stale epoch
+/// (e.g. re-read the shard table, or a control-plane `ResolveSession`).
+pub trait OwnerResolver: Send + Sync {
+    fn re_resolve<'a>(
+        &'a self,
+        key: &'a SessionKey,
+        stale: &'a StaleEpoch,
+    ) -> BoxFuture<'a, Result<OwnerTarget, ApiError>>;
+}
+
+/// Forwarding options.
+#[derive(Debug, Clone)]
+pub struct ForwardOptions {
+    pub token: Secret,
+    pub connect_timeout: Duration,
+    /// Per-read idle timeout (resets on progress); there is no total deadline.
+    pub read_timeout: Duration,
+}
+
+impl ForwardOptions {
+    /// Options from the `[control]` section; `None` without an internal token.
+    pub fn from_config(config: &crate::control::ControlConfig) -> Option<Self> {
+        Some(Self {
+            token: config.internal_token.clone()?,
+            connect_timeout: config.forward_connect_timeout.get(),
+            read_timeout: config.forward_read_timeout.get(),
+        })
+    }
+}
+
+/// Counters (process-wide totals; no ids).
+#[derive(Debug, Default)]
+pub struct ForwardStats {
+    /// Body bytes pulled from inbound uploads.
+    pub bytes_pulled: AtomicU64,
+    pub forwards: AtomicU64,
+    pub stale_retries: AtomicU64,
+    pub owner_failures: AtomicU64,
+}
+
+/// The forwarding client. Clone it freely: one connection pool is shared.
+#[derive(Clone)]
+pub struct Forwarder {
+    client: reqwest::Client,
+    /// The internal token, marked sensitive (never shown by header `Debug`).
+    token: HeaderValue,
+    head_deadline: Duration,
+    stats: Arc<ForwardStats>,
+}
+
+enum Preflight {
+    Go,
+    Stale(StaleEpoch),
+    Refuse(Response),
+}
+
+/// Why a [`Forwarder`] could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwarderError {
+    #[error("HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+    #[error("the internal token is not a valid header value")]
+    Token,
+}
+
+impl Forwarder {
+    pub fn new(options: ForwardOptions) -> Result<Self, ForwarderError> {
+        let mut token =
+            HeaderValue::from_str(options.token.expose()).map_err(|_| ForwarderError::Token)?;
+        token.set_sensitive(true);
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .connect_timeout(options.connect_timeout)
+            .read_timeout(options.read_timeout)
+            .tcp_nodelay(true)
+            .http1_only()
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build()?;
+        Ok(Self {
+            client,
+            token,
+            head_deadline: options.connect_timeout + options.read_timeout,
+            stats: Arc::default(),
+        })
+    }
+
+    pub fn stats(&self) -> &Arc<ForwardStats> {
+        &self.stats
+    }
+
+    /// Forward one upload to `target`, re-resolving once on a stale epoch. Always
+    /// returns a response; never panics, never waits without a deadline.
+    pub async fn forward_upload(
+        &self,
+        target: OwnerTarget,
+        key: SessionKey,
+        headers: &HeaderMap,
+        body: Body,
+        resolver: &dyn OwnerResolver,
+    ) -> Response {
+        self.stats.forwards.fetch_add(1, Ordering::Relaxed);
+        let source = Source::new(body);
+        let mut target = target;
+        let mut retried = false;
+        loop {
+            let stale = match self.preflight(&target, &key, headers).await {
+                Preflight::Refuse(response) => return response,
+                Preflight::Stale(stale) => stale,
+                Preflight::Go => match self.post(&target, &key, headers, &source).await {
+                    Ok(response) => return response,
+                    Err(stale) if source.reclaim() => stale,
+                    Err(_) => {
+                        return owner_moved("the owner changed while the upload was streaming");
+                    }
+                },
+            };
+            if retried {
+                return owner_moved("the owner changed again while re-routing");
+            }
+            retried = true;
+            self.stats.stale_retries.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(refused_by = %stale.refused_by, "forward: stale epoch, re-resolving");
+            let resolved =
+                tokio::time::timeout(self.head_deadline, resolver.re_resolve(&key, &stale)).await;
+            target = match resolved {
+                Ok(Ok(next)) => next,
+                Ok(Err(error)) => return error.into_response(),
+                Err(_) => {
+                    return self.unavailable(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "the session's owner could not be resolved in time",
+                    );
+                }
+            };
+        }
+    }
+
+    fn url(target: &OwnerTarget, key: &SessionKey) -> String {
+        format!("http://{}{}", target.internal_addr, ingest_path(key))
+    }
+
+    fn request(
+        &self,
+        method: reqwest::Method,
+        target: &OwnerTarget,
+        key: &SessionKey,
+        headers: &HeaderMap,
+    ) -> reqwest::RequestBuilder {
+        let mut request = self
+            .client
+            .request(method, Self::url(target, key))
+            .header(INTERNAL_TOKEN_HEADER, self.token.clone())
+            .header(SHARD_HEADER, target.shard)
+            .header(SHARD_EPOCH_HEADER, target.epoch);
+        if let Some(value) = headers.get(header::CONTENT_TYPE) {
+            request = request.header(header::CONTENT_TYPE, value.clone());
+        }
+        request
+    }
+
+    async fn preflight(
+        &self,
+        target: &OwnerTarget,
+        key: &SessionKey,
+        headers: &HeaderMap,
+    ) -> Preflight {
+        let send = self
+            .request(reqwest::Method::HEAD, target, key, headers)
+            .send();
+        let response = match tokio::time::timeout(self.head_deadline, send).await {
+            Ok(Ok(response)) => response,
+            Ok(Err(error)) => {
+                tracing::warn!(owner = %target.node, error = %error.without_url(), "forward: owner unreachable");
+                return Preflight::Refuse(self.unavailable(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the owner node is unreachable",
+                ));
+            }
+            Err(_) => {
+                tracing::warn!(owner = %target.node, "forward: owner pre-flight timed out");
+                return Preflight::Refuse(self.unavailable(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the owner node did not answer in time",
+                ));
+            }
+        };
+        match response.status() {
+            StatusCode::NO_CONTENT | StatusCode::OK => Preflight::Go,
+            StatusCode::CONFLICT => Preflight::Stale(stale_from(target, response.headers())),
+            status => {
+                tracing::error!(owner = %target.node, %status, "forward: owner refused the pre-flight");
+                Preflight::Refuse(self.unavailable(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "the owner node refused the upload",
+                ))
+            }
+        }
+    }
+
+    /// `Err` only for a stale epoch refused by the owner (the caller decides whether
+    /// the body is still intact).
+    async fn post(
+        &self,
+        target: &OwnerTarget,
+        key: &SessionKey,
+        headers: &HeaderMap,
+        source: &Source,
+    ) -> Result<Response, StaleEpoch> {
+        let mut request = self.request(reqwest::Method::POST, target, key, headers);
+        if let Some(value) = headers.get(header::CONTENT_LENGTH) {
+            request = request.header(header::CONTENT_LENGTH, value.clone());
+        }
+        let tap = source.tap(self.stats.clone());
+        let response = match request.body(reqwest::Body::wrap_stream(tap)).send().await {
+            Ok(response) => response,
+            Err(error) => return Ok(self.failure(target, source, &error)),
+        };
+        let status = response.status();
+        if status == StatusCode::CONFLICT {
+            return Err(stale_from(target, response.headers()));
+        }
+        if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
+            tracing::error!(owner = %target.node, "forward: owner rejected the internal token");
+            return Ok(self.unavailable(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the owner node refused the upload",
+            ));
+        }
+        let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
+        match read_capped(response).await {
+            Ok(None) => {
+                tracing::error!(owner = %target.node, "forward: owner answer exceeds 1 MiB");
+                Ok(self.unavailable(
+                    StatusCode::BAD_GATEWAY,
+                    "the owner node sent an invalid answer",
+                ))
+            }
+            Ok(Some(bytes)) => {
+                let mut relayed = (status, bytes).into_response();
+                if let Some(value) = content_type {
+                    relayed.headers_mut().insert(header::CONTENT_TYPE, value);
+                }
+                Ok(relayed)
+            }
+            Err(error) => Ok(self.failure(target, source, &error)),
+        }
+    }
+
+    fn failure(&self, target: &OwnerTarget, source: &Source, error: &reqwest::Error) -> Response {
+        if source.failed() {
+            return ApiError::bad_request(
+                "upload_interrupted",
+                "the upload body ended with an error",
+            )
+            .into_response();
+        }
+        tracing::warn!(owner = %target.node, error = %ErrorChain(error), "forward: owner failed during the upload");
+        if source.untouched() {
+            // Nothing of the body was pulled: the client may retry at once.
+            self.unavailable(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the owner node is unreachable",
+            )
+        } else {
+            self.unavailable(
+                StatusCode::BAD_GATEWAY,
+                "the owner node failed during the upload; retry it",
+            )
+        }
+    }
+
+    fn unavailable(&self, status: StatusCode, message: &'static str) -> Response {
+        self.stats.owner_failures.fetch_add(1, Ordering::Relaxed);
+        ApiError::new(status, "owner_unavailable", message)
+            .with_retry_after(RETRY_AFTER)
+            .into_response()
+    }
+}
+
+fn owner_moved(message: &'static str) -> Response {
+    ApiError::unavailable("owner_moved", message)
+        .with_retry_after(RETRY_AFTER)
+        .into_response()
+}
+
+fn stale_from(target: &OwnerTarget, headers: &HeaderMap) -> StaleEpoch {
+    let current_owner = headers
+        .get(CURRENT_OWNER_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(|s| NodeId(s.to_string()))
+        .filter(|n| crate::control::envelope::validate_node_id(n).is_ok());
+    let current_epoch = headers
+        .get(CURRENT_EPOCH_HEADER)
+        .and_then(|v| parse_digits(v.as_bytes()));
+    StaleEpoch {
+        refused_by: target.node.clone(),
+        current_owner,
+        current_epoch,
+    }
+}
+
+/// The owner's answer, or `None` when it exceeds [`MAX_OWNER_RESPONSE_BYTES`].
+async fn read_capped(mut response: reqwest::Response) -> Result<Option<Bytes>, reqwest::Error> {
+    let mut out = Vec::new();
+    while let Some(chunk) = response.chunk().await? {
+        if out.len() + chunk.len() > MAX_OWNER_RESPONSE_BYTES {
+            return Ok(None);
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(Some(Bytes::from(out)))
+}
+
+/// Walks `source()` so logs show the root cause, without the URL (it has ids).
+struct ErrorChain<'a>(&'a reqwest::Error);
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut current: Option<&dyn std::error::Error> = Some(self.0);
+        let mut first = true;
+        while let Some(error) = current {
+            if !first {
+                f.write_str(": ")?;
+            }
+            if first {
+                write!(f, "{}", kind(self.0))?;
+            } else {
+                write!(f, "{error}")?;
+            }
+            first = false;
+            current = error.source();
+        }
+        Ok(())
+    }
+}
+
+fn kind(error: &reqwest::Error) -> &'static str {
+    if error.is_connect() {
+        "connect"
+    } else if error.is_timeout() {
+        "timeout"
+    } else if error.is_body() {
+        "body"
+    } else if error.is_request() {
+        "request"
+    } else {
+        "other"
+    }
+}
+
+/// The inbound body, shared between the attempts of one forward. It is pulled by at
+/// most one tap at a time, and can be reclaimed for a retry only while no byte of it
+/// has been pulled.
+#[derive(Clone)]
+struct Source(Arc<Mutex<SourceState>>);
+
+struct SourceState {
+    stream: Option<BodyDataStream>,
+    /// Bumped on reclaim; taps of an older generation see end-of-stream.
+    generation: u64,
+    pulled: u64,
+    failed: bool,
+}
+
+impl Source {
+    fn new(body: Body) -> Self {
+        Self(Arc::new(Mutex::new(SourceState {
+            stream: Some(body.into_data_stream()),
+            generation: 0,
+            pulled: 0,
+            failed: false,
+        })))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SourceState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn tap(&self, stats: Arc<ForwardStats>) -> Tap {
+        let generation = self.lock().generation;
+        Tap {
+            source: self.clone(),
+            generation,
+            stats,
+        }
+    }
+
+    fn untouched(&self) -> bool {
+        let state = self.lock();
+        state.pulled == 0 && !state.failed
+    }
+
+    fn failed(&self) -> bool {
+        self.lock().failed
+    }
+
+    /// Detach the current tap and keep the body for another attempt, if intact.
+    fn reclaim(&self) -> bool {
+        let mut state = self.lock();
+        if state.pulled == 0 && !state.failed {
+            state.generation += 1;
+            if state.stream.is_none() {
+                // An empty body that already ended: resend it empty.
+                state.stream = Some(Body::empty().into_data_stream());
+            }
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// The stream handed to reqwest: pulls the shared source frame by frame.
+struct Tap {
+    source: Source,
+    generation: u64,
+    stats: Arc<ForwardStats>,
+}
+
+impl Stream for Tap {
+    type Item = Result<Bytes, axum::Error>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let mut state = self.source.lock();
+        if state.generation != self.generation {
+            return Poll::Ready(None);
+        }
+        let Some(stream) = state.stream.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let polled = Pin::new(stream).poll_next(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(bytes))) => {
+                state.pulled += bytes.len() as u64;
+                self.stats
+                    .bytes_pulled
+                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            }
+            Poll::Ready(Some(Err(_))) => state.failed = true,
+            Poll::Ready(None) => state.stream = None,
+            Poll::Pending => {}
+        }
+        polled
+    }
+}
+
+/// A convenience for the public route: the request's `Content-Length` (digits only).
+pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+    match headers
+        .get(header::CONTENT_LENGTH)
+        .map(HeaderValue::as_bytes)
+    {
+        None => Ok(None),
+        Some(value) => parse_digits(value).map(Some).ok_or_else(|| {
+            ApiError::bad_request(
+                "invalid_content_length",
+                "Content-Length must be ASCII digits",
+            )
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::StreamExt;
+
+    fn body(frames: usize) -> Body {
+        let stream = futures_util::stream::iter(
+            (0..frames).map(|i| Ok::<_, std::io::Error>(Bytes::from(vec![i as u8; 10]))),
+        );
+        Body::from_stream(stream)
+    }
+
+    #[tokio::test]
+    async fn an_untouched_body_can_be_reclaimed_and_old_taps_go_quiet() {
+        let stats = Arc::new(ForwardStats::default());
+        let source = Source::new(body(3));
+        let mut old = source.tap(stats.clone());
+        assert!(source.untouched());
+        assert!(source.reclaim());
+        assert!(old.next().await.is_none(), "a detached tap yields nothing");
+        let mut new = source.tap(stats.clone());
+        let mut total = 0;
+        while let Some(frame) = new.next().await {
+            total += frame.unwrap().len();
+        }
+        assert_eq!(total, 30);
+        assert_eq!(stats.bytes_pulled.load(Ordering::Relaxed), 30);
+    }
+
+    #[tokio::test]
+    async fn a_body_with_pulled_bytes_is_never_replayed() {
+        let stats = Arc::new(ForwardStats::default());
+        let source = Source::new(body(3));
+        let mut tap = source.tap(stats);
+        assert!(tap.next().await.is_some());
+        assert!(!source.untouched());
+        assert!(!source.reclaim());
+    }
+
+    #[tokio::test]
+    async fn an_empty_body_that_ended_can_be_resent_empty() {
+        let stats = Arc::new(ForwardStats::default());
+        let source = Source::new(Body::empty());
+        let mut tap = source.tap(stats.clone());
+        assert!(tap.next().await.is_none());
+        assert!(source.reclaim());
+        assert!(source.tap(stats).next().await.is_none());
+    }
+
+    #[test]
+    fn content_length_is_digits_only() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(content_length(&headers).unwrap(), None);
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("0042"));
+        assert_eq!(content_length(&headers).unwrap(), Some(42));
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("+42"));
+        assert_eq!(
+            content_length(&headers).unwrap_err().code,
+            "invalid_content_length"
+        );
+    }
+}

@@ -1,0 +1,369 @@
+//! The internal listener: owner ingest of uploads forwarded by other nodes.
+//!
+//! Routes (on their own port, `control.internal_listen`, private network only):
+//! - `HEAD /internal/v1/sessions/{tenant}/{session}/blobs`: pre-flight. Runs every
+//!   check of the POST below and answers 204, or the error the POST would get. The
+//!   forwarder calls it while the upload body is still unread, so a stale epoch can be
+//!   re-resolved and retried without replaying anything.
+//! - `POST /internal/v1/sessions/{tenant}/{session}/blobs`: owner ingest; 201 + JSON.
+//!
+//! Every check happens **before any body byte is pulled**, in this order: internal
+//! token (constant time; `X-Graviton-Internal-Token` or `Authorization: Bearer`) → 401;
+//! path ids canonical UUIDs → 400; `Content-Length` ASCII digits only → 400;
+//! `X-Graviton-Shard` and `X-Graviton-Shard-Epoch` digits only → 400; the caller's
+//! [`EpochCheck`] → 409 `stale_epoch` naming the current owner (JSON body and the
+//! `X-Graviton-Current-Owner` / `X-Graviton-Current-Epoch` headers, which also survive
+//! on HEAD). Only then is the body handed to the caller's [`OwnerIngest`].
+//!
+//! Failure model: errors are JSON `{"error","message"}` (see `http::error`); the token
+//! and tenant ids never appear in responses or logs above debug.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::head;
+use axum::{Json, Router};
+use futures_util::future::BoxFuture;
+use serde::Serialize;
+
+use crate::config::Secret;
+use crate::http::ApiError;
+use crate::ids::{NodeId, SessionId, SessionKey, TenantId};
+
+/// Header carrying the internal token.
+pub const INTERNAL_TOKEN_HEADER: &str = "x-graviton-internal-token";
+/// Header carrying the shard the forwarder routed by.
+pub const SHARD_HEADER: &str = "x-graviton-shard";
+/// Header carrying the shard epoch the forwarder routed by.
+pub const SHARD_EPOCH_HEADER: &str = "x-graviton-shard-epoch";
+/// On 409: the node that owns the shard now (when known).
+pub const CURRENT_OWNER_HEADER: &str = "x-graviton-current-owner";
+/// On 409: the shard's current epoch.
+pub const CURRENT_EPOCH_HEADER: &str = "x-graviton-current-epoch";
+/// Stable error code of a stale epoch.
+pub const STALE_EPOCH: &str = "stale_epoch";
+
+/// The path of the owner-ingest resource.
+pub fn ingest_path(key: &SessionKey) -> String {
+    format!("/internal/v1/sessions/{}/{}/blobs", key.tenant, key.session)
+}
+
+/// Verdict of an epoch check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EpochVerdict {
+    /// This node owns the shard at this epoch: ingest may proceed.
+    Current,
+    /// The caller routed by an old epoch (or this node no longer owns the shard).
+    Stale {
+        current_owner: Option<NodeId>,
+        current_epoch: u64,
+    },
+}
+
+/// Implemented by the node's placement: does this node own `shard` at `epoch`?
+/// `key` is given so the implementation can verify that `shard` is the key's shard.
+pub trait EpochCheck: Send + Sync + 'static {
+    fn check(&self, key: &SessionKey, shard: u32, epoch: u64) -> EpochVerdict;
+}
+
+impl<F> EpochCheck for F
+where
+    F: Fn(&SessionKey, u32, u64) -> EpochVerdict + Send + Sync + 'static,
+{
+    fn check(&self, key: &SessionKey, shard: u32, epoch: u64) -> EpochVerdict {
+        self(key, shard, epoch)
+    }
+}
+
+/// A forwarded upload that passed every check; its body is still unread.
+pub struct IngestRequest {
+    pub key: SessionKey,
+    pub shard: u32,
+    pub epoch: u64,
+    /// `Content-Type` as sent (default `application/octet-stream`).
+    pub content_type: String,
+    /// `Content-Length` when the forwarder knew it.
+    pub content_length: Option<u64>,
+    pub body: Body,
+}
+
+/// Implemented by the node: the owner-local CAS ingest. Returns the JSON result
+/// (answered with 201) or an [`ApiError`].
+pub trait OwnerIngest: Send + Sync + 'static {
+    fn ingest(
+        &self,
+        request: IngestRequest,
+    ) -> BoxFuture<'static, Result<serde_json::Value, ApiError>>;
+}
+
+/// Everything the internal router needs.
+#[derive(Clone)]
+pub struct InternalState {
+    pub token: Secret,
+    pub epochs: Arc<dyn EpochCheck>,
+    pub ingest: Arc<dyn OwnerIngest>,
+}
+
+/// The internal router. Serve it on its own listener (see [`serve`]).
+pub fn router(state: InternalState) -> Router {
+    Router::new()
+        .route(
+            "/internal/v1/sessions/{tenant}/{session}/blobs",
+            head(preflight).post(ingest),
+        )
+        .with_state(state)
+}
+
+/// Serve `router` on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// The parsed, validated head of a forwarded upload.
+struct Checked {
+    key: SessionKey,
+    shard: u32,
+    epoch: u64,
+    content_type: String,
+    content_length: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct StaleBody<'a> {
+    error: &'static str,
+    message: &'static str,
+    current_owner: Option<&'a str>,
+    current_epoch: u64,
+}
+
+fn stale_response(current_owner: Option<NodeId>, current_epoch: u64) -> Response {
+    let body = StaleBody {
+        error: STALE_EPOCH,
+        message: "the shard epoch is stale; re-resolve the owner",
+        current_owner: current_owner.as_ref().map(|n| n.0.as_str()),
+        current_epoch,
+    };
+    let mut response = (StatusCode::CONFLICT, Json(body)).into_response();
+    let headers = response.headers_mut();
+    if let Some(owner) = current_owner.and_then(|n| HeaderValue::from_str(&n.0).ok()) {
+        headers.insert(CURRENT_OWNER_HEADER, owner);
+    }
+    headers.insert(CURRENT_EPOCH_HEADER, HeaderValue::from(current_epoch));
+    response
+}
+
+/// Digits only (no sign, no spaces), fitting in u64.
+pub fn parse_digits(value: &[u8]) -> Option<u64> {
+    if value.is_empty() || value.len() > 20 || !value.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(value).ok()?.parse().ok()
+}
+
+fn presented_token(headers: &HeaderMap) -> Option<&[u8]> {
+    if let Some(value) = headers.get(INTERNAL_TOKEN_HEADER) {
+        return Some(value.as_bytes());
+    }
+    let auth = headers.get(header::AUTHORIZATION)?.as_bytes();
+    auth.strip_prefix(b"Bearer ")
+}
+
+fn numeric_header<T: TryFrom<u64>>(
+    headers: &HeaderMap,
+    name: &'static str,
+    code: &'static str,
+) -> Result<T, ApiError> {
+    let value = headers
+        .get(name)
+        .ok_or_else(|| ApiError::bad_request(code, format!("the {name} header is required")))?;
+    parse_digits(value.as_bytes())
+        .and_then(|n| T::try_from(n).ok())
+        .ok_or_else(|| {
+            ApiError::bad_request(code, format!("the {name} header must be ASCII digits"))
+        })
+}
+
+/// Why a forwarded upload is refused before its body is read.
+enum Refusal {
+    Api(ApiError),
+    Stale {
+        current_owner: Option<NodeId>,
+        current_epoch: u64,
+    },
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        match self {
+            Refusal::Api(error) => error.into_response(),
+            Refusal::Stale {
+                current_owner,
+                current_epoch,
+            } => stale_response(current_owner, current_epoch),
+        }
+    }
+}
+
+fn check(
+    state: &InternalState,
+    tenant: &str,
+    session: &str,
+    headers: &HeaderMap,
+) -> Result<Checked, Refusal> {
+    let token_ok = presented_token(headers).is_some_and(|t| state.token.matches(t));
+    if !token_ok {
+        return Err(Refusal::Api(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "missing or invalid internal credentials",
+        )));
+    }
+    let (Ok(tenant), Ok(session)) = (tenant.parse::<TenantId>(), session.parse::<SessionId>())
+    else {
+        return Err(Refusal::Api(ApiError::bad_request(
+            "invalid_session",
+            "tenant and session must be canonical UUIDs",
+        )));
+    };
+    let key = SessionKey { tenant, session };
+    let content_length = match headers.get(header::CONTENT_LENGTH) {
+        None => None,
+        Some(value) => Some(parse_digits(value.as_bytes()).ok_or_else(|| {
+            Refusal::Api(ApiError::bad_request(
+                "invalid_content_length",
+                "Content-Length must be ASCII digits",
+            ))
+        })?),
+    };
+    let content_type = match headers.get(header::CONTENT_TYPE) {
+        None => "application/octet-stream".to_string(),
+        Some(value) => value
+            .to_str()
+            .ok()
+            .filter(|v| !v.trim().is_empty() && v.contains('/'))
+            .map(str::to_string)
+            .ok_or_else(|| {
+                Refusal::Api(ApiError::bad_request(
+                    "invalid_content_type",
+                    "Content-Type is malformed",
+                ))
+            })?,
+    };
+    let shard: u32 =
+        numeric_header(headers, SHARD_HEADER, "invalid_shard").map_err(Refusal::Api)?;
+    let epoch: u64 =
+        numeric_header(headers, SHARD_EPOCH_HEADER, "invalid_epoch").map_err(Refusal::Api)?;
+    match state.epochs.check(&key, shard, epoch) {
+        EpochVerdict::Current => {}
+        EpochVerdict::Stale {
+            current_owner,
+            current_epoch,
+        } => {
+            tracing::debug!(
+                shard,
+                epoch,
+                current_epoch,
+                "internal ingest refused: stale epoch"
+            );
+            return Err(Refusal::Stale {
+                current_owner,
+                current_epoch,
+            });
+        }
+    }
+    Ok(Checked {
+        key,
+        shard,
+        epoch,
+        content_type,
+        content_length,
+    })
+}
+
+async fn preflight(
+    State(state): State<InternalState>,
+    Path((tenant, session)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    match check(&state, &tenant, &session, &headers) {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(refusal) => refusal.into_response(),
+    }
+}
+
+async fn ingest(
+    State(state): State<InternalState>,
+    Path((tenant, session)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let checked = match check(&state, &tenant, &session, &headers) {
+        Ok(checked) => checked,
+        Err(refusal) => return refusal.into_response(),
+    };
+    let request = IngestRequest {
+        key: checked.key,
+        shard: checked.shard,
+        epoch: checked.epoch,
+        content_type: checked.content_type,
+        content_length: checked.content_length,
+        body,
+    };
+    match state.ingest.ingest(request).await {
+        Ok(result) => (StatusCode::CREATED, Json(result)).into_response(),
+        Err(error) => error.into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digits_only() {
+        assert_eq!(parse_digits(b"0"), Some(0));
+        assert_eq!(parse_digits(b"007"), Some(7));
+        assert_eq!(parse_digits(b"18446744073709551615"), Some(u64::MAX));
+        for bad in [
+            &b""[..],
+            b"+1",
+            b"-1",
+            b" 1",
+            b"1 ",
+            b"1e3",
+            b"0x1",
+            b"18446744073709551616",
+            "١".as_bytes(),
+        ] {
+            assert_eq!(parse_digits(bad), None, "{bad:?}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn digits_round_trip_and_anything_else_is_refused(n in proptest::prelude::any::<u64>(), junk in "[^0-9]{1,4}", at in 0usize..20) {
+            let text = n.to_string();
+            proptest::prop_assert_eq!(parse_digits(text.as_bytes()), Some(n));
+            let cut = at.min(text.len());
+            let bad = format!("{}{}{}", &text[..cut], junk, &text[cut..]);
+            proptest::prop_assert_eq!(parse_digits(bad.as_bytes()), None);
+        }
+    }
+
+    #[test]
+    fn stale_response_names_the_owner_in_body_and_headers() {
+        let response = stale_response(Some(NodeId("node-c".into())), 9);
+        assert_eq!(response.status(), StatusCode::CONFLICT);
+        assert_eq!(response.headers()[CURRENT_OWNER_HEADER], "node-c");
+        assert_eq!(response.headers()[CURRENT_EPOCH_HEADER], "9");
+    }
+}

@@ -1,0 +1,159 @@
+//! Plain data of the placement model: shards, epochs, node states, the shard table.
+//!
+//! The [`ShardTable`] is an immutable snapshot indexed by shard; nodes publish a new
+//! `Arc<ShardTable>` on every refresh so readers never block writers.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::NodeId;
+
+/// A shard number in `0..shard_count`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ShardId(pub u32);
+
+impl fmt::Display for ShardId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// The ownership generation of one shard; bumped by exactly one on every move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Epoch(pub i64);
+
+impl fmt::Display for Epoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Lifecycle of a node row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NodeState {
+    /// Registered, not yet given shards.
+    Joining,
+    /// Eligible for shards.
+    Active,
+    /// Being emptied: keeps heartbeating, receives no shards, loses its shards at once.
+    Draining,
+    /// Declared dead by the manager (heartbeat older than the TTL); must re-register.
+    Dead,
+}
+
+impl NodeState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeState::Joining => "joining",
+            NodeState::Active => "active",
+            NodeState::Draining => "draining",
+            NodeState::Dead => "dead",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        Some(match text {
+            "joining" => NodeState::Joining,
+            "active" => NodeState::Active,
+            "draining" => NodeState::Draining,
+            "dead" => NodeState::Dead,
+            _ => return None,
+        })
+    }
+
+    /// May this node receive shards?
+    pub fn accepts_shards(self) -> bool {
+        matches!(self, NodeState::Joining | NodeState::Active)
+    }
+}
+
+/// One node as seen in the `nodes` table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    pub id: NodeId,
+    pub public_addr: String,
+    pub internal_addr: String,
+    pub control_addr: String,
+    pub version: String,
+    pub state: NodeState,
+    pub incarnation: i64,
+    /// Age of the last heartbeat by the database clock, in milliseconds.
+    pub heartbeat_age_ms: i64,
+}
+
+/// One row of the shard table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardEntry {
+    pub shard: ShardId,
+    /// Current owner; `None` before the first assignment.
+    pub owner: Option<NodeId>,
+    pub epoch: Epoch,
+    /// A move in progress: the owner must stop ingesting and acknowledge.
+    pub moving_to: Option<NodeId>,
+    /// The owner has acknowledged the revocation (it ingests nothing for this shard).
+    pub revoke_acked: bool,
+}
+
+/// An immutable snapshot of the whole shard table plus the node rows it refers to.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShardTable {
+    /// Indexed by shard number; `len() == shard_count`.
+    pub shards: Vec<ShardEntry>,
+    pub nodes: BTreeMap<NodeId, NodeInfo>,
+    /// The manager term current when the table was read.
+    pub manager_term: i64,
+}
+
+impl ShardTable {
+    pub fn shard_count(&self) -> u32 {
+        self.shards.len() as u32
+    }
+
+    pub fn get(&self, shard: ShardId) -> Option<&ShardEntry> {
+        self.shards.get(shard.0 as usize)
+    }
+
+    /// Shards owned by `node` (including those being moved away).
+    pub fn owned_by(&self, node: &NodeId) -> usize {
+        self.shards
+            .iter()
+            .filter(|s| s.owner.as_ref() == Some(node))
+            .count()
+    }
+
+    /// Shards with an owner.
+    pub fn assigned(&self) -> usize {
+        self.shards.iter().filter(|s| s.owner.is_some()).count()
+    }
+
+    /// Distinct owners in the table.
+    pub fn observed_owners(&self) -> usize {
+        let mut owners: Vec<&NodeId> = self
+            .shards
+            .iter()
+            .filter_map(|s| s.owner.as_ref())
+            .collect();
+        owners.sort();
+        owners.dedup();
+        owners.len()
+    }
+
+    /// Shards being moved right now.
+    pub fn moving(&self) -> usize {
+        self.shards.iter().filter(|s| s.moving_to.is_some()).count()
+    }
+
+    /// Highest epoch of any shard.
+    pub fn max_epoch(&self) -> Epoch {
+        self.shards
+            .iter()
+            .map(|s| s.epoch)
+            .max()
+            .unwrap_or(Epoch(0))
+    }
+}

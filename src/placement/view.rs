@@ -1,0 +1,454 @@
+//! The node-local view of placement, shared by the placement actor (the only writer) and
+//! every request handler (readers).
+//!
+//! Reads are cheap: owner resolution hashes the key, clones an `Arc` of the current table
+//! under an uncontended read lock and indexes a vector (well under a microsecond; see
+//! `docs/locality.md`). The writer swaps the whole `Arc<ShardTable>`.
+//!
+//! Ingest admission: [`LocalView::begin_ingest`] checks ownership, epoch, pending moves and
+//! the self-fence, and increments the shard's in-flight count *under the same read lock*
+//! the writer takes to publish a table. So once a table announcing a revocation is
+//! published, no new permit can be issued for that shard, and a zero in-flight count read
+//! after publishing means the owner really stopped ingesting (the acknowledgement rule).
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::sync::{Notify, watch};
+
+use crate::ids::{NodeId, SessionKey};
+use crate::placement::handoff;
+use crate::placement::hash::shard_of;
+use crate::placement::health::HealthSnapshot;
+use crate::placement::model::{Epoch, ShardId, ShardTable};
+
+/// Where a session is owned, as this node currently sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Owner {
+    pub node: NodeId,
+    pub shard: ShardId,
+    pub epoch: Epoch,
+    pub is_local: bool,
+    /// The owner's internal (forwarding) address; empty if unknown.
+    pub internal_addr: String,
+    /// A move of this shard is in progress: the owner no longer admits new ingest.
+    pub moving: bool,
+}
+
+/// Process-lifetime counters of the placement runtime on this node (for metrics; no
+/// labels, no identifiers).
+#[derive(Debug, Default)]
+pub struct PlacementCounters {
+    pub table_reads: AtomicU64,
+    pub table_read_failures: AtomicU64,
+    pub heartbeats: AtomicU64,
+    pub heartbeat_failures: AtomicU64,
+    pub reregistrations: AtomicU64,
+    pub acks: AtomicU64,
+}
+
+/// A copy of [`PlacementCounters`] at one instant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct CounterSnapshot {
+    pub table_reads: u64,
+    pub table_read_failures: u64,
+    pub heartbeats: u64,
+    pub heartbeat_failures: u64,
+    pub reregistrations: u64,
+    pub acks: u64,
+}
+
+impl PlacementCounters {
+    pub fn snapshot(&self) -> CounterSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        CounterSnapshot {
+            table_reads: get(&self.table_reads),
+            table_read_failures: get(&self.table_read_failures),
+            heartbeats: get(&self.heartbeats),
+            heartbeat_failures: get(&self.heartbeat_failures),
+            reregistrations: get(&self.reregistrations),
+            acks: get(&self.acks),
+        }
+    }
+
+    pub(crate) fn bump(counter: &AtomicU64, by: u64) {
+        counter.fetch_add(by, Ordering::Relaxed);
+    }
+}
+
+/// Why a session could not be resolved.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ResolveError {
+    #[error("shard {0} has no owner yet")]
+    Unassigned(ShardId),
+    #[error("the placement table has not been loaded")]
+    NotLoaded,
+}
+
+/// Shared node-local placement state.
+pub struct LocalView {
+    node: NodeId,
+    shard_count: u32,
+    self_fence: Duration,
+    origin: Instant,
+    table: RwLock<Arc<ShardTable>>,
+    /// Nanoseconds since `origin` until which ingest is allowed; 0 = fenced.
+    fence_deadline_ns: AtomicU64,
+    read_ok: AtomicBool,
+    /// Counters for metrics.
+    pub counters: PlacementCounters,
+    in_flight: Box<[AtomicU32]>,
+    changes: watch::Sender<u64>,
+    pub(crate) ack_wake: Notify,
+    health: RwLock<HealthSnapshot>,
+}
+
+impl std::fmt::Debug for LocalView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalView")
+            .field("node", &self.node)
+            .field("shard_count", &self.shard_count)
+            .finish()
+    }
+}
+
+impl LocalView {
+    pub fn new(node: NodeId, shard_count: u32, self_fence: Duration) -> Self {
+        let (changes, _) = watch::channel(0);
+        Self {
+            node,
+            shard_count,
+            self_fence,
+            origin: Instant::now(),
+            table: RwLock::new(Arc::new(ShardTable::default())),
+            fence_deadline_ns: AtomicU64::new(0),
+            read_ok: AtomicBool::new(false),
+            counters: PlacementCounters::default(),
+            in_flight: (0..shard_count).map(|_| AtomicU32::new(0)).collect(),
+            changes,
+            ack_wake: Notify::new(),
+            health: RwLock::new(HealthSnapshot::starting(shard_count)),
+        }
+    }
+
+    pub fn node(&self) -> &NodeId {
+        &self.node
+    }
+
+    pub fn shard_count(&self) -> u32 {
+        self.shard_count
+    }
+
+    /// The current table snapshot.
+    pub fn table(&self) -> Arc<ShardTable> {
+        self.table.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Shard of a session in this cluster.
+    pub fn shard_of(&self, key: &SessionKey) -> ShardId {
+        shard_of(key, self.shard_count)
+    }
+
+    /// Resolve the owner of a session from the local table (no I/O).
+    pub fn resolve(&self, key: &SessionKey) -> Result<Owner, ResolveError> {
+        self.resolve_shard(self.shard_of(key))
+    }
+
+    /// Resolve the owner of a shard from the local table (no I/O).
+    pub fn resolve_shard(&self, shard: ShardId) -> Result<Owner, ResolveError> {
+        let table = self.table();
+        let entry = table.get(shard).ok_or(ResolveError::NotLoaded)?;
+        let node = entry.owner.clone().ok_or(ResolveError::Unassigned(shard))?;
+        let internal_addr = table
+            .nodes
+            .get(&node)
+            .map(|n| n.internal_addr.clone())
+            .unwrap_or_default();
+        Ok(Owner {
+            is_local: node == self.node,
+            node,
+            shard,
+            epoch: entry.epoch,
+            internal_addr,
+            moving: entry.moving_to.is_some(),
+        })
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.origin.elapsed().as_nanos() as u64
+    }
+
+    /// Is this node self-fenced (no successful heartbeat within the fence window)?
+    pub fn fenced(&self) -> bool {
+        self.now_ns() >= self.fence_deadline_ns.load(Ordering::SeqCst)
+    }
+
+    /// Time left before the self-fence trips (zero when fenced).
+    pub fn fence_remaining(&self) -> Duration {
+        Duration::from_nanos(
+            self.fence_deadline_ns
+                .load(Ordering::SeqCst)
+                .saturating_sub(self.now_ns()),
+        )
+    }
+
+    /// Record a successful heartbeat whose request started at `started`.
+    pub(crate) fn heartbeat_ok(&self, started: Instant) {
+        let deadline =
+            (started.saturating_duration_since(self.origin) + self.self_fence).as_nanos() as u64;
+        self.fence_deadline_ns.fetch_max(deadline, Ordering::SeqCst);
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// Fence at once (the node learned its registration is gone).
+    pub(crate) fn fence_now(&self) {
+        self.fence_deadline_ns.store(0, Ordering::SeqCst);
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// Whether the last placement read succeeded.
+    pub fn placement_readable(&self) -> bool {
+        self.read_ok.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn set_read_ok(&self, ok: bool) {
+        self.read_ok.store(ok, Ordering::SeqCst);
+    }
+
+    /// Publish a new table (placement actor only).
+    pub(crate) fn publish(&self, table: ShardTable) {
+        {
+            let mut guard = self.table.write().unwrap_or_else(|e| e.into_inner());
+            *guard = Arc::new(table);
+        }
+        self.set_read_ok(true);
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// May this node admit a new ingest for `shard` at `epoch` right now?
+    pub fn can_ingest(&self, shard: ShardId, epoch: Epoch) -> bool {
+        let table = self.table();
+        handoff::permit_valid(table.get(shard), &self.node, epoch, self.fenced())
+    }
+
+    /// Admit an ingest: `Some(permit)` iff [`Self::can_ingest`]. Hold the permit for the whole
+    /// ingest; abort the ingest when [`IngestPermit::revoked`] resolves.
+    pub fn begin_ingest(self: &Arc<Self>, shard: ShardId, epoch: Epoch) -> Option<IngestPermit> {
+        let guard = self.table.read().unwrap_or_else(|e| e.into_inner());
+        if !handoff::permit_valid(guard.get(shard), &self.node, epoch, self.fenced()) {
+            return None;
+        }
+        self.in_flight
+            .get(shard.0 as usize)?
+            .fetch_add(1, Ordering::SeqCst);
+        drop(guard);
+        Some(IngestPermit {
+            view: self.clone(),
+            shard,
+            epoch,
+        })
+    }
+
+    /// Shards this node owns in its current table (including ones being moved away).
+    pub fn owned_shards(&self) -> Vec<ShardId> {
+        let table = self.table();
+        table
+            .shards
+            .iter()
+            .filter(|s| s.owner.as_ref() == Some(&self.node))
+            .map(|s| s.shard)
+            .collect()
+    }
+
+    /// Ingests in flight on `shard`.
+    pub fn in_flight(&self, shard: ShardId) -> usize {
+        self.in_flight
+            .get(shard.0 as usize)
+            .map_or(0, |c| c.load(Ordering::SeqCst) as usize)
+    }
+
+    /// The latest readiness snapshot.
+    pub fn health(&self) -> HealthSnapshot {
+        self.health
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub(crate) fn set_health(&self, snapshot: HealthSnapshot) {
+        *self.health.write().unwrap_or_else(|e| e.into_inner()) = snapshot;
+    }
+
+    /// A receiver that changes whenever the table or the fence changes.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+}
+
+/// An admitted ingest on a shard; dropping it ends the ingest.
+#[derive(Debug)]
+pub struct IngestPermit {
+    view: Arc<LocalView>,
+    shard: ShardId,
+    epoch: Epoch,
+}
+
+impl IngestPermit {
+    pub fn shard(&self) -> ShardId {
+        self.shard
+    }
+
+    pub fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+
+    /// Still allowed to ingest (owner, same epoch, no move pending, not fenced)?
+    pub fn is_valid(&self) -> bool {
+        self.view.can_ingest(self.shard, self.epoch)
+    }
+
+    /// Resolves once the permit stops being valid: a move of the shard was requested, the
+    /// epoch changed, or the node fenced itself. Ingest code should abort then.
+    pub async fn revoked(&self) {
+        let mut changes = self.view.subscribe();
+        loop {
+            if !self.is_valid() {
+                return;
+            }
+            let remaining = self.view.fence_remaining();
+            tokio::select! {
+                changed = changes.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+                _ = tokio::time::sleep(remaining) => {}
+            }
+        }
+    }
+}
+
+impl Drop for IngestPermit {
+    fn drop(&mut self) {
+        if let Some(count) = self.view.in_flight.get(self.shard.0 as usize)
+            && count.fetch_sub(1, Ordering::SeqCst) == 1
+        {
+            self.view.ack_wake.notify_one();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::model::ShardEntry;
+
+    fn table(owner: &str, moving: Option<&str>, epoch: i64) -> ShardTable {
+        let shards = (0..4)
+            .map(|s| ShardEntry {
+                shard: ShardId(s),
+                owner: Some(NodeId(owner.into())),
+                epoch: Epoch(epoch),
+                moving_to: moving.map(|m| NodeId(m.into())),
+                revoke_acked: false,
+            })
+            .collect();
+        ShardTable {
+            shards,
+            nodes: Default::default(),
+            manager_term: 1,
+        }
+    }
+
+    fn view() -> Arc<LocalView> {
+        let view = Arc::new(LocalView::new(
+            NodeId("a".into()),
+            4,
+            Duration::from_secs(60),
+        ));
+        view.publish(table("a", None, 1));
+        view.heartbeat_ok(Instant::now());
+        view
+    }
+
+    #[tokio::test]
+    async fn permits_count_in_flight_and_wake_the_acker() {
+        let view = view();
+        let p1 = view.begin_ingest(ShardId(2), Epoch(1)).unwrap();
+        let p2 = view.begin_ingest(ShardId(2), Epoch(1)).unwrap();
+        assert!(
+            view.begin_ingest(ShardId(2), Epoch(0)).is_none(),
+            "stale epoch"
+        );
+        assert_eq!(view.in_flight(ShardId(2)), 2);
+        drop(p1);
+        assert_eq!(view.in_flight(ShardId(2)), 1);
+        let woken = view.ack_wake.notified();
+        drop(p2);
+        assert_eq!(view.in_flight(ShardId(2)), 0);
+        tokio::time::timeout(Duration::from_secs(1), woken)
+            .await
+            .expect("last permit wakes the acker");
+    }
+
+    #[tokio::test]
+    async fn a_revocation_stops_admission_and_revokes_permits() {
+        let view = view();
+        let permit = view.begin_ingest(ShardId(1), Epoch(1)).unwrap();
+        assert!(permit.is_valid());
+        let v = view.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            v.publish(table("a", Some("b"), 1));
+        });
+        tokio::time::timeout(Duration::from_secs(5), permit.revoked())
+            .await
+            .expect("revoked");
+        assert!(view.begin_ingest(ShardId(1), Epoch(1)).is_none());
+        assert!(!view.can_ingest(ShardId(1), Epoch(1)));
+    }
+
+    #[tokio::test]
+    async fn the_self_fence_revokes_permits_when_heartbeats_stop() {
+        let view = Arc::new(LocalView::new(
+            NodeId("a".into()),
+            4,
+            Duration::from_millis(50),
+        ));
+        view.publish(table("a", None, 1));
+        view.heartbeat_ok(Instant::now());
+        let permit = view
+            .begin_ingest(ShardId(0), Epoch(1))
+            .expect("fresh heartbeat");
+        // No further heartbeat: the fence trips by itself after 50ms.
+        tokio::time::timeout(Duration::from_secs(5), permit.revoked())
+            .await
+            .expect("fenced");
+        assert!(view.fenced());
+        assert!(view.begin_ingest(ShardId(0), Epoch(1)).is_none());
+        view.heartbeat_ok(Instant::now());
+        assert!(view.begin_ingest(ShardId(0), Epoch(1)).is_some());
+        view.fence_now();
+        assert!(!view.can_ingest(ShardId(0), Epoch(1)));
+    }
+
+    #[test]
+    fn resolution_reports_owner_epoch_and_move() {
+        let view = view();
+        let key = SessionKey {
+            tenant: crate::ids::TenantId::new_random(),
+            session: crate::ids::SessionId::new_random(),
+        };
+        let owner = view.resolve(&key).unwrap();
+        assert!(owner.is_local && !owner.moving);
+        assert_eq!(owner.epoch, Epoch(1));
+        view.publish(table("b", Some("a"), 2));
+        let owner = view.resolve(&key).unwrap();
+        assert!(!owner.is_local && owner.moving);
+        assert_eq!(owner.node, NodeId("b".into()));
+        let empty = LocalView::new(NodeId("a".into()), 4, Duration::from_secs(1));
+        assert_eq!(empty.resolve(&key), Err(ResolveError::NotLoaded));
+    }
+}

@@ -1,0 +1,54 @@
+//! PostgreSQL adapters: connection setup, migrations and the placement store.
+//!
+//! Failure model: every query runs under the pool's `statement_timeout`, so a hung server
+//! turns into an error within a bound instead of a stuck caller. Connection options carry
+//! the password: they are never logged.
+
+pub mod placement;
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+pub use placement::{PlacementStore, StoreError};
+
+/// The embedded migrations of `sql/`.
+pub static MIGRATOR: Migrator = sqlx::migrate!("./sql");
+
+/// Connection options from a URL, with a statement timeout on every session.
+pub fn connect_options(
+    url: &str,
+    statement_timeout: Duration,
+) -> Result<PgConnectOptions, StoreError> {
+    let options = PgConnectOptions::from_str(url).map_err(|_| StoreError::InvalidUrl)?;
+    let ms = statement_timeout.as_millis().max(1).to_string();
+    Ok(options
+        .options([("statement_timeout", ms.as_str())])
+        .application_name("graviton-placement"))
+}
+
+/// A pool for the placement store.
+pub async fn connect_pool(
+    url: &str,
+    max_connections: u32,
+    statement_timeout: Duration,
+) -> Result<PgPool, StoreError> {
+    let options = connect_options(url, statement_timeout)?;
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(statement_timeout.max(Duration::from_secs(1)) * 2)
+        .connect_with(options)
+        .await
+        .map_err(StoreError::Database)
+}
+
+/// Apply the pending migrations (safe to run concurrently: the migrator takes a lock).
+pub async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
+    MIGRATOR
+        .run(pool)
+        .await
+        .map_err(|err| StoreError::Migration(err.to_string()))
+}

@@ -1,0 +1,526 @@
+//! The placement store: I/O on `placement_meta`, `placement_nodes` and `placement_shards`.
+//!
+//! No policy lives here: the manager decides, this module writes. Guarantees:
+//! - Heartbeats use the database clock (`now()`), never the node's.
+//! - Every manager write runs in a [`FencedTx`]: the transaction first takes a share lock on
+//!   the meta row and checks `manager_term`; a term bump (which needs the row lock
+//!   exclusively) therefore either happens before the check (the write is refused with
+//!   [`StoreError::Fenced`]) or after the commit. A zombie manager cannot write.
+//! - Epochs only change through `SET epoch = epoch + 1 ... RETURNING epoch`, conditional
+//!   on the epoch the caller read.
+//! - Every change sends a small NOTIFY on [`NOTIFY_CHANNEL`] (delivered on commit).
+
+use std::collections::BTreeMap;
+
+use sqlx::{PgPool, Postgres, Row, Transaction};
+
+use crate::ids::NodeId;
+use crate::placement::model::{Epoch, NodeInfo, NodeState, ShardEntry, ShardId, ShardTable};
+
+/// LISTEN/NOTIFY channel of placement changes. Payloads: `shards`, `nodes`, `ack`, `term`.
+pub const NOTIFY_CHANNEL: &str = "graviton_placement";
+
+/// Key of the session-level advisory lock held by the one shard manager.
+pub const MANAGER_LOCK_KEY: i64 = 0x4752_4156_504c_4d31; // "GRAVPLM1"
+
+/// Errors of the placement store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("invalid PostgreSQL URL")]
+    InvalidUrl,
+    #[error("PostgreSQL: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("migration failed: {0}")]
+    Migration(String),
+    #[error("manager term {held} is no longer current (current term {current}); write refused")]
+    Fenced { held: i64, current: i64 },
+    #[error(
+        "the cluster was bootstrapped with {stored} shards but this node is configured with {configured} (cluster.shard_count); the shard count cannot change"
+    )]
+    ShardCountMismatch { configured: u32, stored: u32 },
+    #[error("the placement database is not bootstrapped")]
+    NotBootstrapped,
+    #[error("corrupt placement row: {0}")]
+    Corrupt(&'static str),
+}
+
+/// What a node registers about itself.
+#[derive(Clone, Debug)]
+pub struct NodeRegistration {
+    pub id: NodeId,
+    pub public_addr: String,
+    pub internal_addr: String,
+    pub control_addr: String,
+    pub version: String,
+}
+
+/// Cluster meta row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterMeta {
+    pub shard_count: u32,
+    pub manager_term: i64,
+    pub manager_node: Option<String>,
+}
+
+/// The placement store over a pool.
+#[derive(Clone, Debug)]
+pub struct PlacementStore {
+    pool: PgPool,
+}
+
+/// A transaction that holds a share lock on the meta row at a checked manager term.
+pub struct FencedTx {
+    tx: Transaction<'static, Postgres>,
+    term: i64,
+}
+
+impl PlacementStore {
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Create the meta row and the shard rows if absent; refuse a different shard count.
+    pub async fn bootstrap(&self, shard_count: u32) -> Result<ClusterMeta, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("INSERT INTO placement_meta (id, shard_count) VALUES (1, $1) ON CONFLICT (id) DO NOTHING")
+            .bind(shard_count as i32)
+            .execute(&mut *tx)
+            .await?;
+        let stored: i32 = sqlx::query_scalar("SELECT shard_count FROM placement_meta WHERE id = 1")
+            .fetch_one(&mut *tx)
+            .await?;
+        if stored as u32 != shard_count {
+            tx.rollback().await?;
+            return Err(StoreError::ShardCountMismatch {
+                configured: shard_count,
+                stored: stored as u32,
+            });
+        }
+        sqlx::query(
+            "INSERT INTO placement_shards (shard) SELECT generate_series(0, $1 - 1) ON CONFLICT (shard) DO NOTHING",
+        )
+        .bind(shard_count as i32)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        self.meta().await
+    }
+
+    pub async fn meta(&self) -> Result<ClusterMeta, StoreError> {
+        let row = sqlx::query(
+            "SELECT shard_count, manager_term, manager_node FROM placement_meta WHERE id = 1",
+        )
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or(StoreError::NotBootstrapped)?;
+        Ok(ClusterMeta {
+            shard_count: row.try_get::<i32, _>("shard_count")? as u32,
+            manager_term: row.try_get("manager_term")?,
+            manager_node: row.try_get("manager_node")?,
+        })
+    }
+
+    /// Register (or re-register) a node: state `joining`, a new incarnation, a fresh
+    /// heartbeat. Returns the incarnation, which the node's heartbeats must quote.
+    pub async fn register_node(&self, node: &NodeRegistration) -> Result<i64, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let incarnation: i64 = sqlx::query_scalar(
+            "INSERT INTO placement_nodes (id, public_addr, internal_addr, control_addr, version, state)
+             VALUES ($1, $2, $3, $4, $5, 'joining')
+             ON CONFLICT (id) DO UPDATE SET
+                public_addr = EXCLUDED.public_addr, internal_addr = EXCLUDED.internal_addr,
+                control_addr = EXCLUDED.control_addr, version = EXCLUDED.version,
+                state = 'joining', incarnation = placement_nodes.incarnation + 1,
+                registered_at = now(), heartbeat_at = now()
+             RETURNING incarnation",
+        )
+        .bind(&node.id.0)
+        .bind(&node.public_addr)
+        .bind(&node.internal_addr)
+        .bind(&node.control_addr)
+        .bind(&node.version)
+        .fetch_one(&mut *tx)
+        .await?;
+        notify(&mut tx, "nodes").await?;
+        tx.commit().await?;
+        Ok(incarnation)
+    }
+
+    /// Refresh this node's heartbeat (database clock). `None`: the row is gone, belongs to
+    /// another incarnation, or was declared dead; the node must fence and re-register.
+    pub async fn heartbeat(
+        &self,
+        node: &NodeId,
+        incarnation: i64,
+    ) -> Result<Option<NodeState>, StoreError> {
+        let state: Option<String> = sqlx::query_scalar(
+            "UPDATE placement_nodes SET heartbeat_at = now()
+             WHERE id = $1 AND incarnation = $2 AND state <> 'dead' RETURNING state",
+        )
+        .bind(&node.0)
+        .bind(incarnation)
+        .fetch_optional(&self.pool)
+        .await?;
+        state
+            .map(|s| NodeState::parse(&s).ok_or(StoreError::Corrupt("node state")))
+            .transpose()
+    }
+
+    /// Ask for `node` to be drained (state `draining`). Not term-fenced: any node or operator
+    /// may request it; the manager acts on it. Returns false for an unknown or dead node.
+    pub async fn request_drain(&self, node: &NodeId) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let state: Option<String> = sqlx::query_scalar(
+            "UPDATE placement_nodes SET state = CASE WHEN state = 'dead' THEN state ELSE 'draining' END
+             WHERE id = $1 RETURNING state",
+        )
+        .bind(&node.0)
+        .fetch_optional(&mut *tx)
+        .await?;
+        notify(&mut tx, "nodes").await?;
+        tx.commit().await?;
+        Ok(state.as_deref() == Some("draining"))
+    }
+
+    /// Acknowledge several revocations in one statement and one notification. Each
+    /// `(shard, epoch)` is acknowledged only if `node` (at `incarnation`) still owns it at
+    /// that epoch with a move pending. Returns how many were acknowledged.
+    pub async fn ack_revocations(
+        &self,
+        node: &NodeId,
+        incarnation: i64,
+        acks: &[(ShardId, Epoch)],
+    ) -> Result<u64, StoreError> {
+        if acks.is_empty() {
+            return Ok(0);
+        }
+        let shards: Vec<i32> = acks.iter().map(|(s, _)| s.0 as i32).collect();
+        let epochs: Vec<i64> = acks.iter().map(|(_, e)| e.0).collect();
+        let mut tx = self.pool.begin().await?;
+        let n = sqlx::query(
+            "UPDATE placement_shards s SET revoke_acked = true, updated_at = now()
+             FROM unnest($2::int[], $3::bigint[]) AS a(shard, epoch)
+             WHERE s.shard = a.shard AND s.epoch = a.epoch AND s.node_id = $1
+               AND s.moving_to IS NOT NULL AND NOT s.revoke_acked
+               AND EXISTS (SELECT 1 FROM placement_nodes WHERE id = $1 AND incarnation = $4)",
+        )
+        .bind(&node.0)
+        .bind(&shards)
+        .bind(&epochs)
+        .bind(incarnation)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if n > 0 {
+            notify(&mut tx, "ack").await?;
+        }
+        tx.commit().await?;
+        Ok(n)
+    }
+
+    /// The owner acknowledges the revocation of `shard` at `epoch`: it ingests nothing more.
+    pub async fn ack_revocation(
+        &self,
+        shard: ShardId,
+        epoch: Epoch,
+        node: &NodeId,
+        incarnation: i64,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let done = sqlx::query(
+            "UPDATE placement_shards SET revoke_acked = true, updated_at = now()
+             WHERE shard = $1 AND epoch = $2 AND node_id = $3 AND moving_to IS NOT NULL
+               AND EXISTS (SELECT 1 FROM placement_nodes WHERE id = $3 AND incarnation = $4)",
+        )
+        .bind(shard.0 as i32)
+        .bind(epoch.0)
+        .bind(&node.0)
+        .bind(incarnation)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+            == 1;
+        if done {
+            notify(&mut tx, "ack").await?;
+        }
+        tx.commit().await?;
+        Ok(done)
+    }
+
+    /// Read meta, nodes (with heartbeat ages by the database clock) and shards in one
+    /// consistent snapshot.
+    pub async fn read_table(&self) -> Result<ShardTable, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .execute(&mut *tx)
+            .await?;
+        let term: Option<i64> =
+            sqlx::query_scalar("SELECT manager_term FROM placement_meta WHERE id = 1")
+                .fetch_optional(&mut *tx)
+                .await?;
+        let term = term.ok_or(StoreError::NotBootstrapped)?;
+        let nodes = read_nodes(&mut tx).await?;
+        let rows = sqlx::query(
+            "SELECT shard, node_id, epoch, moving_to, revoke_acked FROM placement_shards ORDER BY shard",
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let mut shards = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter().enumerate() {
+            let shard: i32 = row.try_get("shard")?;
+            if shard as usize != i {
+                return Err(StoreError::Corrupt("shard numbers are not contiguous"));
+            }
+            shards.push(ShardEntry {
+                shard: ShardId(shard as u32),
+                owner: row.try_get::<Option<String>, _>("node_id")?.map(NodeId),
+                epoch: Epoch(row.try_get("epoch")?),
+                moving_to: row.try_get::<Option<String>, _>("moving_to")?.map(NodeId),
+                revoke_acked: row.try_get("revoke_acked")?,
+            });
+        }
+        Ok(ShardTable {
+            shards,
+            nodes,
+            manager_term: term,
+        })
+    }
+
+    /// All node rows.
+    pub async fn nodes(&self) -> Result<BTreeMap<NodeId, NodeInfo>, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let nodes = read_nodes(&mut tx).await?;
+        tx.commit().await?;
+        Ok(nodes)
+    }
+
+    /// Start a new manager term (called right after winning the advisory lock).
+    pub async fn bump_term(&self, manager: &NodeId) -> Result<i64, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let term: Option<i64> = sqlx::query_scalar(
+            "UPDATE placement_meta SET manager_term = manager_term + 1, manager_node = $1, term_started_at = now()
+             WHERE id = 1 RETURNING manager_term",
+        )
+        .bind(&manager.0)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let term = term.ok_or(StoreError::NotBootstrapped)?;
+        notify(&mut tx, "term").await?;
+        tx.commit().await?;
+        Ok(term)
+    }
+
+    /// Begin a manager write at `term`; fails with [`StoreError::Fenced`] if the term moved on.
+    pub async fn fenced(&self, term: i64) -> Result<FencedTx, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let current: Option<i64> =
+            sqlx::query_scalar("SELECT manager_term FROM placement_meta WHERE id = 1 FOR SHARE")
+                .fetch_optional(&mut *tx)
+                .await?;
+        let current = current.ok_or(StoreError::NotBootstrapped)?;
+        if current != term {
+            tx.rollback().await?;
+            return Err(StoreError::Fenced {
+                held: term,
+                current,
+            });
+        }
+        Ok(FencedTx { tx, term })
+    }
+}
+
+impl FencedTx {
+    pub fn term(&self) -> i64 {
+        self.term
+    }
+
+    /// Declare `node` dead if (by the database clock) its heartbeat is older than `ttl_ms`.
+    pub async fn mark_dead_if_silent(
+        &mut self,
+        node: &NodeId,
+        ttl_ms: i64,
+    ) -> Result<bool, StoreError> {
+        let n = sqlx::query(
+            "UPDATE placement_nodes SET state = 'dead'
+             WHERE id = $1 AND state <> 'dead' AND heartbeat_at < now() - make_interval(secs => $2::float8 / 1000.0)",
+        )
+        .bind(&node.0)
+        .bind(ttl_ms)
+        .execute(&mut *self.tx)
+        .await?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// Promote a joining node to active.
+    pub async fn activate(&mut self, node: &NodeId) -> Result<bool, StoreError> {
+        let n = sqlx::query(
+            "UPDATE placement_nodes SET state = 'active' WHERE id = $1 AND state = 'joining'",
+        )
+        .bind(&node.0)
+        .execute(&mut *self.tx)
+        .await?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// Assign a shard with no live owner directly: `epoch + 1`, any move cleared.
+    pub async fn assign_now(
+        &mut self,
+        shard: ShardId,
+        read_epoch: Epoch,
+        to: &NodeId,
+    ) -> Result<Option<Epoch>, StoreError> {
+        let epoch: Option<i64> = sqlx::query_scalar(
+            "UPDATE placement_shards SET node_id = $3, epoch = epoch + 1, moving_to = NULL, revoke_acked = false, updated_at = now()
+             WHERE shard = $1 AND epoch = $2 RETURNING epoch",
+        )
+        .bind(shard.0 as i32)
+        .bind(read_epoch.0)
+        .bind(&to.0)
+        .fetch_optional(&mut *self.tx)
+        .await?;
+        Ok(epoch.map(Epoch))
+    }
+
+    /// Request the revocation of a shard from its live owner towards `to`.
+    pub async fn revoke(
+        &mut self,
+        shard: ShardId,
+        read_epoch: Epoch,
+        owner: &NodeId,
+        to: &NodeId,
+    ) -> Result<bool, StoreError> {
+        let n = sqlx::query(
+            "UPDATE placement_shards SET moving_to = $4, updated_at = now()
+             WHERE shard = $1 AND epoch = $2 AND node_id = $3",
+        )
+        .bind(shard.0 as i32)
+        .bind(read_epoch.0)
+        .bind(&owner.0)
+        .bind(&to.0)
+        .execute(&mut *self.tx)
+        .await?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// Cancel a move in progress: the owner keeps the shard at the same epoch.
+    pub async fn cancel_move(
+        &mut self,
+        shard: ShardId,
+        read_epoch: Epoch,
+        owner: &NodeId,
+    ) -> Result<bool, StoreError> {
+        let n = sqlx::query(
+            "UPDATE placement_shards SET moving_to = NULL, revoke_acked = false, updated_at = now()
+             WHERE shard = $1 AND epoch = $2 AND node_id = $3",
+        )
+        .bind(shard.0 as i32)
+        .bind(read_epoch.0)
+        .bind(&owner.0)
+        .execute(&mut *self.tx)
+        .await?
+        .rows_affected();
+        Ok(n == 1)
+    }
+
+    /// Complete a move: owner := moving_to, `epoch + 1`. The statement itself re-checks that
+    /// the old owner acknowledged or is dead.
+    pub async fn complete_move(
+        &mut self,
+        shard: ShardId,
+        read_epoch: Epoch,
+        to: &NodeId,
+    ) -> Result<Option<Epoch>, StoreError> {
+        let epoch: Option<i64> = sqlx::query_scalar(
+            "UPDATE placement_shards s SET node_id = s.moving_to, epoch = s.epoch + 1, moving_to = NULL,
+                    revoke_acked = false, updated_at = now()
+             WHERE s.shard = $1 AND s.epoch = $2 AND s.moving_to = $3
+               AND (s.revoke_acked OR NOT EXISTS (
+                    SELECT 1 FROM placement_nodes n WHERE n.id = s.node_id AND n.state <> 'dead'))
+             RETURNING s.epoch",
+        )
+        .bind(shard.0 as i32)
+        .bind(read_epoch.0)
+        .bind(&to.0)
+        .fetch_optional(&mut *self.tx)
+        .await?;
+        Ok(epoch.map(Epoch))
+    }
+
+    /// Lock a node row for the rest of the transaction and return its current state.
+    /// Used before taking shards from a node believed dead: a concurrent re-registration
+    /// either commits first (and is seen here) or waits for this transaction.
+    pub async fn lock_node_state(
+        &mut self,
+        node: &NodeId,
+    ) -> Result<Option<NodeState>, StoreError> {
+        let state: Option<String> =
+            sqlx::query_scalar("SELECT state FROM placement_nodes WHERE id = $1 FOR UPDATE")
+                .bind(&node.0)
+                .fetch_optional(&mut *self.tx)
+                .await?;
+        state
+            .map(|s| NodeState::parse(&s).ok_or(StoreError::Corrupt("node state")))
+            .transpose()
+    }
+
+    /// Abandon the transaction (nothing to write).
+    pub async fn rollback(self) -> Result<(), StoreError> {
+        self.tx.rollback().await?;
+        Ok(())
+    }
+
+    /// Notify listeners and commit.
+    pub async fn commit(mut self, payload: &str) -> Result<(), StoreError> {
+        notify(&mut self.tx, payload).await?;
+        self.tx.commit().await?;
+        Ok(())
+    }
+}
+
+async fn notify(tx: &mut Transaction<'static, Postgres>, payload: &str) -> Result<(), StoreError> {
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(NOTIFY_CHANNEL)
+        .bind(payload)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+async fn read_nodes(
+    tx: &mut Transaction<'static, Postgres>,
+) -> Result<BTreeMap<NodeId, NodeInfo>, StoreError> {
+    let rows = sqlx::query(
+        "SELECT id, public_addr, internal_addr, control_addr, version, state, incarnation,
+                (EXTRACT(EPOCH FROM (now() - heartbeat_at)) * 1000)::bigint AS age_ms
+         FROM placement_nodes ORDER BY id",
+    )
+    .fetch_all(&mut **tx)
+    .await?;
+    let mut nodes = BTreeMap::new();
+    for row in rows {
+        let id = NodeId(row.try_get("id")?);
+        let state: String = row.try_get("state")?;
+        nodes.insert(
+            id.clone(),
+            NodeInfo {
+                id,
+                public_addr: row.try_get("public_addr")?,
+                internal_addr: row.try_get("internal_addr")?,
+                control_addr: row.try_get("control_addr")?,
+                version: row.try_get("version")?,
+                state: NodeState::parse(&state).ok_or(StoreError::Corrupt("node state"))?,
+                incarnation: row.try_get("incarnation")?,
+                heartbeat_age_ms: row.try_get("age_ms")?,
+            },
+        );
+    }
+    Ok(nodes)
+}

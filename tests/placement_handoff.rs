@@ -1,0 +1,362 @@
+//! The handoff guarantee: at most one node ingests a given session at any instant, through
+//! drains, budgeted rebalances and a silent node's TTL expiry.
+//!
+//! Every node runs workers that try to ingest every session, gated only by
+//! `begin_ingest(shard, epoch)` from the node's own view. Each ingest records (node,
+//! session, epoch, start, end), with start taken after the permit is granted and end before
+//! it is dropped; the ingest also ends early when the permit is revoked. Afterwards the
+//! checker asserts that no two nodes' intervals for the same session overlap, and that
+//! epochs only grow across owners.
+
+mod placement_util;
+#[allow(unused_imports)]
+mod support;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use graviton::ids::{NodeId, SessionKey};
+use graviton::placement::ClusterHandle;
+use placement_util::{eventually, random_key, settled, start_node};
+use rand::Rng;
+use support::TestDatabase;
+
+const GENEROUS: Duration = Duration::from_secs(20);
+
+#[derive(Clone, Debug)]
+struct Ingest {
+    node: String,
+    session: usize,
+    epoch: i64,
+    start: Instant,
+    end: Instant,
+}
+
+fn spawn_worker(
+    handle: Arc<ClusterHandle>,
+    sessions: Arc<Vec<SessionKey>>,
+    log: Arc<Mutex<Vec<Ingest>>>,
+    stop: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let node = handle.node_id().0.clone();
+        while !stop.load(Ordering::SeqCst) {
+            let i = rand::rng().random_range(0..sessions.len());
+            let key = &sessions[i];
+            let Ok(owner) = handle.resolve(key) else {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                continue;
+            };
+            let Some(permit) = handle.begin_ingest(owner.shard, owner.epoch) else {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                continue;
+            };
+            let start = Instant::now();
+            let work = Duration::from_millis(rand::rng().random_range(1..25));
+            tokio::select! {
+                _ = tokio::time::sleep(work) => {}
+                _ = permit.revoked() => {}
+            }
+            let end = Instant::now();
+            log.lock().unwrap().push(Ingest {
+                node: node.clone(),
+                session: i,
+                epoch: permit.epoch().0,
+                start,
+                end,
+            });
+            drop(permit);
+        }
+    })
+}
+
+fn check_no_overlap(events: &[Ingest], sessions: usize) -> (usize, usize) {
+    let mut handed_over = 0;
+    for s in 0..sessions {
+        let mut mine: Vec<&Ingest> = events.iter().filter(|e| e.session == s).collect();
+        mine.sort_by_key(|e| e.start);
+        for (i, x) in mine.iter().enumerate() {
+            for y in &mine[i + 1..] {
+                if x.node != y.node {
+                    assert!(
+                        x.end <= y.start || y.end <= x.start,
+                        "session {s}: {} (epoch {}) and {} (epoch {}) ingested at overlapping times",
+                        x.node,
+                        x.epoch,
+                        y.node,
+                        y.epoch
+                    );
+                }
+            }
+        }
+        // Ownership changes always come with a higher epoch.
+        for w in mine.windows(2) {
+            if w[0].node != w[1].node {
+                assert!(
+                    w[1].epoch > w[0].epoch,
+                    "session {s}: owner changed without an epoch bump"
+                );
+                handed_over += 1;
+            }
+        }
+    }
+    (events.len(), handed_over)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_two_nodes_ingest_a_session_at_once() {
+    let Some(db) = TestDatabase::create("no_two_nodes_ingest_a_session_at_once").await else {
+        return;
+    };
+    // A small move budget makes the rebalance after a join take several rounds.
+    let tweak = |c: &mut graviton::placement::ClusterConfig| c.move_budget = 4;
+    let a = Arc::new(start_node(db.url(), "a", tweak).await);
+    let b = Arc::new(start_node(db.url(), "b", tweak).await);
+    let c = Arc::new(start_node(db.url(), "c", tweak).await);
+    eventually(GENEROUS, "balanced", || {
+        settled(&[&a, &b, &c], &["a", "b", "c"])
+    })
+    .await;
+
+    let sessions: Arc<Vec<SessionKey>> = Arc::new((0..48).map(|_| random_key()).collect());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    let spawn_for = |h: &Arc<ClusterHandle>, workers: &mut Vec<_>| {
+        for _ in 0..3 {
+            workers.push(spawn_worker(
+                h.clone(),
+                sessions.clone(),
+                log.clone(),
+                stop.clone(),
+            ));
+        }
+    };
+    for h in [&a, &b, &c] {
+        spawn_for(h, &mut workers);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await; // let ingest traffic build up
+
+    // 1. Drain c.
+    a.drain(&NodeId("c".into())).await.unwrap();
+    eventually(GENEROUS, "c drained", || {
+        settled(&[&a, &b, &c], &["a", "b"])
+    })
+    .await;
+
+    // 2. A new node joins: budgeted rebalance over several rounds. Once it is under way the
+    //    manager loses its lock connection; a standby (or the same node again) takes over
+    //    with a newer term and finishes whatever moves are still pending.
+    let d = Arc::new(start_node(db.url(), "d", tweak).await);
+    spawn_for(&d, &mut workers);
+    eventually(GENEROUS, "rebalance under way", || {
+        placement_util::owned(&a, "d") > 0
+    })
+    .await;
+    let admin = placement_util::store(db.url()).await;
+    let term_before = admin.meta().await.unwrap().manager_term;
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .execute(admin.pool())
+    .await
+    .unwrap();
+    eventually(GENEROUS, "d joined", || {
+        settled(&[&a, &b, &d], &["a", "b", "d"])
+    })
+    .await;
+    let since = Instant::now();
+    while admin.meta().await.unwrap().manager_term <= term_before {
+        assert!(since.elapsed() < GENEROUS, "no manager took over");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // 3. b goes silent (no drain): its shards move only after the TTL.
+    b.shutdown().await;
+    eventually(GENEROUS, "b's shards reassigned", || {
+        settled(&[&a, &d], &["a", "d"])
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await; // traffic on the final placement
+
+    stop.store(true, Ordering::SeqCst);
+    for w in workers {
+        w.await.unwrap();
+    }
+    let events = log.lock().unwrap().clone();
+    let (total, handed_over) = check_no_overlap(&events, sessions.len());
+    println!("FIGURE handoff_checker ingests={total} owner_changes={handed_over}");
+    assert!(total > 200, "too little traffic to mean anything: {total}");
+    assert!(
+        handed_over >= 10,
+        "the scenario should move many sessions: {handed_over}"
+    );
+    for h in [a, c, d] {
+        h.shutdown().await;
+    }
+}
+
+/// A node cut off from PostgreSQL (its role can no longer log in, its sessions are
+/// terminated) while its process keeps running: it must fence itself before the manager
+/// hands its shards to another node, and rejoin as a new incarnation afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_node_fences_itself_before_its_shards_move() {
+    let Some(db) =
+        TestDatabase::create("partitioned_node_fences_itself_before_its_shards_move").await
+    else {
+        return;
+    };
+    let a = Arc::new(start_node(db.url(), "a", |_| {}).await);
+    // b connects as its own role so that only b can be cut off.
+    let role = format!("node_b_{}", support::unique_suffix());
+    let admin = placement_util::store(db.url()).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE ROLE {role} LOGIN SUPERUSER"
+    )))
+    .execute(admin.pool())
+    .await
+    .unwrap();
+    let _role_guard = TempRole(role.clone());
+    let b_url = db.url().replacen("postgres@", &format!("{role}@"), 1);
+    assert_ne!(
+        b_url,
+        db.url(),
+        "test database URL must name the postgres user"
+    );
+    let b = Arc::new(start_node(&b_url, "b", |c| c.embedded_manager = false).await);
+    eventually(GENEROUS, "balanced", || settled(&[&a, &b], &["a", "b"])).await;
+
+    let sessions: Arc<Vec<SessionKey>> = Arc::new((0..32).map(|_| random_key()).collect());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for h in [&a, &b] {
+        for _ in 0..3 {
+            workers.push(spawn_worker(
+                h.clone(),
+                sessions.clone(),
+                log.clone(),
+                stop.clone(),
+            ));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Partition b.
+    let cut = Instant::now();
+    sqlx::query(sqlx::AssertSqlSafe(format!("ALTER ROLE {role} NOLOGIN")))
+        .execute(admin.pool())
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1")
+        .bind(&role)
+        .execute(admin.pool())
+        .await
+        .unwrap();
+    let fenced_after = eventually(GENEROUS, "b fences itself", || b.view().fenced()).await;
+    let stale = b.view().table();
+    let moved_after = eventually(GENEROUS, "b's shards moved to a", || {
+        let t = a.view().table();
+        t.owned_by(&NodeId("b".into())) == 0 && t.moving() == 0
+    })
+    .await;
+    println!(
+        "FIGURE partition fenced_after_ms={} reassigned_after_ms={} (self_fence=400ms node_ttl=1000ms)",
+        fenced_after.as_millis(),
+        cut.elapsed().max(moved_after).as_millis()
+    );
+    // b still believes (stale table) that it owns its shards, yet admits nothing.
+    let b_id = NodeId("b".into());
+    let mine: Vec<_> = stale
+        .shards
+        .iter()
+        .filter(|s| s.owner.as_ref() == Some(&b_id))
+        .collect();
+    assert!(!mine.is_empty());
+    assert!(mine.iter().all(|s| !b.can_ingest(s.shard, s.epoch)));
+
+    // Heal: b learns it was declared dead, re-registers and gets shards again.
+    sqlx::query(sqlx::AssertSqlSafe(format!("ALTER ROLE {role} LOGIN")))
+        .execute(admin.pool())
+        .await
+        .unwrap();
+    eventually(GENEROUS, "b rejoined and balanced", || {
+        settled(&[&a, &b], &["a", "b"])
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    stop.store(true, Ordering::SeqCst);
+    for w in workers {
+        w.await.unwrap();
+    }
+    let events = log.lock().unwrap().clone();
+    let (total, handed_over) = check_no_overlap(&events, sessions.len());
+    println!("FIGURE partition_checker ingests={total} owner_changes={handed_over}");
+    assert!(handed_over >= 4, "{handed_over}");
+    a.shutdown().await;
+    b.shutdown().await;
+    admin.pool().close().await;
+}
+
+/// The checker itself is not vacuous: overlapping ingests on two nodes are caught.
+#[test]
+#[should_panic(expected = "overlapping")]
+fn checker_detects_overlap() {
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    let events = vec![
+        Ingest {
+            node: "a".into(),
+            session: 0,
+            epoch: 1,
+            start: at(0),
+            end: at(10),
+        },
+        Ingest {
+            node: "b".into(),
+            session: 0,
+            epoch: 2,
+            start: at(9),
+            end: at(20),
+        },
+    ];
+    check_no_overlap(&events, 1);
+}
+
+/// Drops a test role when the test ends, even on panic (after terminating its sessions).
+struct TempRole(String);
+
+impl Drop for TempRole {
+    fn drop(&mut self) {
+        let role = self.0.clone();
+        let admin_url = std::env::var("GRAVITON_TEST_DATABASE_URL")
+            .unwrap_or_else(|_| support::postgres::DEFAULT_ADMIN_URL.to_string());
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                use sqlx::Connection;
+                if let Ok(mut conn) = sqlx::PgConnection::connect(&admin_url).await {
+                    let _ = sqlx::query(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1",
+                    )
+                    .bind(&role)
+                    .execute(&mut conn)
+                    .await;
+                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}")))
+                        .execute(&mut conn)
+                        .await;
+                    let _ = conn.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}

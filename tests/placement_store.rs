@@ -1,0 +1,314 @@
+//! The placement store against real PostgreSQL: bootstrap, shard-count fencing, manager
+//! term fencing, heartbeats by the database clock, revocation acknowledgements.
+
+mod placement_util;
+#[allow(unused_imports)]
+mod support;
+
+use std::time::Duration;
+
+use graviton::ids::NodeId;
+use graviton::placement::{Epoch, NodeState, ShardId};
+use graviton::storage::pg::StoreError;
+use graviton::storage::pg::placement::NodeRegistration;
+use support::TestDatabase;
+
+fn registration(id: &str) -> NodeRegistration {
+    NodeRegistration {
+        id: NodeId(id.into()),
+        public_addr: format!("{id}:1"),
+        internal_addr: format!("{id}:2"),
+        control_addr: format!("{id}:3"),
+        version: "test".into(),
+    }
+}
+
+#[tokio::test]
+async fn bootstrap_is_idempotent_and_shard_count_is_fixed() {
+    let Some(db) = TestDatabase::create("bootstrap_is_idempotent_and_shard_count_is_fixed").await
+    else {
+        return;
+    };
+    let store = placement_util::store(db.url()).await;
+    assert_eq!(store.bootstrap(64).await.unwrap().shard_count, 64);
+    assert_eq!(store.bootstrap(64).await.unwrap().shard_count, 64);
+    let err = store.bootstrap(128).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::ShardCountMismatch {
+                configured: 128,
+                stored: 64
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("cluster.shard_count"), "{err}");
+    assert_eq!(store.read_table().await.unwrap().shards.len(), 64);
+}
+
+#[tokio::test]
+async fn zombie_manager_writes_are_refused() {
+    let Some(db) = TestDatabase::create("zombie_manager_writes_are_refused").await else {
+        return;
+    };
+    let store = placement_util::store(db.url()).await;
+    store.bootstrap(8).await.unwrap();
+    store.register_node(&registration("a")).await.unwrap();
+    let old = store.bump_term(&NodeId("m1".into())).await.unwrap();
+    let new = store.bump_term(&NodeId("m2".into())).await.unwrap();
+    assert_eq!(new, old + 1);
+
+    // The old manager's write is refused outright.
+    let err = store
+        .fenced(old)
+        .await
+        .err()
+        .expect("old term must be fenced");
+    assert!(
+        matches!(err, StoreError::Fenced { held, current } if held == old && current == new),
+        "{err}"
+    );
+    let err = graviton::actors::shard_manager::run_round(&store, old, 1000, 8)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Fenced { .. }));
+
+    // A write that passed the check holds the term: a concurrent bump waits for it, and
+    // afterwards the same term is refused.
+    let mut tx = store.fenced(new).await.unwrap();
+    let epoch = tx
+        .assign_now(ShardId(0), Epoch(0), &NodeId("a".into()))
+        .await
+        .unwrap();
+    assert_eq!(epoch, Some(Epoch(1)));
+    let store2 = store.clone();
+    let bump = tokio::spawn(async move { store2.bump_term(&NodeId("m3".into())).await.unwrap() });
+    // Wait until PostgreSQL reports the bump blocked on a lock, then check it is still
+    // pending: it cannot finish before the fenced transaction ends.
+    let since = std::time::Instant::now();
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'
+               AND query LIKE 'UPDATE placement_meta SET manager_term%'",
+        )
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        if waiting == 1 {
+            break;
+        }
+        assert!(
+            !bump.is_finished(),
+            "the term bump must wait for the fenced transaction"
+        );
+        assert!(
+            since.elapsed() < Duration::from_secs(10),
+            "the term bump never blocked"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        !bump.is_finished(),
+        "the term bump must wait for the fenced transaction"
+    );
+    tx.commit("shards").await.unwrap();
+    let newest = bump.await.unwrap();
+    assert_eq!(newest, new + 1);
+    assert!(matches!(
+        store.fenced(new).await,
+        Err(StoreError::Fenced { .. })
+    ));
+
+    // Epochs only move forward through the conditional update.
+    let mut tx = store.fenced(newest).await.unwrap();
+    assert_eq!(
+        tx.assign_now(ShardId(0), Epoch(0), &NodeId("a".into()))
+            .await
+            .unwrap(),
+        None,
+        "stale epoch"
+    );
+    assert_eq!(
+        tx.assign_now(ShardId(0), Epoch(1), &NodeId("a".into()))
+            .await
+            .unwrap(),
+        Some(Epoch(2))
+    );
+    tx.commit("shards").await.unwrap();
+    let table = store.read_table().await.unwrap();
+    assert_eq!(table.shards[0].epoch, Epoch(2));
+    assert_eq!(table.manager_term, newest);
+}
+
+#[tokio::test]
+async fn heartbeats_use_the_database_clock_and_dead_nodes_must_reregister() {
+    let Some(db) =
+        TestDatabase::create("heartbeats_use_the_database_clock_and_dead_nodes_must_reregister")
+            .await
+    else {
+        return;
+    };
+    let store = placement_util::store(db.url()).await;
+    store.bootstrap(8).await.unwrap();
+    let a = NodeId("a".into());
+    let inc = store.register_node(&registration("a")).await.unwrap();
+    assert_eq!(
+        store.heartbeat(&a, inc).await.unwrap(),
+        Some(NodeState::Joining)
+    );
+    assert_eq!(
+        store.heartbeat(&a, inc + 7).await.unwrap(),
+        None,
+        "other incarnation"
+    );
+    // Age it by the database clock, then the manager declares it dead.
+    sqlx::query("UPDATE placement_nodes SET heartbeat_at = now() - interval '10 seconds'")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let term = store.bump_term(&NodeId("m".into())).await.unwrap();
+    let mut tx = store.fenced(term).await.unwrap();
+    assert!(tx.mark_dead_if_silent(&a, 5_000).await.unwrap());
+    tx.commit("nodes").await.unwrap();
+    assert_eq!(
+        store.heartbeat(&a, inc).await.unwrap(),
+        None,
+        "a dead node's heartbeat is refused"
+    );
+    let inc2 = store.register_node(&registration("a")).await.unwrap();
+    assert_eq!(inc2, inc + 1);
+    assert_eq!(
+        store.heartbeat(&a, inc2).await.unwrap(),
+        Some(NodeState::Joining)
+    );
+    let nodes = store.nodes().await.unwrap();
+    assert!(nodes[&a].heartbeat_age_ms < 5_000);
+}
+
+#[tokio::test]
+async fn acknowledgement_is_bound_to_owner_epoch_and_incarnation() {
+    let Some(db) =
+        TestDatabase::create("acknowledgement_is_bound_to_owner_epoch_and_incarnation").await
+    else {
+        return;
+    };
+    let store = placement_util::store(db.url()).await;
+    store.bootstrap(4).await.unwrap();
+    let (a, b) = (NodeId("a".into()), NodeId("b".into()));
+    let inc_a = store.register_node(&registration("a")).await.unwrap();
+    store.register_node(&registration("b")).await.unwrap();
+    let term = store.bump_term(&a).await.unwrap();
+    let mut tx = store.fenced(term).await.unwrap();
+    tx.assign_now(ShardId(1), Epoch(0), &a).await.unwrap();
+    tx.commit("shards").await.unwrap();
+    // No revocation yet: nothing to acknowledge.
+    assert!(
+        !store
+            .ack_revocation(ShardId(1), Epoch(1), &a, inc_a)
+            .await
+            .unwrap()
+    );
+    let mut tx = store.fenced(term).await.unwrap();
+    assert!(tx.revoke(ShardId(1), Epoch(1), &a, &b).await.unwrap());
+    // Completing before the ack is refused by the statement itself.
+    assert_eq!(
+        tx.complete_move(ShardId(1), Epoch(1), &b).await.unwrap(),
+        None
+    );
+    tx.commit("shards").await.unwrap();
+    assert!(
+        !store
+            .ack_revocation(ShardId(1), Epoch(1), &b, inc_a)
+            .await
+            .unwrap(),
+        "not the owner"
+    );
+    assert!(
+        !store
+            .ack_revocation(ShardId(1), Epoch(1), &a, inc_a + 1)
+            .await
+            .unwrap(),
+        "stale incarnation"
+    );
+    assert!(
+        !store
+            .ack_revocation(ShardId(1), Epoch(0), &a, inc_a)
+            .await
+            .unwrap(),
+        "stale epoch"
+    );
+    assert!(
+        store
+            .ack_revocation(ShardId(1), Epoch(1), &a, inc_a)
+            .await
+            .unwrap()
+    );
+    let mut tx = store.fenced(term).await.unwrap();
+    assert_eq!(
+        tx.complete_move(ShardId(1), Epoch(1), &b).await.unwrap(),
+        Some(Epoch(2))
+    );
+    tx.commit("shards").await.unwrap();
+    let entry = store.read_table().await.unwrap().shards[1].clone();
+    assert_eq!(
+        (
+            entry.owner,
+            entry.epoch,
+            entry.moving_to,
+            entry.revoke_acked
+        ),
+        (Some(b), Epoch(2), None, false)
+    );
+}
+
+#[tokio::test]
+async fn batched_acknowledgements_skip_stale_entries() {
+    let Some(db) = TestDatabase::create("batched_acknowledgements_skip_stale_entries").await else {
+        return;
+    };
+    let store = placement_util::store(db.url()).await;
+    store.bootstrap(4).await.unwrap();
+    let (a, b) = (NodeId("a".into()), NodeId("b".into()));
+    let inc_a = store.register_node(&registration("a")).await.unwrap();
+    store.register_node(&registration("b")).await.unwrap();
+    let term = store.bump_term(&a).await.unwrap();
+    let mut tx = store.fenced(term).await.unwrap();
+    for s in 0..4 {
+        tx.assign_now(ShardId(s), Epoch(0), &a).await.unwrap();
+    }
+    for s in 0..3 {
+        tx.revoke(ShardId(s), Epoch(1), &a, &b).await.unwrap();
+    }
+    tx.commit("shards").await.unwrap();
+    // Shard 2 is quoted at a stale epoch, shard 3 has no move pending.
+    let acks = [
+        (ShardId(0), Epoch(1)),
+        (ShardId(1), Epoch(1)),
+        (ShardId(2), Epoch(0)),
+        (ShardId(3), Epoch(1)),
+    ];
+    assert_eq!(store.ack_revocations(&a, inc_a, &acks).await.unwrap(), 2);
+    assert_eq!(
+        store.ack_revocations(&a, inc_a, &acks).await.unwrap(),
+        0,
+        "idempotent"
+    );
+    assert_eq!(
+        store
+            .ack_revocations(&a, inc_a + 1, &[(ShardId(2), Epoch(1))])
+            .await
+            .unwrap(),
+        0
+    );
+    let acked: Vec<bool> = store
+        .read_table()
+        .await
+        .unwrap()
+        .shards
+        .iter()
+        .map(|s| s.revoke_acked)
+        .collect();
+    assert_eq!(acked, vec![true, true, false, false]);
+}
