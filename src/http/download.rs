@@ -14,11 +14,11 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::Stream;
 
+use super::admission::{BoxError, charge_egress};
 use super::{ApiError, AppState};
+use crate::admission::Operation;
 use crate::cas::BlobKey;
 use crate::cas::range::{RangeRequest, parse_range};
-use super::admission::{BoxError, charge_egress};
-use crate::admission::Operation;
 use crate::cas::read::read_blob;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::storage::StoreError;

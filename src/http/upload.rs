@@ -118,7 +118,11 @@ pub async fn post_blob(
             return Err(super::admission::lease_lost());
         }
     };
-    permit.set_outcome(if report.is_ok() { Outcome::Completed } else { Outcome::Failed });
+    permit.set_outcome(if report.is_ok() {
+        Outcome::Completed
+    } else {
+        Outcome::Failed
+    });
     drop(permit);
     let outcome = if report.is_ok() { "ok" } else { "client_error" };
     if let Some(ticket) = ticket {
