@@ -793,3 +793,51 @@ async fn redis_outage_fails_closed_releases_local_permits_and_recovers() {
         "the restarted server starts from empty state"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_waiter_is_not_starved_by_a_stream_of_small_transfers() {
+    let Some(server) =
+        RedisServer::start("a_large_waiter_is_not_starved_by_a_stream_of_small_transfers")
+    else {
+        return;
+    };
+    let cfg = edit(config(&server.url(), &cell()), |r| {
+        r.service_transfers = 8;
+        r.tenant_transfers = 8;
+        r.backend_transfers = 8;
+        r.wait = HumanDuration::secs(4);
+    });
+    let (small, large) = (provider(&cfg), provider(&cfg));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for _ in 0..10 {
+        let (small, stop) = (small.clone(), stop.clone());
+        workers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(permit) = small.admit(request(None, 8)).await {
+                    tokio::time::sleep(Duration::from_millis(15)).await;
+                    permit.finish(Outcome::Completed).await;
+                }
+            }
+        }));
+    }
+    // Let the small transfers saturate the 64 MiB pool first.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let busy = snapshot(&large, None).await.occupancy.service_bytes;
+    assert!(busy >= 32 * MIB, "the pool was not busy ({busy} bytes)");
+    let result = large.admit(request(None, 48)).await;
+    stop.store(true, Ordering::Relaxed);
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    let permit = result.expect("the large waiter is admitted while small transfers keep arriving");
+    permit.finish(Outcome::Completed).await;
+    let events = all_events(large.coordinator().unwrap()).await;
+    let queued = events
+        .iter()
+        .position(|e| e["kind"] == "queued" && n(e, "bytes") == (48 * MIB) as i64);
+    assert!(
+        queued.is_some(),
+        "the large transfer had to queue behind the small ones"
+    );
+}
