@@ -37,6 +37,28 @@ enum Command {
         #[arg(long, value_parser = ["human", "json"])]
         log_format: Option<String>,
     },
+    /// Run the shard manager as its own process (cluster mode). Fails closed, with exit
+    /// status 3, when another manager holds the lock.
+    Manager {
+        #[arg(long, env = "GRAVITON_CONFIG")]
+        config: PathBuf,
+    },
+    /// Apply the PostgreSQL migrations (placement and manifests) and exit.
+    Migrate {
+        #[arg(long, env = "GRAVITON_CONFIG")]
+        config: Option<PathBuf>,
+    },
+    /// Cluster operations.
+    Cluster {
+        #[command(subcommand)]
+        command: ClusterCommand,
+    },
+    /// Move every shard off NODE now (the node keeps serving until it is stopped).
+    Drain {
+        node: String,
+        #[arg(long, env = "GRAVITON_CONFIG")]
+        config: Option<PathBuf>,
+    },
     /// Validate a configuration file without starting anything.
     CheckConfig {
         #[arg(long)]
@@ -64,6 +86,52 @@ enum Command {
         #[arg(long, env = "GRAVITON_SERVER", default_value = graviton::client::SERVER_DEFAULT)]
         server: String,
     },
+}
+
+#[derive(Subcommand)]
+enum ClusterCommand {
+    /// Print nodes, shard counts and the manager term.
+    Status {
+        #[arg(long, env = "GRAVITON_CONFIG")]
+        config: Option<PathBuf>,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// The placement database URL from the configuration (file and environment).
+fn database_url(config: Option<&std::path::Path>) -> anyhow::Result<(Config, String)> {
+    let config = Config::load(config)?;
+    let url = config
+        .cluster
+        .database_url
+        .as_ref()
+        .map(|s| s.expose().to_string())
+        .ok_or_else(|| anyhow::anyhow!("cluster.database_url is not set (config file or GRAVITON_CLUSTER__DATABASE_URL)"))?;
+    Ok((config, url))
+}
+
+fn print_status(status: &graviton::placement::ClusterStatus) {
+    println!(
+        "shards {}  manager term {}  manager {}  unassigned {}  moving {}",
+        status.shard_count,
+        status.manager_term,
+        status.manager_node.as_deref().unwrap_or("-"),
+        status.unassigned_shards,
+        status.moving_shards
+    );
+    println!("{:<24} {:<10} {:>7} {:>14}  internal address", "node", "state", "shards", "heartbeat age");
+    for node in &status.nodes {
+        println!(
+            "{:<24} {:<10} {:>7} {:>12}ms  {}",
+            node.id.to_string(),
+            format!("{:?}", node.state).to_lowercase(),
+            node.shards,
+            node.heartbeat_age_ms,
+            node.internal_addr
+        );
+    }
 }
 
 fn main() -> ExitCode {
@@ -114,6 +182,55 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let node = graviton::node::start(config).await?;
             node.run_until_signal().await;
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Manager { config } => {
+            let config = Config::load(Some(&config))?;
+            graviton::telemetry::init(config.log.format, &config.log.level);
+            let node = graviton::ids::NodeId(config.node.id.clone());
+            match graviton::placement::run_standalone_manager(node, &config.cluster).await {
+                Ok(manager) => {
+                    tracing::info!(term = manager.term().await, "standalone shard manager acting");
+                    tokio::select! {
+                        _ = manager_signal() => {
+                            tracing::info!("shutdown signal received; releasing the manager lock");
+                            manager.shutdown().await;
+                        }
+                    }
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(graviton::placement::ClusterError::ManagerLockHeld) => {
+                    eprintln!("error: another shard manager holds the lock; refusing to start a second one");
+                    Ok(ExitCode::from(3))
+                }
+                Err(err) => Err(err.into()),
+            }
+        }
+        Command::Migrate { config } => {
+            let (_, url) = database_url(config.as_deref())?;
+            graviton::placement::migrate(&url).await?;
+            println!("migrations applied");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Cluster { command: ClusterCommand::Status { config, json } } => {
+            let (_, url) = database_url(config.as_deref())?;
+            let status = graviton::placement::cluster_status(&url).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                print_status(&status);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Drain { node, config } => {
+            let (_, url) = database_url(config.as_deref())?;
+            let node = graviton::ids::NodeId(node);
+            if graviton::placement::request_drain(&url, &node).await? {
+                println!("drain of {node} requested; its shards move on the manager's next round");
+                Ok(ExitCode::SUCCESS)
+            } else {
+                eprintln!("error: no node {node} in the cluster");
+                Ok(ExitCode::from(2))
+            }
         }
         Command::CheckConfig { config } => match Config::load(Some(&config)) {
             Ok(_) => {
@@ -166,4 +283,19 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+async fn manager_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
 }

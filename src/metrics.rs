@@ -67,6 +67,7 @@ pub struct Metrics {
     pub active_sessions: Gauge,
     pub session_stops: Family<ReasonLabels, Counter>,
     pub actor_restarts: Family<ActorLabels, Counter>,
+    pub forwarded_uploads: Counter,
     registry: Arc<std::sync::Mutex<Registry>>,
 }
 
@@ -90,6 +91,7 @@ impl Metrics {
             active_sessions: Gauge::default(),
             session_stops: Family::default(),
             actor_restarts: Family::default(),
+            forwarded_uploads: Counter::default(),
             registry: Arc::new(std::sync::Mutex::new(Registry::default())),
         };
         registry.register(
@@ -151,6 +153,11 @@ impl Metrics {
             "actor_restarts",
             "Actor restarts by the node supervisor",
             metrics.actor_restarts.clone(),
+        );
+        registry.register(
+            "forwarded_uploads",
+            "Session uploads streamed to their owner node",
+            metrics.forwarded_uploads.clone(),
         );
         *metrics.registry.lock().expect("fresh mutex") = registry;
         metrics

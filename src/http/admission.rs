@@ -1,7 +1,9 @@
 //! Admission at the HTTP edge: admitting uploads and downloads before their bytes move,
 //! charging download egress per chunk, and the admin endpoints.
 //!
-//! - Uploads: request quota, then `Admission::admit`, both before the body is read.
+//! - Uploads: the receiving node charges the request quota; the node that ingests admits
+//!   an `upload` (direct or forwarded to it), a forwarding node admits a
+//!   `forwarded_upload` for the relay. All of it happens before the body is read.
 //! - Downloads (`GET`): request quota and admission before the manifest is read; each
 //!   outgoing chunk is charged to the egress quota just before it is sent. A refused charge
 //!   or a lost lease ends the stream with an error, so the client sees an aborted transfer,
@@ -47,15 +49,21 @@ pub fn tenant_header(headers: &HeaderMap) -> Result<Option<TenantId>, ApiError> 
     })
 }
 
-/// Charge the request quota (when a tenant is known) and admit one transfer.
+/// Charge one request to the tenant's quota (no-op without a tenant or without Redis).
+/// Only the node that receives the client's request charges it.
+pub async fn charge_request(app: &AppState, tenant: Option<&TenantId>) -> Result<(), ApiError> {
+    if let Some(tenant) = tenant {
+        app.admission.charge_request(tenant).await?;
+    }
+    Ok(())
+}
+
+/// Admit one transfer (local permits, then the cluster lease).
 pub async fn admit(
     app: &AppState,
     operation: Operation,
     tenant: Option<TenantId>,
 ) -> Result<AdmissionPermit, ApiError> {
-    if let Some(tenant) = &tenant {
-        app.admission.charge_request(tenant).await?;
-    }
     let permit = app
         .admission
         .admit(TransferRequest {

@@ -35,10 +35,8 @@ pub async fn get_blob(
     // Quota and admission before the manifest or any block is read. HEAD moves no body
     // bytes: it is charged as a request but holds no transfer permit.
     let tenant = super::admission::tenant_header(&headers)?;
+    super::admission::charge_request(&app, tenant.as_ref()).await?;
     let permit = if method == Method::HEAD {
-        if let Some(tenant) = &tenant {
-            app.admission.charge_request(tenant).await?;
-        }
         None
     } else {
         Some(super::admission::admit(&app, Operation::Download, tenant).await?)

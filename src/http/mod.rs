@@ -43,6 +43,10 @@ pub struct AppState {
     pub admission: crate::admission::Admission,
     pub readiness: ops::Readiness,
     pub started_at: Instant,
+    /// Placement: every shard local in embedded mode, the PostgreSQL table in cluster mode.
+    pub cluster: Arc<crate::placement::ClusterHandle>,
+    /// Streams uploads of remotely owned sessions to their owner (cluster mode).
+    pub forwarder: Option<forward::Forwarder>,
 }
 
 /// The public router.

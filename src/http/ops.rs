@@ -34,22 +34,31 @@ struct Status<'a> {
     status: &'a str,
 }
 
+#[derive(Serialize)]
+struct ReadyStatus {
+    status: &'static str,
+    placement: crate::placement::HealthSnapshot,
+}
+
 pub async fn healthz() -> impl IntoResponse {
     Json(Status { status: "alive" })
 }
 
+/// Ready when the node is serving (not starting or shutting down) and placement says so:
+/// it owns at least one shard and its table is readable (always true in embedded mode).
 pub async fn readyz(State(app): State<Arc<AppState>>) -> Response {
-    if app.readiness.is_ready() {
-        (StatusCode::OK, Json(Status { status: "ready" })).into_response()
+    let placement = app.cluster.health();
+    let ready = app.readiness.is_ready() && placement.ready;
+    let body = ReadyStatus {
+        status: if ready { "ready" } else { "not_ready" },
+        placement,
+    };
+    let status = if ready {
+        StatusCode::OK
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(Status {
-                status: "not_ready",
-            }),
-        )
-            .into_response()
-    }
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body)).into_response()
 }
 
 pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
@@ -72,15 +81,16 @@ pub struct ClusterSnapshot {
     pub ready: bool,
     pub uptime_seconds: u64,
     pub shards: ShardCounts,
-    pub nodes: Vec<String>,
     pub sessions: SessionCounts,
+    /// Placement detail: health, manager term, epochs, observed nodes, counters.
+    pub placement: crate::placement::ClusterSnapshot,
 }
 
 #[derive(Debug, Serialize)]
 pub struct ShardCounts {
     pub configured: u32,
-    pub assigned: u32,
-    pub local: u32,
+    pub assigned: usize,
+    pub local: usize,
 }
 
 #[derive(Debug, Serialize)]
@@ -90,23 +100,24 @@ pub struct SessionCounts {
     pub capacity: usize,
 }
 
-/// Shards of an embedded node: all of them are local.
-pub const EMBEDDED_SHARDS: u32 = 1024;
-
 pub async fn cluster(State(app): State<Arc<AppState>>) -> Response {
     let stats = app.sessions.stats().await.ok();
+    let placement = app.cluster.snapshot();
     let snapshot = ClusterSnapshot {
         node: app.node_id.to_string(),
-        mode: "embedded",
+        mode: if app.config.cluster.enabled {
+            "cluster"
+        } else {
+            "embedded"
+        },
         version: env!("CARGO_PKG_VERSION"),
-        ready: app.readiness.is_ready(),
+        ready: app.readiness.is_ready() && placement.health.ready,
         uptime_seconds: app.started_at.elapsed().as_secs(),
         shards: ShardCounts {
-            configured: EMBEDDED_SHARDS,
-            assigned: EMBEDDED_SHARDS,
-            local: EMBEDDED_SHARDS,
+            configured: placement.configured_shards,
+            assigned: placement.assigned_shards,
+            local: placement.local_shards,
         },
-        nodes: vec![app.node_id.to_string()],
         sessions: SessionCounts {
             hot: stats.map(|s| s.hot_sessions).unwrap_or(0),
             active: stats.map(|s| s.active_sessions).unwrap_or(0),
@@ -114,6 +125,7 @@ pub async fn cluster(State(app): State<Arc<AppState>>) -> Response {
                 .map(|s| s.capacity)
                 .unwrap_or(app.config.sessions.max_hot),
         },
+        placement,
     };
     Json(snapshot).into_response()
 }

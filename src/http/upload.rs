@@ -1,10 +1,11 @@
 //! `POST /v1/blobs`: streamed upload into content-addressed storage.
 //!
 //! Order of work: header checks (length syntax, size limit, media type, locality
-//! headers) -> request quota and transfer admission (`http::admission`) -> session owner
-//! (when the locality headers are present) -> stream the body through the ingest pipeline
-//! -> 201. Nothing before the ingest touches the body, so every refusal before it leaves
-//! the body unread.
+//! headers) -> request quota -> owner resolution -> transfer admission (an `upload` where
+//! the bytes are ingested, a `forwarded_upload` on a relaying node; see `http::admission`)
+//! -> session owner (when the locality headers are present) -> stream the body through
+//! the ingest pipeline -> 201. Nothing before the ingest touches the body, so every
+//! refusal before it leaves the body unread.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -21,7 +22,9 @@ use super::{ApiError, AppState};
 use crate::admission::{Operation, Outcome};
 use crate::cas::ingest::{IngestError, IngestLimits, IngestReport, ingest};
 use crate::metrics::{BlockLabels, OutcomeLabels};
+use crate::placement::{Epoch, ShardId};
 use crate::session::SessionError;
+use std::time::Duration;
 
 /// Send a progress update to the session owner every this many bytes.
 const PROGRESS_EVERY: u64 = 8 * 1024 * 1024;
@@ -99,56 +102,130 @@ pub async fn post_blob(
     body: Body,
 ) -> Result<Response, ApiError> {
     let parsed = upload_headers(&headers, app.config.upload.max_blob_size.bytes())?;
-    // Quota and admission before the body is read: a refusal leaves it unread.
-    let tenant = parsed.session.map(|key| key.tenant);
-    let permit = super::admission::admit(&app, Operation::Upload, tenant).await?;
-    let ticket = match parsed.session {
-        Some(key) => Some(app.sessions.begin(key).await?),
-        None => None,
+    // The request quota is charged here, on the node the client called, before the body
+    // is read; admission happens where the bytes are held (below and in `ingest_owned`).
+    super::admission::charge_request(&app, parsed.session.as_ref().map(|k| &k.tenant)).await?;
+    let Some(key) = parsed.session else {
+        // No session: content-addressed data can be ingested by any node.
+        let report = ingest_owned(&app, None, parsed.content_length, body).await?;
+        return Ok(created(&app, &report));
     };
-    let cancel = permit.cancellation();
-    let report = tokio::select! {
-        report = ingest_body(&app, parsed.content_length, body, ticket.as_ref()) => report,
-        () = cancel.cancelled() => {
-            // The cluster lease was lost: stop ingesting (no manifest is written).
-            if let Some(ticket) = ticket {
-                ticket.finish(false);
-            }
-            permit.set_outcome(Outcome::Interrupted);
-            return Err(super::admission::lease_lost());
-        }
+    let owner = app
+        .cluster
+        .resolve(&key)
+        .map_err(crate::node::cluster::unresolved)?;
+    if owner.is_local {
+        let route = LocalRoute {
+            key,
+            shard: owner.shard,
+            epoch: owner.epoch,
+        };
+        let report = ingest_owned(&app, Some(route), parsed.content_length, body).await?;
+        return Ok(created(&app, &report));
+    }
+    let Some(forwarder) = &app.forwarder else {
+        return Err(ApiError::unavailable(
+            "owner_unavailable",
+            "this session is owned by another node and forwarding is not configured",
+        ));
     };
-    permit.set_outcome(if report.is_ok() {
+    let target = crate::node::cluster::target_of(&owner)?;
+    let resolver = crate::node::cluster::PlacementResolver(app.cluster.clone());
+    // The relay holds its own (small) footprint; the owner admits the upload itself.
+    let admission =
+        super::admission::admit(&app, Operation::ForwardedUpload, Some(key.tenant)).await?;
+    let lease_lost = admission.cancellation();
+    app.metrics.forwarded_uploads.inc();
+    let response = tokio::select! {
+        response = forwarder.forward_upload(target, key, &headers, body, &resolver) => response,
+        () = lease_lost.cancelled() => return Err(super::admission::lease_lost()),
+    };
+    admission.set_outcome(if response.status().is_success() {
         Outcome::Completed
     } else {
         Outcome::Failed
     });
-    drop(permit);
-    let outcome = if report.is_ok() { "ok" } else { "client_error" };
-    if let Some(ticket) = ticket {
-        ticket.finish(report.is_ok());
-    }
-    let report = match report {
-        Ok(report) => report,
-        Err(err) => {
-            let api: ApiError = err.into();
-            let outcome = if api.status.is_server_error() {
-                "server_error"
-            } else {
-                outcome
-            };
-            app.metrics
-                .uploads
-                .get_or_create(&OutcomeLabels { outcome })
-                .inc();
-            return Err(api);
+    Ok(response)
+}
+
+/// A session upload that this node owns: the session and the shard epoch it was routed by.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalRoute {
+    pub key: crate::ids::SessionKey,
+    pub shard: ShardId,
+    pub epoch: Epoch,
+}
+
+/// Ingest an upload on this node. With a route, the upload holds an ingest permit for
+/// the shard (refused if the shard is moving or this node is fenced) and runs through the
+/// session's owner; a revoked permit aborts the upload. Used by direct and forwarded
+/// uploads alike.
+pub async fn ingest_owned(
+    app: &AppState,
+    route: Option<LocalRoute>,
+    declared: Option<u64>,
+    body: Body,
+) -> Result<IngestReport, ApiError> {
+    // Admission before anything else: local permits and the cluster lease for the bytes
+    // this node will hold. A refusal leaves the body unread.
+    let admission =
+        super::admission::admit(app, Operation::Upload, route.map(|r| r.key.tenant)).await?;
+    let lease_lost = admission.cancellation();
+    let (permit, ticket) = match route {
+        Some(route) => {
+            let permit = app
+                .cluster
+                .begin_ingest(route.shard, route.epoch)
+                .ok_or_else(|| {
+                    ApiError::unavailable(
+                        "shard_unavailable",
+                        "this session's shard is moving or its owner is fenced; retry shortly",
+                    )
+                    .with_retry_after(Duration::from_secs(1))
+                })?;
+            let ticket = app.sessions.begin(route.key).await?;
+            (Some(permit), Some(ticket))
         }
+        None => (None, None),
+    };
+    let ingest = async {
+        tokio::select! {
+            result = ingest_body(app, declared, body, ticket.as_ref()) => result.map_err(ApiError::from),
+            // The cluster lease was lost: stop ingesting (no manifest is written).
+            () = lease_lost.cancelled() => Err(super::admission::lease_lost()),
+        }
+    };
+    let result = match &permit {
+        Some(permit) => tokio::select! {
+            result = ingest => result,
+            _ = permit.revoked() => Err(ApiError::unavailable(
+                "shard_moved",
+                "this session's shard moved during the upload; retry with the same session",
+            )
+            .with_retry_after(Duration::from_secs(1))),
+        },
+        None => ingest.await,
+    };
+    admission.set_outcome(if result.is_ok() {
+        Outcome::Completed
+    } else {
+        Outcome::Failed
+    });
+    drop(admission);
+    if let Some(ticket) = ticket {
+        ticket.finish(result.is_ok());
+    }
+    drop(permit);
+    let outcome = match &result {
+        Ok(_) => "ok",
+        Err(err) if err.status.is_server_error() => "server_error",
+        Err(_) => "client_error",
     };
     app.metrics
         .uploads
         .get_or_create(&OutcomeLabels { outcome })
         .inc();
-    Ok(created(&app, &report))
+    result
 }
 
 /// Run the ingest pipeline over a request body (also used for forwarded uploads).
@@ -203,17 +280,22 @@ pub async fn ingest_body(
     result
 }
 
-/// The 201 response for an ingested blob.
-pub fn created(app: &AppState, report: &IngestReport) -> Response {
-    let key = report.key.to_string();
-    let body = UploadResponse {
-        key: key.clone(),
+/// The 201 body for an ingested blob.
+pub fn response_body(app: &AppState, report: &IngestReport) -> UploadResponse {
+    UploadResponse {
+        key: report.key.to_string(),
         size: report.key.size,
         blocks: report.blocks,
         fresh_blocks: report.fresh_blocks,
         duplicate_blocks: report.duplicate_blocks,
         owner: app.node_id.to_string(),
-    };
+    }
+}
+
+/// The 201 response for an ingested blob.
+pub fn created(app: &AppState, report: &IngestReport) -> Response {
+    let body = response_body(app, report);
+    let key = body.key.clone();
     let mut response = (StatusCode::CREATED, Json(body)).into_response();
     let headers = response.headers_mut();
     if let Ok(location) = HeaderValue::from_str(&format!("/v1/blobs/{key}")) {

@@ -108,6 +108,7 @@ pub struct NodeSummary {
     pub shards: usize,
     pub heartbeat_age_ms: i64,
     pub internal_addr: String,
+    pub control_addr: String,
 }
 
 /// The operator snapshot served at `/v1/ops/cluster` (no tenant or session values).
@@ -352,6 +353,7 @@ fn summarize(table: &ShardTable) -> Vec<NodeSummary> {
             shards: table.owned_by(&n.id),
             heartbeat_age_ms: n.heartbeat_age_ms,
             internal_addr: n.internal_addr.clone(),
+            control_addr: n.control_addr.clone(),
         })
         .collect()
 }

@@ -3,7 +3,8 @@
 //! - [`block`]: the [`BlockStore`] trait (put once, get, contains).
 //! - [`manifest`]: the [`ManifestStore`] trait (create once, get).
 //! - [`fs`]: filesystem implementations of both, the embedded default.
-//! - [`pg`]: PostgreSQL: the placement store (nodes, shard assignments, manager term).
+//! - [`pg`]: PostgreSQL: the placement store (nodes, shard assignments, manager term) and
+//!   the manifest store shared by every node of a cluster.
 //! - [`redis`]: the admission coordinator (cluster leases, quotas, decision events).
 //!
 //! The traits return boxed futures so they can be used as `Arc<dyn ...>` and implemented

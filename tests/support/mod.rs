@@ -12,6 +12,7 @@
 //! fails the test instead: CI can never go green by skipping.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod node;
 pub mod postgres;
 pub mod redis;

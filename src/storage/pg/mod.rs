@@ -1,9 +1,11 @@
-//! PostgreSQL adapters: connection setup, migrations and the placement store.
+//! PostgreSQL adapters: connection setup, migrations, the placement store and the manifest
+//! store.
 //!
 //! Failure model: every query runs under the pool's `statement_timeout`, so a hung server
 //! turns into an error within a bound instead of a stuck caller. Connection options carry
 //! the password: they are never logged.
 
+pub mod manifest;
 pub mod placement;
 
 use std::str::FromStr;
@@ -13,6 +15,7 @@ use sqlx::PgPool;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
+pub use manifest::PgManifestStore;
 pub use placement::{PlacementStore, StoreError};
 
 /// The embedded migrations of `sql/`.

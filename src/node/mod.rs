@@ -1,0 +1,369 @@
+//! One running node: stores, actors, placement and the HTTP servers, started and stopped
+//! together.
+//!
+//! `start` opens the stores, starts the actor tree and placement, and binds the
+//! listeners. In embedded mode (`cluster.enabled = false`) every shard is local and
+//! nothing outside the process is needed. In cluster mode the node joins the PostgreSQL
+//! placement, serves the internal owner-ingest listener, runs the ractor_cluster control
+//! plane, and forwards uploads of sessions it does not own (glue in [`cluster`]).
+//!
+//! `shutdown` (also on SIGTERM/SIGINT): in cluster mode first drains this node's shards to
+//! the others, then marks the node not ready, stops accepting connections, gives in-flight
+//! requests `node.shutdown_grace` to finish, aborts what is left (aborted uploads write no
+//! manifest), and stops the control plane, placement and actors.
+
+pub mod cluster;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::actors::SupervisorHandle;
+use crate::actors::session_region::RegionArgs;
+use crate::actors::supervisor::SupervisorArgs;
+use crate::config::Config;
+use crate::control::{ClusterOptions, ClusterTransport, ControlTransport};
+use crate::http::forward::{ForwardOptions, Forwarder};
+use crate::http::{AppState, internal, ops::Readiness, router};
+use crate::ids::NodeId;
+use crate::metrics::Metrics;
+use crate::placement::{Cluster, ClusterHandle};
+use crate::storage::fs::{FsBlockStore, FsManifestStore};
+use crate::storage::{BlockStore, ManifestStore};
+
+/// Replaceable parts of a node (tests inject instrumented stores).
+#[derive(Default)]
+pub struct NodeOptions {
+    pub blocks: Option<Arc<dyn BlockStore>>,
+    pub manifests: Option<Arc<dyn ManifestStore>>,
+}
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("open storage under {path}: {source}")]
+    Storage {
+        path: String,
+        #[source]
+        source: crate::storage::StoreError,
+    },
+    #[error("bind {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("start actors: {0}")]
+    Actors(String),
+    #[error("admission: {0}")]
+    Admission(String),
+    #[error("join the cluster: {0}")]
+    Cluster(String),
+    #[error("start the control plane: {0}")]
+    Control(String),
+}
+
+/// A started node.
+pub struct RunningNode {
+    addr: SocketAddr,
+    state: Arc<AppState>,
+    stop_accepting: CancellationToken,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+    supervisor: SupervisorHandle,
+    cluster_parts: Option<ClusterParts>,
+}
+
+/// What only cluster mode runs.
+struct ClusterParts {
+    internal: tokio::task::JoinHandle<std::io::Result<()>>,
+    internal_addr: SocketAddr,
+    control: Arc<ClusterTransport>,
+    stop: CancellationToken,
+}
+
+/// How a shutdown went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShutdownOutcome {
+    /// Every in-flight request finished within the grace period.
+    Drained,
+    /// The grace period ran out; remaining requests were aborted.
+    Aborted,
+}
+
+pub async fn start(config: Config) -> Result<RunningNode, StartError> {
+    start_with(config, NodeOptions::default()).await
+}
+
+pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningNode, StartError> {
+    let data_dir = config.storage.data_dir.clone();
+    let storage_err = |source| StartError::Storage {
+        path: data_dir.display().to_string(),
+        source,
+    };
+    let blocks: Arc<dyn BlockStore> = match options.blocks {
+        Some(blocks) => blocks,
+        None => Arc::new(FsBlockStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?),
+    };
+    let manifests: Arc<dyn ManifestStore> = match options.manifests {
+        Some(manifests) => manifests,
+        None => {
+            Arc::new(FsManifestStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?)
+        }
+    };
+
+    let metrics = Metrics::new();
+    let admission = crate::admission::Admission::new(
+        &config.admission,
+        crate::admission::AdmissionMetrics::default(),
+    )
+    .map_err(|e| StartError::Admission(e.to_string()))?;
+    metrics.register_with(|registry| admission.metrics().register(registry));
+    let node_id = NodeId(config.node.id.clone());
+    let cluster_mode = config.cluster.enabled;
+    let cluster: Arc<ClusterHandle> = if cluster_mode {
+        let mut cluster_config = config.cluster.clone();
+        if cluster_config.internal_addr.is_empty() {
+            cluster_config.internal_addr = config.control.internal_listen.to_string();
+        }
+        if cluster_config.control_addr.is_empty() {
+            cluster_config.control_addr = config.control.control_listen.to_string();
+        }
+        if cluster_config.public_addr.is_empty() {
+            cluster_config.public_addr = config.node.listen.to_string();
+        }
+        let handle =
+            Cluster::connect_and_start(node_id.clone(), &cluster_config, env!("CARGO_PKG_VERSION"))
+                .await
+                .map_err(|e| StartError::Cluster(e.to_string()))?;
+        Arc::new(handle)
+    } else {
+        Arc::new(Cluster::single_node(
+            node_id.clone(),
+            config.cluster.shard_count,
+        ))
+    };
+    let forwarder = if cluster_mode {
+        let options = ForwardOptions::from_config(&config.control).ok_or_else(|| {
+            StartError::Control("control.internal_token is required in cluster mode".into())
+        })?;
+        Some(Forwarder::new(options).map_err(|e| StartError::Control(e.to_string()))?)
+    } else {
+        None
+    };
+
+    let supervisor = SupervisorHandle::start(SupervisorArgs {
+        region_name: format!(
+            "graviton.{}.{}.session-region",
+            node_id,
+            uuid::Uuid::new_v4().simple()
+        ),
+        region: RegionArgs {
+            max_hot: config.sessions.max_hot,
+            idle_timeout: config.sessions.idle_timeout.get(),
+            sweep_interval: config.sessions.sweep_interval.get(),
+            metrics: metrics.clone(),
+        },
+    })
+    .await
+    .map_err(|e| StartError::Actors(e.to_string()))?;
+
+    let listen = config.node.listen;
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: listen,
+        source,
+    })?;
+
+    let state = Arc::new(AppState {
+        node_id: node_id.clone(),
+        config: Arc::new(config),
+        blocks,
+        manifests,
+        sessions: supervisor.sessions(),
+        metrics,
+        admission,
+        readiness: Readiness::default(),
+        started_at: Instant::now(),
+        cluster: cluster.clone(),
+        forwarder,
+    });
+
+    let cluster_parts = if cluster_mode {
+        Some(start_cluster_parts(&state).await?)
+    } else {
+        None
+    };
+
+    let app = router(state.clone());
+    let stop_accepting = CancellationToken::new();
+    let server = tokio::spawn(
+        axum::serve(listener, app)
+            .with_graceful_shutdown(stop_accepting.clone().cancelled_owned())
+            .into_future(),
+    );
+    state.readiness.set(true);
+    tracing::info!(
+        %addr,
+        node = %state.node_id,
+        mode = if cluster_mode { "cluster" } else { "embedded" },
+        data_dir = %state.config.storage.data_dir.display(),
+        "graviton node serving"
+    );
+    Ok(RunningNode {
+        addr,
+        state,
+        stop_accepting,
+        server,
+        supervisor,
+        cluster_parts,
+    })
+}
+
+/// Internal listener, control plane and peer feed of a cluster node.
+async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, StartError> {
+    let config = &state.config;
+    let token = config.control.internal_token.clone().ok_or_else(|| {
+        StartError::Control("control.internal_token is required in cluster mode".into())
+    })?;
+    let internal_listen = config.control.internal_listen;
+    let listener = TcpListener::bind(internal_listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: internal_listen,
+            source,
+        })?;
+    let internal_addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: internal_listen,
+        source,
+    })?;
+    let stop = CancellationToken::new();
+    let router = internal::router(internal::InternalState {
+        token,
+        epochs: Arc::new(cluster::PlacementEpochs(state.cluster.clone())),
+        ingest: Arc::new(cluster::NodeIngest(state.clone())),
+    });
+    let internal = tokio::spawn(internal::serve(
+        listener,
+        router,
+        stop.clone().cancelled_owned(),
+    ));
+
+    let options = ClusterOptions::from_config(state.node_id.clone(), &config.control)
+        .map_err(|e| StartError::Control(e.to_string()))?;
+    let handler = Arc::new(cluster::NodeControl {
+        app: state.clone(),
+        internal_addr,
+    });
+    let control = Arc::new(
+        ClusterTransport::start(options, handler)
+            .await
+            .map_err(|e| StartError::Control(e.to_string()))?,
+    );
+    let transport: Arc<dyn ControlTransport> = control.clone();
+    tokio::spawn(cluster::keep_peers_current(
+        state.cluster.clone(),
+        transport,
+        config.cluster.poll_interval.get(),
+        stop.clone(),
+    ));
+    Ok(ClusterParts {
+        internal,
+        internal_addr,
+        control,
+        stop,
+    })
+}
+
+impl RunningNode {
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://<addr>`
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn state(&self) -> &Arc<AppState> {
+        &self.state
+    }
+
+    /// Address of the internal (owner-ingest) listener, in cluster mode.
+    pub fn internal_addr(&self) -> Option<SocketAddr> {
+        self.cluster_parts.as_ref().map(|p| p.internal_addr)
+    }
+
+    /// Graceful stop, bounded by `node.shutdown_grace` (plus the drain in cluster mode).
+    pub async fn shutdown(mut self) -> ShutdownOutcome {
+        let grace = self.state.config.node.shutdown_grace.get();
+        if self.cluster_parts.is_some() {
+            match self.state.cluster.drain_self(grace).await {
+                Ok(true) => tracing::info!("shards drained to other nodes"),
+                Ok(false) => tracing::warn!("drain did not complete before the grace period"),
+                Err(err) => {
+                    tracing::warn!(error = %err, "drain failed; shards move after the node TTL")
+                }
+            }
+        }
+        self.state.readiness.set(false);
+        self.stop_accepting.cancel();
+        let outcome = match tokio::time::timeout(grace, &mut self.server).await {
+            Ok(_) => ShutdownOutcome::Drained,
+            Err(_) => {
+                tracing::warn!(
+                    ?grace,
+                    "in-flight requests outlived the shutdown grace; aborting them"
+                );
+                self.server.abort();
+                let _ = (&mut self.server).await;
+                ShutdownOutcome::Aborted
+            }
+        };
+        if let Some(parts) = self.cluster_parts.take() {
+            parts.stop.cancel();
+            let _ = tokio::time::timeout(grace, parts.internal).await;
+            parts.control.shutdown().await;
+        }
+        self.state.cluster.shutdown().await;
+        self.supervisor.shutdown().await;
+        tracing::info!(?outcome, "graviton node stopped");
+        outcome
+    }
+
+    /// Serve until SIGINT or SIGTERM, then shut down gracefully.
+    pub async fn run_until_signal(self) -> ShutdownOutcome {
+        wait_for_signal().await;
+        tracing::info!("shutdown signal received; draining");
+        self.shutdown().await
+    }
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

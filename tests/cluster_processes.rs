@@ -1,0 +1,211 @@
+//! A three-node cluster of real `graviton serve` processes on one PostgreSQL database:
+//! session stickiness, forwarding of a 64 MiB upload to its owner, reads from every node,
+//! drain through the CLI, kill -9 of a node, kill -9 of the manager's process, a second
+//! standalone manager failing closed, and a restart of every node.
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use graviton::cas::BlobKey;
+use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
+use graviton::placement::hash::shard_of;
+use support::cluster::{BIN, NodeProcess, eventually, is_ready};
+use support::node::random_bytes;
+
+const SHARDS: u32 = 32;
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+async fn owners(url: &str) -> graviton::placement::ClusterStatus {
+    graviton::placement::cluster_status(url).await.expect("cluster status")
+}
+
+fn owner_of(status: &graviton::placement::ClusterStatus, key: &SessionKey) -> Option<NodeId> {
+    let shard = shard_of(key, SHARDS);
+    status.shards.iter().find(|s| s.shard == shard).and_then(|s| s.owner.clone())
+}
+
+async fn upload(url: &str, key: &SessionKey, data: Vec<u8>) -> reqwest::Response {
+    client()
+        .post(format!("{url}/v1/blobs"))
+        .header("x-graviton-tenant-id", key.tenant.to_string())
+        .header("x-graviton-upload-session-id", key.session.to_string())
+        .body(data)
+        .send()
+        .await
+        .unwrap()
+}
+
+fn session() -> SessionKey {
+    SessionKey { tenant: TenantId::new_random(), session: SessionId::new_random() }
+}
+
+/// Sessions until every node owns at least one of them.
+fn sessions_covering(status: &graviton::placement::ClusterStatus, nodes: &[&str]) -> HashMap<String, SessionKey> {
+    let mut found = HashMap::new();
+    while found.len() < nodes.len() {
+        let key = session();
+        if let Some(owner) = owner_of(status, &key) {
+            found.entry(owner.0).or_insert(key);
+        }
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_forward_drain_fail_over_and_restart() {
+    let Some(db) = support::TestDatabase::create("three_processes_forward_drain_fail_over_and_restart").await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("shared-data");
+    let db_url = db.url().to_string();
+    let db_url = db_url.as_str();
+    let names = ["node-a", "node-b", "node-c"];
+    let mut nodes: Vec<NodeProcess> =
+        names.iter().map(|id| NodeProcess::start(dir.path(), id, db_url, SHARDS, &data)).collect();
+
+    // Every node becomes ready (owns shards) and the table covers every shard.
+    let all_ready = eventually(Duration::from_secs(60), || {
+        let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+        async move {
+            for url in &urls {
+                if !is_ready(&client(), url).await {
+                    return false;
+                }
+            }
+            let status = owners(db_url).await;
+            status.unassigned_shards == 0 && status.nodes.iter().all(|n| n.shards > 0)
+        }
+    })
+    .await;
+    assert!(all_ready, "cluster did not converge; logs:\n{}", nodes[0].log_text());
+    let status = owners(db_url).await;
+    let by_owner = sessions_covering(&status, &names);
+
+    // A 64 MiB upload sent to a non-owner lands on the owner, byte-exact, readable everywhere.
+    let (owner_id, key) = by_owner.iter().next().map(|(o, k)| (o.clone(), *k)).unwrap();
+    let front = nodes.iter().find(|n| n.id != owner_id).unwrap();
+    let big = random_bytes(64 << 20, 31);
+    let response = upload(&front.url, &key, big.clone()).await;
+    assert_eq!(response.status(), 201);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["owner"], owner_id.as_str(), "the owner ingests, not the front node");
+    assert_eq!(body["key"], BlobKey::of(&big).to_string());
+    for node in &nodes {
+        let got = client().get(format!("{}/v1/blobs/{}", node.url, body["key"].as_str().unwrap())).send().await.unwrap();
+        assert_eq!(got.status(), 200, "read from {}", node.id);
+        assert!(got.bytes().await.unwrap()[..] == big[..], "bytes differ when read from {}", node.id);
+    }
+
+    // Sticky: the same session from every node goes to the same owner.
+    for (owner, key) in &by_owner {
+        for node in &nodes {
+            let response = upload(&node.url, key, random_bytes(10_000, 7)).await;
+            assert_eq!(response.status(), 201);
+            let body: serde_json::Value = response.json().await.unwrap();
+            assert_eq!(body["owner"], owner.as_str());
+        }
+    }
+
+    // A second standalone manager fails closed while an embedded manager holds the lock.
+    let second = std::process::Command::new(BIN).args(["manager", "--config"]).arg(&nodes[0].config).output().unwrap();
+    assert_eq!(second.status.code(), Some(3), "{}", String::from_utf8_lossy(&second.stderr));
+    assert!(String::from_utf8_lossy(&second.stderr).contains("another shard manager holds the lock"));
+
+    // Drain node-b through the CLI: its shards move, its sessions resolve to survivors.
+    let started = Instant::now();
+    let drain = std::process::Command::new(BIN).args(["drain", "node-b", "--config"]).arg(&nodes[0].config).output().unwrap();
+    assert!(drain.status.success(), "{}", String::from_utf8_lossy(&drain.stderr));
+    let drained = eventually(Duration::from_secs(20), || async {
+        owners(db_url).await.nodes.iter().any(|n| n.id.0 == "node-b" && n.shards == 0)
+    })
+    .await;
+    assert!(drained, "drain did not move node-b's shards");
+    eprintln!("DRILL drain (CLI request to all shards moved): {:?}", started.elapsed());
+    let b_session = by_owner["node-b"];
+    let response = upload(&nodes[0].url, &b_session, b"after drain".to_vec()).await;
+    assert_eq!(response.status(), 201);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_ne!(body["owner"], "node-b");
+
+    // kill -9 of the manager's process: a standby takes over with a higher term.
+    let before = owners(db_url).await;
+    let manager = before.manager_node.clone().expect("a manager is acting");
+    let term = before.manager_term;
+    let killed = Instant::now();
+    nodes.iter_mut().find(|n| n.id == manager).unwrap().kill9();
+    let took_over = eventually(Duration::from_secs(30), || async {
+        let now = owners(db_url).await;
+        now.manager_term > term && now.manager_node.as_deref().is_some_and(|m| m != manager)
+    })
+    .await;
+    assert!(took_over, "no standby manager took over after kill -9 of {manager}");
+    eprintln!("DRILL manager kill -9 to new manager acting: {:?}", killed.elapsed());
+
+    // The killed node's shards are served elsewhere after the node TTL.
+    let reassigned = eventually(Duration::from_secs(30), || async {
+        owners(db_url).await.nodes.iter().filter(|n| n.id.0 == manager).all(|n| n.shards == 0)
+    })
+    .await;
+    assert!(reassigned, "shards of the killed node were not reassigned");
+    eprintln!("DRILL node kill -9 to shards reassigned: {:?}", killed.elapsed());
+    let survivor = nodes.iter().find(|n| n.id != manager && n.pid().is_some()).unwrap();
+    let dead_session = by_owner[&manager];
+    let response = upload(&survivor.url, &dead_session, b"after kill".to_vec()).await;
+    assert_eq!(response.status(), 201, "{:?}", response.text().await);
+
+    // Every node restarts; placement and blobs survive.
+    let table_before: Vec<_> = owners(db_url).await.shards.iter().map(|s| (s.shard, s.epoch)).collect();
+    for node in nodes.iter_mut() {
+        node.restart();
+    }
+    let back = eventually(Duration::from_secs(60), || {
+        let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+        async move {
+            for url in &urls {
+                if !is_ready(&client(), url).await {
+                    return false;
+                }
+            }
+            true
+        }
+    })
+    .await;
+    assert!(back, "nodes did not come back after a full restart");
+    let after = owners(db_url).await;
+    for (shard, epoch) in table_before {
+        let now = after.shards.iter().find(|s| s.shard == shard).unwrap();
+        assert!(now.epoch >= epoch, "epochs never go backwards");
+    }
+    let got = client().get(format!("{}/v1/blobs/{}", nodes[2].url, BlobKey::of(&big))).send().await.unwrap();
+    assert_eq!(got.status(), 200);
+
+    // SIGTERM drains and exits cleanly.
+    let status = nodes[1].terminate().expect("exit status");
+    assert!(status.success(), "exit status {status}");
+}
+
+#[tokio::test]
+async fn internal_listener_refuses_unauthenticated_requests_before_the_body() {
+    let Some(db) = support::TestDatabase::create("internal_listener_refuses_unauthenticated_requests_before_the_body").await
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let node = NodeProcess::start(dir.path(), "solo", db.url(), 8, &dir.path().join("data"));
+    let http = client();
+    assert!(eventually(Duration::from_secs(60), || is_ready(&http, &node.url)).await, "{}", node.log_text());
+    let key = session();
+    let request = format!(
+        "POST /internal/v1/sessions/{}/{}/blobs HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\nX-Graviton-Internal-Token: wrong-token-wrong-token-wrong-token\r\nX-Graviton-Shard: 0\r\nX-Graviton-Shard-Epoch: 1\r\n\r\n0123456789",
+        key.tenant, key.session
+    );
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{}", node.internal).parse().unwrap();
+    let (_stream, answer) = support::node::raw_exchange(addr, request.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+}
