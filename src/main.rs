@@ -108,7 +108,11 @@ fn database_url(config: Option<&std::path::Path>) -> anyhow::Result<(Config, Str
         .database_url
         .as_ref()
         .map(|s| s.expose().to_string())
-        .ok_or_else(|| anyhow::anyhow!("cluster.database_url is not set (config file or GRAVITON_CLUSTER__DATABASE_URL)"))?;
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "cluster.database_url is not set (config file or GRAVITON_CLUSTER__DATABASE_URL)"
+            )
+        })?;
     Ok((config, url))
 }
 
@@ -121,7 +125,10 @@ fn print_status(status: &graviton::placement::ClusterStatus) {
         status.unassigned_shards,
         status.moving_shards
     );
-    println!("{:<24} {:<10} {:>7} {:>14}  internal address", "node", "state", "shards", "heartbeat age");
+    println!(
+        "{:<24} {:<10} {:>7} {:>14}  internal address",
+        "node", "state", "shards", "heartbeat age"
+    );
     for node in &status.nodes {
         println!(
             "{:<24} {:<10} {:>7} {:>12}ms  {}",
@@ -189,7 +196,10 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let node = graviton::ids::NodeId(config.node.id.clone());
             match graviton::placement::run_standalone_manager(node, &config.cluster).await {
                 Ok(manager) => {
-                    tracing::info!(term = manager.term().await, "standalone shard manager acting");
+                    tracing::info!(
+                        term = manager.term().await,
+                        "standalone shard manager acting"
+                    );
                     tokio::select! {
                         _ = manager_signal() => {
                             tracing::info!("shutdown signal received; releasing the manager lock");
@@ -199,7 +209,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     Ok(ExitCode::SUCCESS)
                 }
                 Err(graviton::placement::ClusterError::ManagerLockHeld) => {
-                    eprintln!("error: another shard manager holds the lock; refusing to start a second one");
+                    eprintln!(
+                        "error: another shard manager holds the lock; refusing to start a second one"
+                    );
                     Ok(ExitCode::from(3))
                 }
                 Err(err) => Err(err.into()),
@@ -211,7 +223,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("migrations applied");
             Ok(ExitCode::SUCCESS)
         }
-        Command::Cluster { command: ClusterCommand::Status { config, json } } => {
+        Command::Cluster {
+            command: ClusterCommand::Status { config, json },
+        } => {
             let (_, url) = database_url(config.as_deref())?;
             let status = graviton::placement::cluster_status(&url).await?;
             if json {

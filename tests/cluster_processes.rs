@@ -21,12 +21,18 @@ fn client() -> reqwest::Client {
 }
 
 async fn owners(url: &str) -> graviton::placement::ClusterStatus {
-    graviton::placement::cluster_status(url).await.expect("cluster status")
+    graviton::placement::cluster_status(url)
+        .await
+        .expect("cluster status")
 }
 
 fn owner_of(status: &graviton::placement::ClusterStatus, key: &SessionKey) -> Option<NodeId> {
     let shard = shard_of(key, SHARDS);
-    status.shards.iter().find(|s| s.shard == shard).and_then(|s| s.owner.clone())
+    status
+        .shards
+        .iter()
+        .find(|s| s.shard == shard)
+        .and_then(|s| s.owner.clone())
 }
 
 async fn upload(url: &str, key: &SessionKey, data: Vec<u8>) -> reqwest::Response {
@@ -41,11 +47,17 @@ async fn upload(url: &str, key: &SessionKey, data: Vec<u8>) -> reqwest::Response
 }
 
 fn session() -> SessionKey {
-    SessionKey { tenant: TenantId::new_random(), session: SessionId::new_random() }
+    SessionKey {
+        tenant: TenantId::new_random(),
+        session: SessionId::new_random(),
+    }
 }
 
 /// Sessions until every node owns at least one of them.
-fn sessions_covering(status: &graviton::placement::ClusterStatus, nodes: &[&str]) -> HashMap<String, SessionKey> {
+fn sessions_covering(
+    status: &graviton::placement::ClusterStatus,
+    nodes: &[&str],
+) -> HashMap<String, SessionKey> {
     let mut found = HashMap::new();
     while found.len() < nodes.len() {
         let key = session();
@@ -58,7 +70,9 @@ fn sessions_covering(status: &graviton::placement::ClusterStatus, nodes: &[&str]
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_processes_forward_drain_fail_over_and_restart() {
-    let Some(db) = support::TestDatabase::create("three_processes_forward_drain_fail_over_and_restart").await else {
+    let Some(db) =
+        support::TestDatabase::create("three_processes_forward_drain_fail_over_and_restart").await
+    else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -66,8 +80,10 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
     let db_url = db.url().to_string();
     let db_url = db_url.as_str();
     let names = ["node-a", "node-b", "node-c"];
-    let mut nodes: Vec<NodeProcess> =
-        names.iter().map(|id| NodeProcess::start(dir.path(), id, db_url, SHARDS, &data)).collect();
+    let mut nodes: Vec<NodeProcess> = names
+        .iter()
+        .map(|id| NodeProcess::start(dir.path(), id, db_url, SHARDS, &data))
+        .collect();
 
     // Every node becomes ready (owns shards) and the table covers every shard.
     let all_ready = eventually(Duration::from_secs(60), || {
@@ -83,23 +99,47 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
         }
     })
     .await;
-    assert!(all_ready, "cluster did not converge; logs:\n{}", nodes[0].log_text());
+    assert!(
+        all_ready,
+        "cluster did not converge; logs:\n{}",
+        nodes[0].log_text()
+    );
     let status = owners(db_url).await;
     let by_owner = sessions_covering(&status, &names);
 
     // A 64 MiB upload sent to a non-owner lands on the owner, byte-exact, readable everywhere.
-    let (owner_id, key) = by_owner.iter().next().map(|(o, k)| (o.clone(), *k)).unwrap();
+    let (owner_id, key) = by_owner
+        .iter()
+        .next()
+        .map(|(o, k)| (o.clone(), *k))
+        .unwrap();
     let front = nodes.iter().find(|n| n.id != owner_id).unwrap();
     let big = random_bytes(64 << 20, 31);
     let response = upload(&front.url, &key, big.clone()).await;
     assert_eq!(response.status(), 201);
     let body: serde_json::Value = response.json().await.unwrap();
-    assert_eq!(body["owner"], owner_id.as_str(), "the owner ingests, not the front node");
+    assert_eq!(
+        body["owner"],
+        owner_id.as_str(),
+        "the owner ingests, not the front node"
+    );
     assert_eq!(body["key"], BlobKey::of(&big).to_string());
     for node in &nodes {
-        let got = client().get(format!("{}/v1/blobs/{}", node.url, body["key"].as_str().unwrap())).send().await.unwrap();
+        let got = client()
+            .get(format!(
+                "{}/v1/blobs/{}",
+                node.url,
+                body["key"].as_str().unwrap()
+            ))
+            .send()
+            .await
+            .unwrap();
         assert_eq!(got.status(), 200, "read from {}", node.id);
-        assert!(got.bytes().await.unwrap()[..] == big[..], "bytes differ when read from {}", node.id);
+        assert!(
+            got.bytes().await.unwrap()[..] == big[..],
+            "bytes differ when read from {}",
+            node.id
+        );
     }
 
     // Sticky: the same session from every node goes to the same owner.
@@ -113,20 +153,46 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
     }
 
     // A second standalone manager fails closed while an embedded manager holds the lock.
-    let second = std::process::Command::new(BIN).args(["manager", "--config"]).arg(&nodes[0].config).output().unwrap();
-    assert_eq!(second.status.code(), Some(3), "{}", String::from_utf8_lossy(&second.stderr));
-    assert!(String::from_utf8_lossy(&second.stderr).contains("another shard manager holds the lock"));
+    let second = std::process::Command::new(BIN)
+        .args(["manager", "--config"])
+        .arg(&nodes[0].config)
+        .output()
+        .unwrap();
+    assert_eq!(
+        second.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&second.stderr).contains("another shard manager holds the lock")
+    );
 
     // Drain node-b through the CLI: its shards move, its sessions resolve to survivors.
     let started = Instant::now();
-    let drain = std::process::Command::new(BIN).args(["drain", "node-b", "--config"]).arg(&nodes[0].config).output().unwrap();
-    assert!(drain.status.success(), "{}", String::from_utf8_lossy(&drain.stderr));
+    let drain = std::process::Command::new(BIN)
+        .args(["drain", "node-b", "--config"])
+        .arg(&nodes[0].config)
+        .output()
+        .unwrap();
+    assert!(
+        drain.status.success(),
+        "{}",
+        String::from_utf8_lossy(&drain.stderr)
+    );
     let drained = eventually(Duration::from_secs(20), || async {
-        owners(db_url).await.nodes.iter().any(|n| n.id.0 == "node-b" && n.shards == 0)
+        owners(db_url)
+            .await
+            .nodes
+            .iter()
+            .any(|n| n.id.0 == "node-b" && n.shards == 0)
     })
     .await;
     assert!(drained, "drain did not move node-b's shards");
-    eprintln!("DRILL drain (CLI request to all shards moved): {:?}", started.elapsed());
+    eprintln!(
+        "DRILL drain (CLI request to all shards moved): {:?}",
+        started.elapsed()
+    );
     let b_session = by_owner["node-b"];
     let response = upload(&nodes[0].url, &b_session, b"after drain".to_vec()).await;
     assert_eq!(response.status(), 201);
@@ -144,23 +210,45 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
         now.manager_term > term && now.manager_node.as_deref().is_some_and(|m| m != manager)
     })
     .await;
-    assert!(took_over, "no standby manager took over after kill -9 of {manager}");
-    eprintln!("DRILL manager kill -9 to new manager acting: {:?}", killed.elapsed());
+    assert!(
+        took_over,
+        "no standby manager took over after kill -9 of {manager}"
+    );
+    eprintln!(
+        "DRILL manager kill -9 to new manager acting: {:?}",
+        killed.elapsed()
+    );
 
     // The killed node's shards are served elsewhere after the node TTL.
     let reassigned = eventually(Duration::from_secs(30), || async {
-        owners(db_url).await.nodes.iter().filter(|n| n.id.0 == manager).all(|n| n.shards == 0)
+        owners(db_url)
+            .await
+            .nodes
+            .iter()
+            .filter(|n| n.id.0 == manager)
+            .all(|n| n.shards == 0)
     })
     .await;
     assert!(reassigned, "shards of the killed node were not reassigned");
-    eprintln!("DRILL node kill -9 to shards reassigned: {:?}", killed.elapsed());
-    let survivor = nodes.iter().find(|n| n.id != manager && n.pid().is_some()).unwrap();
+    eprintln!(
+        "DRILL node kill -9 to shards reassigned: {:?}",
+        killed.elapsed()
+    );
+    let survivor = nodes
+        .iter()
+        .find(|n| n.id != manager && n.pid().is_some())
+        .unwrap();
     let dead_session = by_owner[&manager];
     let response = upload(&survivor.url, &dead_session, b"after kill".to_vec()).await;
     assert_eq!(response.status(), 201, "{:?}", response.text().await);
 
     // Every node restarts; placement and blobs survive.
-    let table_before: Vec<_> = owners(db_url).await.shards.iter().map(|s| (s.shard, s.epoch)).collect();
+    let table_before: Vec<_> = owners(db_url)
+        .await
+        .shards
+        .iter()
+        .map(|s| (s.shard, s.epoch))
+        .collect();
     for node in nodes.iter_mut() {
         node.restart();
     }
@@ -182,7 +270,11 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
         let now = after.shards.iter().find(|s| s.shard == shard).unwrap();
         assert!(now.epoch >= epoch, "epochs never go backwards");
     }
-    let got = client().get(format!("{}/v1/blobs/{}", nodes[2].url, BlobKey::of(&big))).send().await.unwrap();
+    let got = client()
+        .get(format!("{}/v1/blobs/{}", nodes[2].url, BlobKey::of(&big)))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(got.status(), 200);
 
     // SIGTERM drains and exits cleanly.
@@ -192,14 +284,21 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
 
 #[tokio::test]
 async fn internal_listener_refuses_unauthenticated_requests_before_the_body() {
-    let Some(db) = support::TestDatabase::create("internal_listener_refuses_unauthenticated_requests_before_the_body").await
+    let Some(db) = support::TestDatabase::create(
+        "internal_listener_refuses_unauthenticated_requests_before_the_body",
+    )
+    .await
     else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
     let node = NodeProcess::start(dir.path(), "solo", db.url(), 8, &dir.path().join("data"));
     let http = client();
-    assert!(eventually(Duration::from_secs(60), || is_ready(&http, &node.url)).await, "{}", node.log_text());
+    assert!(
+        eventually(Duration::from_secs(60), || is_ready(&http, &node.url)).await,
+        "{}",
+        node.log_text()
+    );
     let key = session();
     let request = format!(
         "POST /internal/v1/sessions/{}/{}/blobs HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\nX-Graviton-Internal-Token: wrong-token-wrong-token-wrong-token\r\nX-Graviton-Shard: 0\r\nX-Graviton-Shard-Epoch: 1\r\n\r\n0123456789",

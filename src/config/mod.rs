@@ -291,7 +291,15 @@ impl Config {
         }
         problems.extend(self.admission.problems());
         problems.extend(self.control.problems_in(self.cluster.enabled));
-        problems.extend(self.cluster.problems());
+        // cluster.internal_addr defaults to control.internal_listen when that is a concrete
+        // address peers can dial; only a wildcard bind needs it spelled out.
+        let internal_listen_dialable = !self.control.internal_listen.ip().is_unspecified();
+        problems.extend(
+            self.cluster
+                .problems()
+                .into_iter()
+                .filter(|p| !(p.key == "cluster.internal_addr" && internal_listen_dialable)),
+        );
         problems
     }
 

@@ -32,6 +32,7 @@ use crate::ids::NodeId;
 use crate::metrics::Metrics;
 use crate::placement::{Cluster, ClusterHandle};
 use crate::storage::fs::{FsBlockStore, FsManifestStore};
+use crate::storage::pg::PgManifestStore;
 use crate::storage::{BlockStore, ManifestStore};
 
 /// Replaceable parts of a node (tests inject instrumented stores).
@@ -107,12 +108,6 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         Some(blocks) => blocks,
         None => Arc::new(FsBlockStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?),
     };
-    let manifests: Arc<dyn ManifestStore> = match options.manifests {
-        Some(manifests) => manifests,
-        None => {
-            Arc::new(FsManifestStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?)
-        }
-    };
 
     let metrics = Metrics::new();
     let admission = crate::admission::Admission::new(
@@ -123,6 +118,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     metrics.register_with(|registry| admission.metrics().register(registry));
     let node_id = NodeId(config.node.id.clone());
     let cluster_mode = config.cluster.enabled;
+    let mut shared_manifests: Option<Arc<dyn ManifestStore>> = None;
     let cluster: Arc<ClusterHandle> = if cluster_mode {
         let mut cluster_config = config.cluster.clone();
         if cluster_config.internal_addr.is_empty() {
@@ -134,16 +130,36 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         if cluster_config.public_addr.is_empty() {
             cluster_config.public_addr = config.node.listen.to_string();
         }
-        let handle =
-            Cluster::connect_and_start(node_id.clone(), &cluster_config, env!("CARGO_PKG_VERSION"))
-                .await
-                .map_err(|e| StartError::Cluster(e.to_string()))?;
+        let pool = crate::placement::connect(&cluster_config)
+            .await
+            .map_err(|e| StartError::Cluster(e.to_string()))?;
+        crate::storage::pg::migrate(&pool)
+            .await
+            .map_err(|e| StartError::Cluster(e.to_string()))?;
+        if options.manifests.is_none() {
+            // Cluster nodes share manifests through PostgreSQL so any node serves any blob.
+            shared_manifests = Some(Arc::new(PgManifestStore::new(pool.clone())));
+        }
+        let handle = Cluster::start(
+            node_id.clone(),
+            &cluster_config,
+            env!("CARGO_PKG_VERSION"),
+            pool,
+        )
+        .await
+        .map_err(|e| StartError::Cluster(e.to_string()))?;
         Arc::new(handle)
     } else {
         Arc::new(Cluster::single_node(
             node_id.clone(),
             config.cluster.shard_count,
         ))
+    };
+    let manifests: Arc<dyn ManifestStore> = match (options.manifests, shared_manifests) {
+        (Some(manifests), _) | (None, Some(manifests)) => manifests,
+        (None, None) => {
+            Arc::new(FsManifestStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?)
+        }
     };
     let forwarder = if cluster_mode {
         let options = ForwardOptions::from_config(&config.control).ok_or_else(|| {

@@ -19,8 +19,15 @@ pub struct NodeProcess {
 
 impl NodeProcess {
     /// Write the node's config (fast test timings) and start it.
-    pub fn start(dir: &Path, id: &str, database_url: &str, shard_count: u32, data_dir: &Path) -> Self {
-        let (public, internal, control) = (super::free_port(), super::free_port(), super::free_port());
+    pub fn start(
+        dir: &Path,
+        id: &str,
+        database_url: &str,
+        shard_count: u32,
+        data_dir: &Path,
+    ) -> Self {
+        let (public, internal, control) =
+            (super::free_port(), super::free_port(), super::free_port());
         let config = dir.join(format!("{id}.toml"));
         std::fs::write(
             &config,
@@ -69,7 +76,11 @@ internal_token = "{TOKEN}"
     }
 
     fn spawn(&mut self) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("log file");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log file");
         let child = Command::new(BIN)
             .args(["serve", "--config"])
             .arg(&self.config)
@@ -102,7 +113,9 @@ internal_token = "{TOKEN}"
     /// SIGTERM and wait for a clean exit.
     pub fn terminate(&mut self) -> Option<std::process::ExitStatus> {
         let mut child = self.child.take()?;
-        let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if let Ok(Some(status)) = child.try_wait() {
