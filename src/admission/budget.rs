@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
@@ -116,14 +117,26 @@ impl<K: Eq + Hash + Clone> Drop for InUse<K> {
 
 /// Local permits of one admitted transfer. Dropping it returns everything.
 pub struct LocalPermit {
-    // Permits are declared (and so dropped) before the registry marks.
-    _process: OwnedSemaphorePermit,
+    // Permits are declared (and so dropped) before the registry marks. The process permit
+    // is returned first, in `drop`, so the gauge sees the freed bytes.
+    process_permit: Option<OwnedSemaphorePermit>,
+    process: Arc<Semaphore>,
+    available: Option<Gauge>,
     _tenant_bytes: Option<OwnedSemaphorePermit>,
     _tenant_transfer: Option<OwnedSemaphorePermit>,
     _backend_transfer: OwnedSemaphorePermit,
     _tenant_in_use: Option<InUse<TenantId>>,
     _backend_in_use: InUse<String>,
     footprint: Footprint,
+}
+
+impl Drop for LocalPermit {
+    fn drop(&mut self) {
+        self.process_permit.take();
+        if let Some(gauge) = &self.available {
+            gauge.set(self.process.available_permits() as i64 * 1024);
+        }
+    }
 }
 
 impl LocalPermit {
@@ -154,6 +167,8 @@ pub struct LocalSnapshot {
 pub struct TransferBudget {
     process: Arc<Semaphore>,
     process_kib: u64,
+    /// Set to the free process bytes after every reservation and release.
+    available: Option<Gauge>,
     tenant_kib: u64,
     tenants: Arc<Mutex<Registry<TenantId>>>,
     backends: Arc<Mutex<Registry<String>>>,
@@ -166,6 +181,7 @@ impl TransferBudget {
         Self {
             process: Arc::new(Semaphore::new(process_kib as usize)),
             process_kib,
+            available: None,
             tenant_kib,
             tenants: Arc::new(Mutex::new(Registry::new(
                 "tenant",
@@ -181,6 +197,13 @@ impl TransferBudget {
                 config.backend_transfers as usize,
             ))),
         }
+    }
+
+    /// Keep `gauge` equal to the free process bytes.
+    pub fn with_available_gauge(mut self, gauge: Gauge) -> Self {
+        gauge.set(self.available_bytes() as i64);
+        self.available = Some(gauge);
+        self
     }
 
     /// Reserve `footprint` for a transfer of `tenant` (if any) against `backend`, waiting
@@ -238,8 +261,13 @@ impl TransferBudget {
             .map_err(timed_out)?
             .expect("never closed");
 
+        if let Some(gauge) = &self.available {
+            gauge.set(self.available_bytes() as i64);
+        }
         Ok(LocalPermit {
-            _process: process,
+            process_permit: Some(process),
+            process: self.process.clone(),
+            available: self.available.clone(),
             _tenant_bytes: tenant_bytes,
             _tenant_transfer: tenant_transfer,
             _backend_transfer: backend_transfer,
@@ -328,6 +356,17 @@ mod tests {
         assert_eq!(budget.available_bytes(), 32 << 20);
         drop(permit);
         assert_eq!(budget.available_bytes(), 64 << 20);
+    }
+
+    #[tokio::test]
+    async fn the_gauge_follows_reservations_and_releases() {
+        let gauge = Gauge::default();
+        let budget = TransferBudget::new(&config()).with_available_gauge(gauge.clone());
+        assert_eq!(gauge.get(), 64 << 20);
+        let permit = budget.reserve(None, "fs", mib(8), soon()).await.unwrap();
+        assert_eq!(gauge.get(), 56 << 20);
+        drop(permit);
+        assert_eq!(gauge.get(), 64 << 20);
     }
 
     #[tokio::test]

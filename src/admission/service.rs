@@ -96,10 +96,8 @@ impl Admission {
             .as_ref()
             .map(RedisCoordinator::connect)
             .transpose()?;
-        let budget = TransferBudget::new(config);
-        metrics
-            .local_available_bytes
-            .set(budget.available_bytes() as i64);
+        let budget =
+            TransferBudget::new(config).with_available_gauge(metrics.local_available_bytes.clone());
         Ok(Self {
             inner: Arc::new(Inner {
                 config: config.clone(),
@@ -127,9 +125,6 @@ impl Admission {
         let started = Instant::now();
         let result = self.admit_inner(&request, started).await;
         let metrics = &self.inner.metrics;
-        metrics
-            .local_available_bytes
-            .set(self.inner.budget.available_bytes() as i64);
         match &result {
             Ok(permit) => {
                 metrics.decision(request.operation, "admitted");
@@ -335,10 +330,6 @@ impl Admission {
         backend: Option<&str>,
     ) -> Result<AdmissionSnapshot, Error> {
         let local = self.inner.budget.snapshot();
-        self.inner
-            .metrics
-            .local_available_bytes
-            .set(local.process_bytes_available as i64);
         let cluster = match &self.inner.cluster {
             Some(cluster) => {
                 let snap = cluster.snapshot(tenant, backend).await?;
