@@ -5,7 +5,9 @@
 //! - [`ids`]: tenant, session and node identifiers.
 //! - [`cas`]: pure content addressing: chunking parameters, block and blob keys, manifests,
 //!   range planning, and the streaming ingest pipeline.
-//! - [`storage`]: I/O adapters that hold no policy: block and manifest stores (filesystem).
+//! - [`storage`]: I/O adapters that hold no policy: block and manifest stores (filesystem),
+//!   the Redis admission coordinator.
+//! - [`admission`]: transfer admission: local budget, cluster leases, quotas (docs/admission.md).
 //! - [`session`]: pure hot-state logic of upload sessions (phases, counters, the bounded table).
 //! - [`actors`]: ractor actors (node supervisor, session region and owners) as thin shells
 //!   over the pure modules. Bytes never travel through actor mailboxes.
@@ -17,6 +19,7 @@
 //! - `lua/` and `sql/` at the crate root hold the Redis script and PostgreSQL migrations.
 
 pub mod actors;
+pub mod admission;
 pub mod cas;
 pub mod client;
 pub mod config;

@@ -8,6 +8,8 @@
 //! - [`placement`], [`health`], [`manager_election`], [`shard_manager`]: cluster
 //!   placement (local shard table, readiness, the advisory-lock election and the
 //!   term-fenced shard manager); see docs/locality.md.
+//! - [`lease_holder`]: `LeaseHolder`, one per admitted transfer: renews its cluster lease,
+//!   reports loss, releases it on stop.
 //! - [`handle`]: typed handles (`SessionRegionHandle`, `IngestTicket`) that callers use
 //!   instead of message enums.
 //!
@@ -17,6 +19,7 @@
 pub mod backoff;
 pub mod handle;
 pub mod health;
+pub mod lease_holder;
 pub mod manager_election;
 pub mod placement;
 pub mod session_owner;

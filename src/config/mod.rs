@@ -36,6 +36,7 @@ pub struct Config {
     pub upload: UploadConfig,
     pub log: LogConfig,
     pub admin: AdminConfig,
+    pub admission: crate::admission::AdmissionConfig,
     /// `[control]`: cluster control plane and internal listener (see `control::config`).
     pub control: crate::control::config::ControlConfig,
     pub cluster: crate::placement::config::ClusterConfig,
@@ -288,6 +289,7 @@ impl Config {
                 "must be at least 16 characters",
             ));
         }
+        problems.extend(self.admission.problems());
         problems.extend(self.control.problems_in(self.cluster.enabled));
         // cluster.internal_addr defaults to control.internal_listen when that is a concrete
         // address peers can dial; only a wildcard bind needs it spelled out.

@@ -1,4 +1,7 @@
 //! `GET` and `HEAD /v1/blobs/{key}`: streamed, verified downloads with single-range support.
+//!
+//! Admission (and the request quota) runs before the manifest is read; every chunk is
+//! charged to the tenant's egress quota just before it is sent (`http::admission`).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -11,10 +14,12 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::Stream;
 
+use super::admission::{BoxError, charge_egress};
 use super::{ApiError, AppState};
+use crate::admission::Operation;
 use crate::cas::BlobKey;
 use crate::cas::range::{RangeRequest, parse_range};
-use crate::cas::read::{ReadError, read_blob};
+use crate::cas::read::read_blob;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::storage::StoreError;
 
@@ -27,6 +32,15 @@ pub async fn get_blob(
     let key: BlobKey = key.parse().map_err(|e: crate::cas::KeyError| {
         ApiError::bad_request("invalid_blob_key", e.to_string())
     })?;
+    // Quota and admission before the manifest or any block is read. HEAD moves no body
+    // bytes: it is charged as a request but holds no transfer permit.
+    let tenant = super::admission::tenant_header(&headers)?;
+    super::admission::charge_request(&app, tenant.as_ref()).await?;
+    let permit = if method == Method::HEAD {
+        None
+    } else {
+        Some(super::admission::admit(&app, Operation::Download, tenant).await?)
+    };
     let manifest = match app.manifests.get(key).await {
         Ok(Some(manifest)) => Arc::new(manifest),
         Ok(None) => {
@@ -89,6 +103,7 @@ pub async fn get_blob(
         Body::empty()
     } else {
         let stream = read_blob(app.blocks.clone(), manifest, range);
+        let stream = charge_egress(stream, app.admission.clone(), tenant, permit);
         Body::from_stream(Metered {
             inner: Box::pin(stream),
             metrics: app.metrics.clone(),
@@ -114,7 +129,7 @@ pub async fn get_blob(
 
 /// Counts bytes sent and records the outcome when the stream ends or is dropped.
 struct Metered {
-    inner: Pin<Box<dyn Stream<Item = Result<Bytes, ReadError>> + Send>>,
+    inner: Pin<Box<dyn Stream<Item = Result<Bytes, BoxError>> + Send>>,
     metrics: Metrics,
     done: bool,
 }
@@ -132,7 +147,7 @@ impl Metered {
 }
 
 impl Stream for Metered {
-    type Item = Result<Bytes, ReadError>;
+    type Item = Result<Bytes, BoxError>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let polled = self.inner.as_mut().poll_next(cx);

@@ -19,7 +19,7 @@ pub struct UploadHeaders {
     pub session: Option<SessionKey>,
 }
 
-fn single_value<'a>(
+pub(crate) fn single_value<'a>(
     headers: &'a HeaderMap,
     name: &str,
     code: &'static str,

@@ -1,12 +1,14 @@
 //! HTTP server: public API, ops endpoints, and the error mapping.
 //!
 //! - [`upload`]: `POST /v1/blobs`
+//! - [`admission`]: transfer admission at the edge, egress charging, admin admission API
 //! - [`download`]: `GET`/`HEAD /v1/blobs/{key}`
 //! - [`ops`]: `/healthz`, `/readyz`, `/metrics`, `/v1/ops/cluster`
 //! - [`headers`]: header checks that run before the body is read
 //! - [`error`]: [`ApiError`], the one place errors become responses
 //! - [`observe`]: request metrics
 
+pub mod admission;
 pub mod download;
 pub mod error;
 pub mod forward;
@@ -20,7 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::Router;
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 
 pub use error::ApiError;
 
@@ -38,6 +40,7 @@ pub struct AppState {
     pub manifests: Arc<dyn ManifestStore>,
     pub sessions: SessionRegionHandle,
     pub metrics: Metrics,
+    pub admission: crate::admission::Admission,
     pub readiness: ops::Readiness,
     pub started_at: Instant,
     /// Placement: every shard local in embedded mode, the PostgreSQL table in cluster mode.
@@ -55,6 +58,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
         .route("/v1/ops/cluster", get(ops::cluster))
+        .route(
+            "/v1/admin/tenants/{tenant}/admission",
+            put(admission::put_override).delete(admission::delete_override),
+        )
+        .route("/v1/admin/admission", get(admission::snapshot))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             observe::record,

@@ -1,9 +1,11 @@
 //! `POST /v1/blobs`: streamed upload into content-addressed storage.
 //!
 //! Order of work: header checks (length syntax, size limit, media type, locality
-//! headers) -> session owner (when the locality headers are present) -> stream the body
-//! through the ingest pipeline -> 201. Nothing before the ingest touches the body, so
-//! every refusal before it leaves the body unread.
+//! headers) -> request quota -> owner resolution -> transfer admission (an `upload` where
+//! the bytes are ingested, a `forwarded_upload` on a relaying node; see `http::admission`)
+//! -> session owner (when the locality headers are present) -> stream the body through
+//! the ingest pipeline -> 201. Nothing before the ingest touches the body, so every
+//! refusal before it leaves the body unread.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,6 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use super::headers::upload_headers;
 use super::{ApiError, AppState};
+use crate::admission::{Operation, Outcome};
 use crate::cas::ingest::{IngestError, IngestLimits, IngestReport, ingest};
 use crate::metrics::{BlockLabels, OutcomeLabels};
 use crate::placement::{Epoch, ShardId};
@@ -99,6 +102,9 @@ pub async fn post_blob(
     body: Body,
 ) -> Result<Response, ApiError> {
     let parsed = upload_headers(&headers, app.config.upload.max_blob_size.bytes())?;
+    // The request quota is charged here, on the node the client called, before the body
+    // is read; admission happens where the bytes are held (below and in `ingest_owned`).
+    super::admission::charge_request(&app, parsed.session.as_ref().map(|k| &k.tenant)).await?;
     let Some(key) = parsed.session else {
         // No session: content-addressed data can be ingested by any node.
         let report = ingest_owned(&app, None, parsed.content_length, body).await?;
@@ -135,10 +141,21 @@ pub async fn post_blob(
     };
     let target = crate::node::cluster::target_of(&owner)?;
     let resolver = crate::node::cluster::PlacementResolver(app.cluster.clone());
+    // The relay holds its own (small) footprint; the owner admits the upload itself.
+    let admission =
+        super::admission::admit(&app, Operation::ForwardedUpload, Some(key.tenant)).await?;
+    let lease_lost = admission.cancellation();
     app.metrics.forwarded_uploads.inc();
-    Ok(forwarder
-        .forward_upload(target, key, &headers, body, &resolver)
-        .await)
+    let response = tokio::select! {
+        response = forwarder.forward_upload(target, key, &headers, body, &resolver) => response,
+        () = lease_lost.cancelled() => return Err(super::admission::lease_lost()),
+    };
+    admission.set_outcome(if response.status().is_success() {
+        Outcome::Completed
+    } else {
+        Outcome::Failed
+    });
+    Ok(response)
 }
 
 /// A session upload that this node owns: the session and the shard epoch it was routed by.
@@ -159,6 +176,11 @@ pub async fn ingest_owned(
     declared: Option<u64>,
     body: Body,
 ) -> Result<IngestReport, ApiError> {
+    // Admission before anything else: local permits and the cluster lease for the bytes
+    // this node will hold. A refusal leaves the body unread.
+    let admission =
+        super::admission::admit(app, Operation::Upload, route.map(|r| r.key.tenant)).await?;
+    let lease_lost = admission.cancellation();
     let (permit, ticket) = match route {
         Some(route) => {
             let permit = app
@@ -176,18 +198,30 @@ pub async fn ingest_owned(
         }
         None => (None, None),
     };
-    let ingest = ingest_body(app, declared, body, ticket.as_ref());
+    let ingest = async {
+        tokio::select! {
+            result = ingest_body(app, declared, body, ticket.as_ref()) => result.map_err(ApiError::from),
+            // The cluster lease was lost: stop ingesting (no manifest is written).
+            () = lease_lost.cancelled() => Err(super::admission::lease_lost()),
+        }
+    };
     let result = match &permit {
         Some(permit) => tokio::select! {
-            result = ingest => result.map_err(ApiError::from),
+            result = ingest => result,
             _ = permit.revoked() => Err(ApiError::unavailable(
                 "shard_moved",
                 "this session's shard moved during the upload; retry with the same session",
             )
             .with_retry_after(Duration::from_secs(1))),
         },
-        None => ingest.await.map_err(ApiError::from),
+        None => ingest.await,
     };
+    admission.set_outcome(if result.is_ok() {
+        Outcome::Completed
+    } else {
+        Outcome::Failed
+    });
+    drop(admission);
     if let Some(ticket) = ticket {
         ticket.finish(result.is_ok());
     }

@@ -59,6 +59,8 @@ pub enum StartError {
     },
     #[error("start actors: {0}")]
     Actors(String),
+    #[error("admission: {0}")]
+    Admission(String),
     #[error("join the cluster: {0}")]
     Cluster(String),
     #[error("start the control plane: {0}")]
@@ -108,6 +110,12 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     };
 
     let metrics = Metrics::new();
+    let admission = crate::admission::Admission::new(
+        &config.admission,
+        crate::admission::AdmissionMetrics::default(),
+    )
+    .map_err(|e| StartError::Admission(e.to_string()))?;
+    metrics.register_with(|registry| admission.metrics().register(registry));
     let node_id = NodeId(config.node.id.clone());
     let cluster_mode = config.cluster.enabled;
     let mut shared_manifests: Option<Arc<dyn ManifestStore>> = None;
@@ -197,6 +205,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         manifests,
         sessions: supervisor.sessions(),
         metrics,
+        admission,
         readiness: Readiness::default(),
         started_at: Instant::now(),
         cluster: cluster.clone(),

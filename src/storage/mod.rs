@@ -5,6 +5,7 @@
 //! - [`fs`]: filesystem implementations of both, the embedded default.
 //! - [`pg`]: PostgreSQL: the placement store (nodes, shard assignments, manager term) and
 //!   the manifest store shared by every node of a cluster.
+//! - [`redis`]: the admission coordinator (cluster leases, quotas, decision events).
 //!
 //! The traits return boxed futures so they can be used as `Arc<dyn ...>` and implemented
 //! by network stores (PostgreSQL manifests, S3 blocks) without touching the callers.
@@ -13,6 +14,7 @@ pub mod block;
 pub mod fs;
 pub mod manifest;
 pub mod pg;
+pub mod redis;
 
 pub use block::{BlockStore, PutOutcome};
 pub use manifest::{CreateOutcome, ManifestStore};

@@ -1,0 +1,430 @@
+-- Graviton cluster admission coordinator (see docs/admission.md for the protocol).
+--
+-- KEYS (all share the hash tag {<cell}, so one script call touches one slot):
+--   1 counts       HASH   occupancy: s:b s:c t:<h>:b t:<h>:c b:<h>:c (absent = 0)
+--   2 expirations  ZSET   lease id -> expiry ms (Redis server time)
+--   3 leases       HASH   lease id -> token|tenant|backend|bytes|admitted_ms|operation|policy_version
+--   4 fence        STRING fencing token sequence
+--   5 policy       HASH   version, t:<h>:b, t:<h>:c, svc:b, svc:c, b:<h>:c overrides
+--   6 events       STREAM decision events, schema graviton-admission-event-v1
+--   7 waiters      ZSET   lease id -> first rejection ms (service-pool waiters, oldest first)
+--   8 waiting      HASH   lease id -> bytes|last_seen_ms
+--   9 traffic key  HASH   window, count (charge only)
+-- ARGV[1] = op, ARGV[2] = event stream MAXLEN (approximate), ARGV[3] = reap batch.
+-- Replies are arrays of strings; the first names the outcome. Integers are always
+-- written with %d so the client never sees a float.
+
+local op = ARGV[1]
+local max_events = ARGV[2]
+local reap_limit = tonumber(ARGV[3]) or 0
+local K_COUNTS, K_EXP, K_LEASES, K_FENCE = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local K_POLICY, K_EVENTS, K_WAITERS, K_WAITING = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+
+local function fmt(n)
+  return string.format('%d', n)
+end
+
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+
+local function split(s)
+  local out = {}
+  for part in string.gmatch(s, '[^|]+') do
+    out[#out + 1] = part
+  end
+  return out
+end
+
+-- Counter field names of one (tenant, backend) scope.
+local function fields_for(tenant, backend)
+  local names = { 's:b', 's:c' }
+  if tenant ~= '-' then
+    names[#names + 1] = 't:' .. tenant .. ':b'
+    names[#names + 1] = 't:' .. tenant .. ':c'
+  end
+  if backend ~= '-' then
+    names[#names + 1] = 'b:' .. backend .. ':c'
+  end
+  return names
+end
+
+-- Read the scope's counters with one HMGET: returns the names and a name -> value map.
+local function load_counts(tenant, backend)
+  local names = fields_for(tenant, backend)
+  local raw = redis.call('HMGET', K_COUNTS, unpack(names))
+  local v = {}
+  for i = 1, #names do
+    v[names[i]] = tonumber(raw[i]) or 0
+  end
+  return names, v
+end
+
+-- Add sign * (bytes, 1 transfer) to every counter of the scope and write them back with
+-- one HSET; counters at or below zero are deleted (clamped at zero).
+local function apply(tenant, backend, names, v, bytes, sign)
+  v['s:b'] = v['s:b'] + sign * bytes
+  v['s:c'] = v['s:c'] + sign
+  if tenant ~= '-' then
+    local tb, tc = 't:' .. tenant .. ':b', 't:' .. tenant .. ':c'
+    v[tb] = v[tb] + sign * bytes
+    v[tc] = v[tc] + sign
+  end
+  if backend ~= '-' then
+    local bc = 'b:' .. backend .. ':c'
+    v[bc] = v[bc] + sign
+  end
+  local set, del = {}, {}
+  for _, name in ipairs(names) do
+    if v[name] > 0 then
+      set[#set + 1] = name
+      set[#set + 1] = fmt(v[name])
+    else
+      v[name] = 0
+      del[#del + 1] = name
+    end
+  end
+  if #set > 0 then
+    redis.call('HSET', K_COUNTS, unpack(set))
+  end
+  if #del > 0 then
+    redis.call('HDEL', K_COUNTS, unpack(del))
+  end
+end
+
+-- Occupancy strings {sB, sC, tB, tC, bC}; tenant values are -1 without a tenant.
+local function occupancy(tenant, backend, v)
+  local tb, tc, bc = '-1', '-1', '0'
+  if tenant ~= '-' then
+    tb = fmt(v['t:' .. tenant .. ':b'])
+    tc = fmt(v['t:' .. tenant .. ':c'])
+  end
+  if backend ~= '-' then
+    bc = fmt(v['b:' .. backend .. ':c'])
+  end
+  return { fmt(v['s:b']), fmt(v['s:c']), tb, tc, bc }
+end
+
+local function policy_version()
+  return tonumber(redis.call('HGET', K_POLICY, 'version')) or 0
+end
+
+-- Append one decision event; o is the occupancy after the transition.
+local function event(kind, lease, token, tenant, backend, bytes, operation, outcome, version, o)
+  redis.call('XADD', K_EVENTS, 'MAXLEN', '~', max_events, '*',
+    'schema', 'graviton-admission-event-v1', 'kind', kind, 'at_ms', fmt(now),
+    'lease', lease, 'fencing_token', token, 'tenant', tenant, 'backend', backend,
+    'bytes', bytes, 'operation', operation, 'outcome', outcome,
+    'policy_version', fmt(version),
+    'service_bytes', o[1], 'service_transfers', o[2], 'tenant_bytes', o[3],
+    'tenant_transfers', o[4], 'backend_transfers', o[5])
+end
+
+-- Remove a lease and give back everything it reserved. Returns false if absent.
+local function drop_lease(id, kind, outcome)
+  local raw = redis.call('HGET', K_LEASES, id)
+  redis.call('ZREM', K_EXP, id)
+  if not raw then
+    return false
+  end
+  local r = split(raw)
+  local tenant, backend = r[2], r[3]
+  local names, v = load_counts(tenant, backend)
+  apply(tenant, backend, names, v, tonumber(r[4]), -1)
+  redis.call('HDEL', K_LEASES, id)
+  event(kind, id, r[1], tenant, backend, r[4], r[6], outcome, policy_version(), occupancy(tenant, backend, v))
+  return true
+end
+
+-- Expire at most `batch` leases whose expiry is at or before now (server time).
+local function reap(batch)
+  if batch < 1 then
+    return 0
+  end
+  local ids = redis.call('ZRANGEBYSCORE', K_EXP, '-inf', fmt(now), 'LIMIT', 0, batch)
+  for _, id in ipairs(ids) do
+    drop_lease(id, 'expired', 'lease_expired')
+  end
+  return #ids
+end
+
+local function forget_waiter(id)
+  if redis.call('ZREM', K_WAITERS, id) == 1 then
+    redis.call('HDEL', K_WAITING, id)
+  end
+end
+
+-- The oldest waiter that polled within waiter_ttl, pruning dead ones (bounded).
+local function head_waiter(waiter_ttl)
+  for _ = 1, 16 do
+    local h = redis.call('ZRANGE', K_WAITERS, 0, 0)
+    if #h == 0 then
+      return nil, 0
+    end
+    local info = redis.call('HGET', K_WAITING, h[1])
+    if info then
+      local f = split(info)
+      if tonumber(f[2]) + waiter_ttl >= now then
+        return h[1], tonumber(f[1])
+      end
+    end
+    forget_waiter(h[1])
+  end
+  return nil, 0
+end
+
+-- ARGV: 4 lease id, 5 tenant hash or '-', 6 backend hash, 7 bytes, 8..12 default limits
+-- (service bytes, service transfers, tenant bytes, tenant transfers, backend transfers),
+-- 13 ttl ms, 14 operation, 15 waiter ttl ms, 16 first attempt ('1'/'0').
+local function acquire()
+  local id, tenant, backend = ARGV[4], ARGV[5], ARGV[6]
+  local bytes, ttl = tonumber(ARGV[7]), tonumber(ARGV[13])
+  local operation, waiter_ttl, first = ARGV[14], tonumber(ARGV[15]), ARGV[16] == '1'
+  if not bytes or bytes <= 0 or not ttl or ttl <= 0 or not waiter_ttl then
+    return { 'PROTOCOL', 'invalid_acquire' }
+  end
+  reap(reap_limit)
+
+  -- Idempotent retry: the same lease id answers with the lease it already holds.
+  local existing = redis.call('HGET', K_LEASES, id)
+  if existing then
+    local score = redis.call('ZSCORE', K_EXP, id)
+    if score and tonumber(score) > now then
+      local r = split(existing)
+      local _, v = load_counts(r[2], r[3])
+      local o = occupancy(r[2], r[3], v)
+      return { 'ADMITTED', r[1], fmt(tonumber(score)), r[7], o[1], o[2], o[3], o[4], o[5] }
+    end
+    drop_lease(id, 'expired', 'lease_expired')
+  end
+
+  -- Live overrides win over the defaults the caller passed.
+  local p = redis.call('HMGET', K_POLICY, 'version', 'svc:b', 'svc:c',
+    't:' .. tenant .. ':b', 't:' .. tenant .. ':c', 'b:' .. backend .. ':c')
+  local version = tonumber(p[1]) or 0
+  local svc_b = tonumber(p[2]) or tonumber(ARGV[8])
+  local svc_c = tonumber(p[3]) or tonumber(ARGV[9])
+  local ten_b = tonumber(p[4]) or tonumber(ARGV[10])
+  local ten_c = tonumber(p[5]) or tonumber(ARGV[11])
+  local back_c = tonumber(p[6]) or tonumber(ARGV[12])
+
+  -- A footprint above a ceiling can never be admitted: say so at once.
+  local never = nil
+  if bytes > svc_b then
+    never = 'service_bytes'
+  elseif svc_c < 1 then
+    never = 'service_transfers'
+  elseif tenant ~= '-' and bytes > ten_b then
+    never = 'tenant_bytes'
+  elseif tenant ~= '-' and ten_c < 1 then
+    never = 'tenant_transfers'
+  elseif back_c < 1 then
+    never = 'backend_transfers'
+  end
+  if never then
+    forget_waiter(id)
+    return { 'NEVER', never, fmt(version) }
+  end
+
+  -- Head-of-line reservation: the oldest live service-pool waiter keeps room for
+  -- itself, so a large waiter is not starved by a stream of small newcomers.
+  local hold_b, hold_c = 0, 0
+  local head, head_bytes = head_waiter(waiter_ttl)
+  if head and head ~= id then
+    hold_b, hold_c = head_bytes, 1
+  end
+
+  local names, v = load_counts(tenant, backend)
+  local dim = nil
+  if v['s:b'] + bytes + hold_b > svc_b then
+    dim = 'service_bytes'
+  elseif v['s:c'] + 1 + hold_c > svc_c then
+    dim = 'service_transfers'
+  elseif tenant ~= '-' and v['t:' .. tenant .. ':b'] + bytes > ten_b then
+    dim = 'tenant_bytes'
+  elseif tenant ~= '-' and v['t:' .. tenant .. ':c'] + 1 > ten_c then
+    dim = 'tenant_transfers'
+  elseif v['b:' .. backend .. ':c'] + 1 > back_c then
+    dim = 'backend_transfers'
+  end
+
+  if dim then
+    if dim == 'service_bytes' or dim == 'service_transfers' then
+      redis.call('ZADD', K_WAITERS, 'NX', fmt(now), id)
+      redis.call('HSET', K_WAITING, id, fmt(bytes) .. '|' .. fmt(now))
+    else
+      forget_waiter(id)
+    end
+    local o = occupancy(tenant, backend, v)
+    if first then
+      event('queued', id, '-', tenant, backend, fmt(bytes), operation, dim, version, o)
+    end
+    return { 'REJECTED', dim, fmt(version), o[1], o[2], o[3], o[4], o[5] }
+  end
+
+  if head == id or not first then
+    forget_waiter(id)
+  end
+  local token = redis.call('INCR', K_FENCE)
+  local expires = now + ttl
+  apply(tenant, backend, names, v, bytes, 1)
+  redis.call('HSET', K_LEASES, id,
+    table.concat({ fmt(token), tenant, backend, fmt(bytes), fmt(now), operation, fmt(version) }, '|'))
+  redis.call('ZADD', K_EXP, fmt(expires), id)
+  local o = occupancy(tenant, backend, v)
+  event('admitted', id, fmt(token), tenant, backend, fmt(bytes), operation, 'admitted', version, o)
+  return { 'ADMITTED', fmt(token), fmt(expires), fmt(version), o[1], o[2], o[3], o[4], o[5] }
+end
+
+-- ARGV: 4 lease id, 5 fencing token, 6 ttl ms.
+local function renew()
+  local id, token, ttl = ARGV[4], ARGV[5], tonumber(ARGV[6])
+  if not ttl or ttl <= 0 then
+    return { 'PROTOCOL', 'invalid_renew' }
+  end
+  local raw = redis.call('HGET', K_LEASES, id)
+  if not raw then
+    return { 'LOST' }
+  end
+  if split(raw)[1] ~= token then
+    return { 'STALE' }
+  end
+  local score = redis.call('ZSCORE', K_EXP, id)
+  if (not score) or tonumber(score) <= now then
+    -- Past expiry but not reaped yet: never resurrect it.
+    drop_lease(id, 'expired', 'lease_expired')
+    return { 'EXPIRED' }
+  end
+  local expires = now + ttl
+  redis.call('ZADD', K_EXP, 'XX', fmt(expires), id)
+  return { 'RENEWED', fmt(expires) }
+end
+
+-- ARGV: 4 lease id, 5 fencing token, 6 outcome (completed, failed, interrupted).
+local function release()
+  local raw = redis.call('HGET', K_LEASES, ARGV[4])
+  if not raw then
+    return { 'MISSING' }
+  end
+  if split(raw)[1] ~= ARGV[5] then
+    return { 'STALE' }
+  end
+  drop_lease(ARGV[4], 'completed', ARGV[6])
+  return { 'RELEASED' }
+end
+
+-- Give up a wait (or an acquire whose reply was lost): forget the waiter, drop a lease the
+-- id may hold, and record timed_out when ARGV[9] names the blocking dimension.
+-- ARGV: 4 lease id, 5 tenant, 6 backend, 7 bytes, 8 operation, 9 dimension or '-'.
+local function abandon()
+  local id = ARGV[4]
+  forget_waiter(id)
+  local released = 0
+  if drop_lease(id, 'completed', 'abandoned') then
+    released = 1
+  end
+  if ARGV[9] ~= '-' then
+    local _, v = load_counts(ARGV[5], ARGV[6])
+    event('timed_out', id, '-', ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], policy_version(),
+      occupancy(ARGV[5], ARGV[6], v))
+  end
+  return { 'ABANDONED', fmt(released) }
+end
+
+-- ARGV: 4 tenant hash or '-', 5 backend hash or '-'.
+local function snapshot()
+  reap(reap_limit)
+  local _, v = load_counts(ARGV[4], ARGV[5])
+  local o = occupancy(ARGV[4], ARGV[5], v)
+  return { 'SNAPSHOT', o[1], o[2], o[3], o[4], o[5], fmt(policy_version()), fmt(now),
+    fmt(redis.call('ZCARD', K_WAITERS)) }
+end
+
+-- Set or clear a tenant override. ARGV: 4 tenant hash, 5 bytes or '-', 6 transfers or '-'.
+local function policy()
+  local tenant = ARGV[4]
+  if tenant == '-' then
+    return { 'PROTOCOL', 'policy_needs_tenant' }
+  end
+  local fields = { [5] = ':b', [6] = ':c' }
+  for i = 5, 6 do
+    local v = ARGV[i]
+    if v ~= '-' and (not tonumber(v) or tonumber(v) < 1) then
+      return { 'PROTOCOL', 'invalid_policy_value' }
+    end
+  end
+  for i = 5, 6 do
+    local field = 't:' .. tenant .. fields[i]
+    if ARGV[i] == '-' then
+      redis.call('HDEL', K_POLICY, field)
+    else
+      redis.call('HSET', K_POLICY, field, fmt(tonumber(ARGV[i])))
+    end
+  end
+  local version = redis.call('HINCRBY', K_POLICY, 'version', 1)
+  local outcome = 'set'
+  if ARGV[5] == '-' and ARGV[6] == '-' then
+    outcome = 'cleared'
+  end
+  local _, v = load_counts(tenant, '-')
+  event('policy_changed', '-', '-', tenant, '-', '0', 'control', outcome, version, occupancy(tenant, '-', v))
+  return { 'POLICY', fmt(version) }
+end
+
+-- Append a client-side decision. ARGV: 4 kind, 5 lease, 6 tenant, 7 backend, 8 bytes,
+-- 9 operation, 10 outcome.
+local function append_event()
+  local kinds = { admitted = 1, queued = 1, timed_out = 1, completed = 1, expired = 1, policy_changed = 1 }
+  if not kinds[ARGV[4]] then
+    return { 'PROTOCOL', 'unknown_event_kind' }
+  end
+  local _, v = load_counts(ARGV[6], ARGV[7])
+  event(ARGV[4], ARGV[5], '-', ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], policy_version(),
+    occupancy(ARGV[6], ARGV[7], v))
+  return { 'RECORDED' }
+end
+
+-- Charge a traffic quota in fixed windows of Redis time. KEYS[9] = traffic key.
+-- ARGV: 4 kind, 5 amount, 6 limit, 7 window ms.
+local function charge()
+  local key = KEYS[9]
+  local amount, lim, window_ms = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+  if not key or not amount or amount <= 0 or not lim or not window_ms or window_ms <= 0 then
+    return { 'PROTOCOL', 'invalid_charge' }
+  end
+  local window = math.floor(now / window_ms)
+  local stored = redis.call('HMGET', key, 'window', 'count')
+  local current = 0
+  if stored[1] and tonumber(stored[1]) == window then
+    current = tonumber(stored[2]) or 0
+  end
+  if current + amount > lim then
+    local retry = (window + 1) * window_ms - now
+    if retry < 1 then
+      retry = 1
+    end
+    return { 'QUOTA', fmt(lim), fmt(retry) }
+  end
+  redis.call('HSET', key, 'window', fmt(window), 'count', fmt(current + amount))
+  redis.call('PEXPIRE', key, fmt(2 * window_ms))
+  return { 'CHARGED', fmt(current + amount) }
+end
+
+local ops = {
+  acquire = acquire,
+  renew = renew,
+  release = release,
+  abandon = abandon,
+  reap = function()
+    return { 'REAPED', fmt(reap(reap_limit)) }
+  end,
+  snapshot = snapshot,
+  policy = policy,
+  event = append_event,
+  charge = charge,
+}
+
+local handler = ops[op]
+if not handler then
+  return { 'PROTOCOL', 'unknown_op' }
+end
+return handler()

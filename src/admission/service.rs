@@ -1,0 +1,401 @@
+//! [`Admission`]: the one entry point the HTTP layer calls.
+//!
+//! `admit` reserves local permits first and then, when `[admission.redis]` is configured,
+//! a cluster lease, all under `admission.acquisition_timeout` (the cluster wait is further
+//! bounded by `admission.redis.wait`). Any failure drops what was already reserved. The
+//! returned [`AdmissionPermit`] is an RAII guard: dropping it returns the local permits at
+//! once and stops the lease holder, which releases the cluster lease.
+//!
+//! Traffic quotas (`charge_request`, `charge_egress`) and overrides need Redis; in local
+//! mode quotas are not enforced and override calls answer [`Error::NotDistributed`].
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
+
+use ractor::{Actor, ActorRef};
+use serde::Serialize;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::budget::{LocalPermit, LocalSnapshot, TransferBudget};
+use super::config::AdmissionConfig;
+use super::error::{Error, QuotaKind};
+use super::footprint::{Footprint, Operation};
+use super::metrics::{AdmissionMetrics, KindLabels, OperationLabels, OutcomeLabels};
+use super::reply::{ChargeReply, Occupancy, ReleaseReply, SnapshotReply};
+use crate::actors::lease_holder::{
+    LeaseHolder, LeaseHolderArgs, LeaseHolderMsg, LeaseTiming, Outcome,
+};
+use crate::config::ByteSize;
+use crate::ids::TenantId;
+use crate::storage::redis::{ClusterLease, LeaseRequest, RedisCoordinator};
+
+/// One transfer asking to run.
+#[derive(Debug, Clone)]
+pub struct TransferRequest {
+    pub operation: Operation,
+    pub tenant: Option<TenantId>,
+    /// Physical backend label (a small fixed set: `fs`, `s3`, ...).
+    pub backend: String,
+    pub footprint: Footprint,
+}
+
+/// A live tenant override; `None` keeps the configured default for that dimension.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct TenantOverride {
+    pub bytes: Option<ByteSize>,
+    pub transfers: Option<u32>,
+}
+
+/// Local and (when configured) cluster occupancy.
+#[derive(Debug, Clone, Serialize)]
+pub struct AdmissionSnapshot {
+    pub local: LocalSnapshot,
+    pub cluster: Option<SnapshotReply>,
+}
+
+/// Lease facts a transfer may pass downstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseInfo {
+    pub lease_id: String,
+    pub fencing_token: u64,
+    pub policy_version: u64,
+    pub occupancy: Occupancy,
+}
+
+/// The admission service of one node. Cheap to clone.
+#[derive(Clone)]
+pub struct Admission {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: AdmissionConfig,
+    budget: TransferBudget,
+    cluster: Option<RedisCoordinator>,
+    metrics: AdmissionMetrics,
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission")
+            .field("distributed", &self.inner.cluster.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Admission {
+    /// Build the service. With `[admission.redis]` the Redis client is created without
+    /// connecting, so a node starts while Redis is down and admission fails closed. Call it
+    /// inside a tokio runtime.
+    pub fn new(config: &AdmissionConfig, metrics: AdmissionMetrics) -> Result<Self, Error> {
+        let cluster = config
+            .redis
+            .as_ref()
+            .map(RedisCoordinator::connect)
+            .transpose()?;
+        let budget =
+            TransferBudget::new(config).with_available_gauge(metrics.local_available_bytes.clone());
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config: config.clone(),
+                budget,
+                cluster,
+                metrics,
+            }),
+        })
+    }
+
+    pub fn is_distributed(&self) -> bool {
+        self.inner.cluster.is_some()
+    }
+
+    pub fn coordinator(&self) -> Option<&RedisCoordinator> {
+        self.inner.cluster.as_ref()
+    }
+
+    pub fn metrics(&self) -> &AdmissionMetrics {
+        &self.inner.metrics
+    }
+
+    /// Reserve everything `request` needs before its first byte is read.
+    pub async fn admit(&self, request: TransferRequest) -> Result<AdmissionPermit, Error> {
+        let started = Instant::now();
+        let result = self.admit_inner(&request, started).await;
+        let metrics = &self.inner.metrics;
+        match &result {
+            Ok(permit) => {
+                metrics.decision(request.operation, "admitted");
+                metrics
+                    .wait_seconds
+                    .get_or_create(&OperationLabels {
+                        operation: request.operation.as_str(),
+                    })
+                    .observe(started.elapsed().as_secs_f64());
+                if let Some(lease) = &permit.lease {
+                    metrics.observe_occupancy(&lease.occupancy);
+                }
+            }
+            Err(err) => metrics.decision(request.operation, err.outcome()),
+        }
+        result
+    }
+
+    async fn admit_inner(
+        &self,
+        request: &TransferRequest,
+        started: Instant,
+    ) -> Result<AdmissionPermit, Error> {
+        let deadline = started + self.inner.config.acquisition_timeout.get();
+        let local = self
+            .inner
+            .budget
+            .reserve(
+                request.tenant.as_ref(),
+                &request.backend,
+                request.footprint,
+                deadline,
+            )
+            .await?;
+        let cancel = CancellationToken::new();
+        let outcome = Arc::new(AtomicU8::new(Outcome::Interrupted.to_u8()));
+        let Some(cluster) = &self.inner.cluster else {
+            return Ok(AdmissionPermit {
+                local: Some(local),
+                holder: None,
+                lease: None,
+                cancel,
+                outcome,
+            });
+        };
+        let redis = cluster.config();
+        let lease_request = LeaseRequest {
+            lease_id: uuid::Uuid::new_v4().to_string(),
+            tenant: request.tenant,
+            backend: request.backend.clone(),
+            footprint: request.footprint,
+            operation: request.operation,
+        };
+        let cluster_deadline = deadline.min(Instant::now() + redis.wait.get());
+        // On error `local` is dropped here, returning the local permits.
+        let lease = cluster.acquire(&lease_request, cluster_deadline).await?;
+        let ClusterLease {
+            lease_id,
+            token,
+            policy_version,
+            occupancy,
+            sent_at,
+        } = lease;
+        let info = LeaseInfo {
+            lease_id: lease_id.clone(),
+            fencing_token: token.value(),
+            policy_version,
+            occupancy,
+        };
+        let metrics = self.inner.metrics.clone();
+        let release_metrics = self.inner.metrics.clone();
+        let args = LeaseHolderArgs {
+            backend: Arc::new(cluster.clone()),
+            lease_id,
+            token,
+            sent_at,
+            timing: LeaseTiming {
+                ttl: redis.lease_ttl.get(),
+                renew_interval: redis.renew_interval.get(),
+                retry_interval: redis.retry_interval.get().max(Duration::from_millis(20)),
+            },
+            policy: redis.lease_loss,
+            operation: request.operation,
+            cancel: cancel.clone(),
+            outcome: outcome.clone(),
+            on_loss: Arc::new(move |operation| {
+                metrics
+                    .lease_losses
+                    .get_or_create(&OperationLabels {
+                        operation: operation.as_str(),
+                    })
+                    .inc();
+            }),
+            on_release: Arc::new(move |reply| {
+                let outcome = match reply {
+                    Ok(ReleaseReply::Released) => "released",
+                    Ok(ReleaseReply::Missing) => "missing",
+                    Ok(ReleaseReply::Stale) => "stale",
+                    Err(_) => "error",
+                };
+                release_metrics
+                    .releases
+                    .get_or_create(&OutcomeLabels { outcome })
+                    .inc();
+            }),
+        };
+        match Actor::spawn(None, LeaseHolder, args).await {
+            Ok((actor, join)) => Ok(AdmissionPermit {
+                local: Some(local),
+                holder: Some((actor, join)),
+                lease: Some(info),
+                cancel,
+                outcome,
+            }),
+            Err(_) => {
+                // The token went down with the failed spawn: drop the lease by id (abandon)
+                // and answer as a coordinator failure.
+                let _ = cluster.abandon(&lease_request, None).await;
+                Err(Error::Unavailable("lease_holder_spawn".into()))
+            }
+        }
+    }
+
+    /// Charge one request to the tenant's per-minute quota (no-op in local mode).
+    pub async fn charge_request(&self, tenant: &TenantId) -> Result<(), Error> {
+        self.charge(tenant, QuotaKind::Requests, 1).await
+    }
+
+    /// Charge `bytes` about to be sent to the tenant's per-hour egress quota.
+    pub async fn charge_egress(&self, tenant: &TenantId, bytes: u64) -> Result<(), Error> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.charge(tenant, QuotaKind::Egress, bytes).await?;
+        self.inner.metrics.egress_bytes.inc_by(bytes);
+        Ok(())
+    }
+
+    async fn charge(&self, tenant: &TenantId, kind: QuotaKind, amount: u64) -> Result<(), Error> {
+        let Some(cluster) = &self.inner.cluster else {
+            return Ok(());
+        };
+        match cluster.charge(tenant, kind, amount).await? {
+            ChargeReply::Charged { .. } => Ok(()),
+            ChargeReply::Rejected { retry_after, .. } => {
+                self.inner
+                    .metrics
+                    .quota_rejections
+                    .get_or_create(&KindLabels {
+                        kind: kind.as_str(),
+                    })
+                    .inc();
+                Err(Error::QuotaExceeded { kind, retry_after })
+            }
+        }
+    }
+
+    /// Apply a live tenant override on every node of the cell; returns the policy version.
+    pub async fn set_override(
+        &self,
+        tenant: &TenantId,
+        value: TenantOverride,
+    ) -> Result<u64, Error> {
+        let cluster = self.inner.cluster.as_ref().ok_or(Error::NotDistributed)?;
+        let redis = cluster.config();
+        if value.bytes.is_none() && value.transfers.is_none() {
+            return Err(Error::InvalidOverride(
+                "set bytes, transfers, or both (or clear the override)",
+            ));
+        }
+        if let Some(bytes) = value.bytes
+            && (bytes.bytes() == 0 || bytes > redis.service_bytes)
+        {
+            return Err(Error::InvalidOverride(
+                "bytes must be between 1 and the service ceiling",
+            ));
+        }
+        if let Some(transfers) = value.transfers
+            && (transfers == 0 || transfers > redis.service_transfers)
+        {
+            return Err(Error::InvalidOverride(
+                "transfers must be between 1 and the service ceiling",
+            ));
+        }
+        cluster
+            .set_policy(
+                tenant,
+                value.bytes.map(ByteSize::bytes),
+                value.transfers.map(u64::from),
+            )
+            .await
+    }
+
+    /// Remove a tenant override (back to configured defaults); returns the policy version.
+    pub async fn clear_override(&self, tenant: &TenantId) -> Result<u64, Error> {
+        let cluster = self.inner.cluster.as_ref().ok_or(Error::NotDistributed)?;
+        cluster.set_policy(tenant, None, None).await
+    }
+
+    pub async fn snapshot(
+        &self,
+        tenant: Option<&TenantId>,
+        backend: Option<&str>,
+    ) -> Result<AdmissionSnapshot, Error> {
+        let local = self.inner.budget.snapshot();
+        let cluster = match &self.inner.cluster {
+            Some(cluster) => {
+                let snap = cluster.snapshot(tenant, backend).await?;
+                self.inner.metrics.observe_occupancy(&snap.occupancy);
+                Some(snap)
+            }
+            None => None,
+        };
+        Ok(AdmissionSnapshot { local, cluster })
+    }
+}
+
+/// Everything one admitted transfer holds. Drop it when the transfer ends; set the outcome
+/// first with [`AdmissionPermit::set_outcome`] (the default is `interrupted`).
+pub struct AdmissionPermit {
+    local: Option<LocalPermit>,
+    holder: Option<(ActorRef<LeaseHolderMsg>, JoinHandle<()>)>,
+    lease: Option<LeaseInfo>,
+    cancel: CancellationToken,
+    outcome: Arc<AtomicU8>,
+}
+
+impl std::fmt::Debug for AdmissionPermit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdmissionPermit")
+            .field("local", &self.local)
+            .field("lease", &self.lease)
+            .finish()
+    }
+}
+
+impl AdmissionPermit {
+    /// Cancelled when the cluster lease is lost and the loss policy is `cancel`.
+    pub fn cancellation(&self) -> CancellationToken {
+        self.cancel.clone()
+    }
+
+    /// The cluster lease, absent in local mode.
+    pub fn lease(&self) -> Option<&LeaseInfo> {
+        self.lease.as_ref()
+    }
+
+    pub fn footprint(&self) -> Option<Footprint> {
+        self.local.as_ref().map(LocalPermit::footprint)
+    }
+
+    pub fn set_outcome(&self, outcome: Outcome) {
+        self.outcome.store(outcome.to_u8(), Ordering::Release);
+    }
+
+    /// Record `outcome`, release everything, and wait until the cluster release finished.
+    pub async fn finish(mut self, outcome: Outcome) {
+        self.set_outcome(outcome);
+        self.local.take();
+        if let Some((actor, join)) = self.holder.take() {
+            actor.stop(None);
+            let _ = join.await;
+        }
+    }
+}
+
+impl Drop for AdmissionPermit {
+    fn drop(&mut self) {
+        self.local.take();
+        if let Some((actor, _join)) = self.holder.take() {
+            actor.stop(None);
+        }
+    }
+}

@@ -1,0 +1,237 @@
+//! Admission at the HTTP edge: admitting uploads and downloads before their bytes move,
+//! charging download egress per chunk, and the admin endpoints.
+//!
+//! - Uploads: the receiving node charges the request quota; the node that ingests admits
+//!   an `upload` (direct or forwarded to it), a forwarding node admits a
+//!   `forwarded_upload` for the relay. All of it happens before the body is read.
+//! - Downloads (`GET`): request quota and admission before the manifest is read; each
+//!   outgoing chunk is charged to the egress quota just before it is sent. A refused charge
+//!   or a lost lease ends the stream with an error, so the client sees an aborted transfer,
+//!   never a silently short `200`.
+//! - `PUT`/`DELETE /v1/admin/tenants/{tenant}/admission` set or clear a live tenant override
+//!   and answer `{"policy_version": n}`; `GET /v1/admin/admission?tenant=&backend=` answers
+//!   the occupancy snapshot. All need `Authorization: Bearer <admin.token>`.
+//!
+//! The tenant is the `X-Graviton-Tenant-Id` header (uploads: with the session header).
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt};
+use serde::{Deserialize, Serialize};
+
+use super::headers::{TENANT_HEADER, single_value};
+use super::{ApiError, AppState};
+use crate::admission::{
+    Admission, AdmissionPermit, AdmissionSnapshot, Footprint, Operation, Outcome, TenantOverride,
+    TransferRequest,
+};
+use crate::cas::chunker::MAX_CHUNK;
+use crate::ids::TenantId;
+
+/// Backend label of the embedded filesystem store.
+pub const BACKEND: &str = "fs";
+
+/// A boxed error for streamed bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The optional `X-Graviton-Tenant-Id` header as a tenant.
+pub fn tenant_header(headers: &HeaderMap) -> Result<Option<TenantId>, ApiError> {
+    let Some(text) = single_value(headers, TENANT_HEADER, "invalid_tenant_id")? else {
+        return Ok(None);
+    };
+    text.parse().map(Some).map_err(|e| {
+        ApiError::bad_request("invalid_tenant_id", format!("X-Graviton-Tenant-Id {e}"))
+    })
+}
+
+/// Charge one request to the tenant's quota (no-op without a tenant or without Redis).
+/// Only the node that receives the client's request charges it.
+pub async fn charge_request(app: &AppState, tenant: Option<&TenantId>) -> Result<(), ApiError> {
+    if let Some(tenant) = tenant {
+        app.admission.charge_request(tenant).await?;
+    }
+    Ok(())
+}
+
+/// Admit one transfer (local permits, then the cluster lease).
+pub async fn admit(
+    app: &AppState,
+    operation: Operation,
+    tenant: Option<TenantId>,
+) -> Result<AdmissionPermit, ApiError> {
+    let permit = app
+        .admission
+        .admit(TransferRequest {
+            operation,
+            tenant,
+            backend: BACKEND.to_string(),
+            footprint: Footprint::for_operation(operation, MAX_CHUNK as u64),
+        })
+        .await?;
+    Ok(permit)
+}
+
+/// The error a transfer ends with when its cluster lease is lost mid-way.
+pub fn lease_lost() -> ApiError {
+    crate::admission::Error::Unavailable("lease_lost".into()).into()
+}
+
+struct Charged<S> {
+    inner: Pin<Box<S>>,
+    admission: Admission,
+    tenant: Option<TenantId>,
+    permit: Option<AdmissionPermit>,
+    done: bool,
+}
+
+/// Wrap a download stream: each chunk is charged to the tenant's egress quota right
+/// before it is yielded; the permit is held until the stream ends or is dropped.
+pub fn charge_egress<S, E>(
+    inner: S,
+    admission: Admission,
+    tenant: Option<TenantId>,
+    permit: Option<AdmissionPermit>,
+) -> impl Stream<Item = Result<Bytes, BoxError>> + Send + 'static
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + 'static,
+    E: Into<BoxError> + Send,
+{
+    let state = Charged {
+        inner: Box::pin(inner),
+        admission,
+        tenant,
+        permit,
+        done: false,
+    };
+    futures_util::stream::unfold(state, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let finish = |st: &mut Charged<S>, outcome: Outcome| {
+            st.done = true;
+            if let Some(permit) = st.permit.take() {
+                permit.set_outcome(outcome);
+            }
+        };
+        match st.inner.next().await {
+            None => {
+                finish(&mut st, Outcome::Completed);
+                None
+            }
+            Some(Err(err)) => {
+                finish(&mut st, Outcome::Failed);
+                Some((Err(err.into()), st))
+            }
+            Some(Ok(bytes)) => {
+                if st
+                    .permit
+                    .as_ref()
+                    .is_some_and(|p| p.cancellation().is_cancelled())
+                {
+                    finish(&mut st, Outcome::Interrupted);
+                    return Some((Err("transfer admission lease lost".into()), st));
+                }
+                if let Some(tenant) = st.tenant
+                    && let Err(err) = st
+                        .admission
+                        .charge_egress(&tenant, bytes.len() as u64)
+                        .await
+                {
+                    tracing::info!(
+                        outcome = err.outcome(),
+                        "download stopped by the egress quota"
+                    );
+                    finish(&mut st, Outcome::Failed);
+                    return Some((Err(Box::new(err) as BoxError), st));
+                }
+                Some((Ok(bytes), st))
+            }
+        }
+    })
+}
+
+fn require_admin(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(token) = &app.config.admin.token else {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "admin_disabled",
+            "admin endpoints are disabled",
+        ));
+    };
+    let presented = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if token.matches(presented.as_bytes()) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "a valid admin bearer token is required",
+        ))
+    }
+}
+
+fn tenant_path(text: &str) -> Result<TenantId, ApiError> {
+    text.parse()
+        .map_err(|e| ApiError::bad_request("invalid_tenant_id", format!("tenant {e}")))
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct PolicyVersion {
+    pub policy_version: u64,
+}
+
+/// `PUT /v1/admin/tenants/{tenant}/admission` with `{"bytes": "64MiB", "transfers": 4}`.
+pub async fn put_override(
+    State(app): State<Arc<AppState>>,
+    Path(tenant): Path<String>,
+    headers: HeaderMap,
+    Json(value): Json<TenantOverride>,
+) -> Result<Json<PolicyVersion>, ApiError> {
+    require_admin(&app, &headers)?;
+    let tenant = tenant_path(&tenant)?;
+    let policy_version = app.admission.set_override(&tenant, value).await?;
+    Ok(Json(PolicyVersion { policy_version }))
+}
+
+/// `DELETE /v1/admin/tenants/{tenant}/admission`
+pub async fn delete_override(
+    State(app): State<Arc<AppState>>,
+    Path(tenant): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<PolicyVersion>, ApiError> {
+    require_admin(&app, &headers)?;
+    let tenant = tenant_path(&tenant)?;
+    let policy_version = app.admission.clear_override(&tenant).await?;
+    Ok(Json(PolicyVersion { policy_version }))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct SnapshotQuery {
+    pub tenant: Option<String>,
+    pub backend: Option<String>,
+}
+
+/// `GET /v1/admin/admission?tenant=<uuid>&backend=<label>`
+pub async fn snapshot(
+    State(app): State<Arc<AppState>>,
+    Query(query): Query<SnapshotQuery>,
+    headers: HeaderMap,
+) -> Result<Json<AdmissionSnapshot>, ApiError> {
+    require_admin(&app, &headers)?;
+    let tenant = query.tenant.as_deref().map(tenant_path).transpose()?;
+    let backend = query.backend.as_deref().unwrap_or(BACKEND);
+    Ok(Json(
+        app.admission
+            .snapshot(tenant.as_ref(), Some(backend))
+            .await?,
+    ))
+}

@@ -1,0 +1,8 @@
+//! Redis adapters. [`coordinator`] runs the admission script (`lua/admission.lua`) for
+//! cluster leases, quotas and decision events; [`keys`] names the keys of a cell.
+
+pub mod coordinator;
+pub mod keys;
+
+pub use coordinator::{ClusterLease, LeaseRequest, RedisCoordinator};
+pub use keys::CellKeys;
