@@ -16,24 +16,27 @@ pub enum OwnerMsg {
     Finish { succeeded: bool },
     /// A copy of the hot state.
     Snapshot(RpcReplyPort<HotSnapshot>),
+    /// Hand the whole state to the region, which parks it and stops this actor.
+    Park(RpcReplyPort<HotState>),
 }
 
 impl ractor::Message for OwnerMsg {}
 
-/// The owner actor; stateless itself, its state is the session's [`HotState`].
+/// The owner actor; stateless itself, its state is the session's [`HotState`]. It starts
+/// from a parked state when the session was active before (see `SessionRegion`).
 pub struct SessionOwner;
 
 impl Actor for SessionOwner {
     type Msg = OwnerMsg;
     type State = HotState;
-    type Arguments = ();
+    type Arguments = Option<HotState>;
 
     async fn pre_start(
         &self,
         _myself: ActorRef<OwnerMsg>,
-        _args: (),
+        parked: Option<HotState>,
     ) -> Result<HotState, ActorProcessingErr> {
-        Ok(HotState::new(SystemTime::now()))
+        Ok(parked.unwrap_or_else(|| HotState::new(SystemTime::now())))
     }
 
     async fn handle(
@@ -54,6 +57,9 @@ impl Actor for SessionOwner {
             OwnerMsg::Finish { succeeded } => state.finish(succeeded, now),
             OwnerMsg::Snapshot(reply) => {
                 let _ = reply.send(state.snapshot());
+            }
+            OwnerMsg::Park(reply) => {
+                let _ = reply.send(state.clone());
             }
         }
         Ok(())

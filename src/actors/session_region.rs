@@ -1,5 +1,10 @@
 //! `SessionRegion`: the session owners of this node's shards.
 //!
+//! An owner actor runs only while its session uploads. When the upload ends the region
+//! takes the owner's hot state back (a few dozen bytes), stops the actor and keeps the
+//! state parked; the next upload of the session starts a new owner from it. Idle sessions
+//! therefore cost a table entry, not an actor (an actor costs about 11 KiB).
+//!
 //! Spawns a [`SessionOwner`] on a session's first upload, keeps at most `max_hot` of them
 //! (evicting the least recently active idle one at the bound, refusing when all are
 //! active), stops owners idle for `idle_timeout`, and stops owners on request (shard
@@ -10,6 +15,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use ractor::rpc::CallResult;
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use serde::Serialize;
 use tokio::time::Instant;
@@ -17,7 +23,7 @@ use tokio::time::Instant;
 use super::session_owner::{OwnerMsg, SessionOwner};
 use crate::ids::SessionKey;
 use crate::metrics::{Metrics, ReasonLabels};
-use crate::session::{HotSnapshot, IndexAdmission, SessionError, SessionIndex};
+use crate::session::{HotSnapshot, HotState, IndexAdmission, SessionError, SessionIndex};
 
 /// Settings of a region (from `[sessions]`).
 #[derive(Debug, Clone)]
@@ -62,19 +68,48 @@ impl ractor::Message for RegionMsg {}
 
 pub struct SessionRegion;
 
+/// How long the region waits for an owner to hand over its state when parking it.
+const PARK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Spawn the owner of `key` (from its parked state, if any) and record it.
+async fn spawn_owner(
+    myself: &ActorRef<RegionMsg>,
+    state: &mut RegionState,
+    key: SessionKey,
+    parked: Option<HotState>,
+) -> Result<ActorRef<OwnerMsg>, SessionError> {
+    match Actor::spawn_linked(None, SessionOwner, parked, myself.get_cell()).await {
+        Ok((owner, _)) => {
+            state.by_actor.insert(owner.get_id(), key);
+            state.owners.insert(key, owner.clone());
+            Ok(owner)
+        }
+        Err(err) => {
+            state.index.remove(&key);
+            Err(SessionError::Unavailable(format!("spawn session owner: {err}")))
+        }
+    }
+}
+
 pub struct RegionState {
     args: RegionArgs,
     index: SessionIndex<SessionKey>,
     owners: HashMap<SessionKey, ActorRef<OwnerMsg>>,
     by_actor: HashMap<ActorId, SessionKey>,
+    /// Hot state of idle sessions whose owner actor was stopped.
+    parked: HashMap<SessionKey, HotState>,
     sweeper: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl RegionState {
     fn stop_owner(&mut self, key: &SessionKey, reason: &'static str) {
-        if let Some(owner) = self.owners.remove(key) {
+        let parked = self.parked.remove(key).is_some();
+        let owner = self.owners.remove(key);
+        if let Some(owner) = &owner {
             self.by_actor.remove(&owner.get_id());
             owner.stop(Some(reason.to_string()));
+        }
+        if parked || owner.is_some() {
             self.args
                 .metrics
                 .session_stops
@@ -108,6 +143,7 @@ impl Actor for SessionRegion {
             args,
             owners: HashMap::new(),
             by_actor: HashMap::new(),
+            parked: HashMap::new(),
             sweeper: Some(sweeper),
         };
         state.publish_gauges();
@@ -140,7 +176,10 @@ impl Actor for SessionRegion {
                 let result = match state.index.begin(&key, now) {
                     IndexAdmission::Existing => match state.owners.get(&key) {
                         Some(owner) => Ok(owner.clone()),
-                        None => Err(SessionError::Unavailable("owner missing".into())),
+                        None => {
+                            let parked = state.parked.remove(&key);
+                            spawn_owner(&myself, state, key, parked).await
+                        }
                     },
                     IndexAdmission::Busy => Err(SessionError::Busy),
                     IndexAdmission::Full => Err(SessionError::AtCapacity),
@@ -148,19 +187,7 @@ impl Actor for SessionRegion {
                         if let Some(evicted) = evicted {
                             state.stop_owner(&evicted, "evicted");
                         }
-                        match Actor::spawn_linked(None, SessionOwner, (), myself.get_cell()).await {
-                            Ok((owner, _)) => {
-                                state.by_actor.insert(owner.get_id(), key);
-                                state.owners.insert(key, owner.clone());
-                                Ok(owner)
-                            }
-                            Err(err) => {
-                                state.index.remove(&key);
-                                Err(SessionError::Unavailable(format!(
-                                    "spawn session owner: {err}"
-                                )))
-                            }
-                        }
+                        spawn_owner(&myself, state, key, None).await
                     }
                 };
                 if let Ok(owner) = &result {
@@ -171,8 +198,20 @@ impl Actor for SessionRegion {
             }
             RegionMsg::End { key, succeeded } => {
                 state.index.end(&key, now);
-                if let Some(owner) = state.owners.get(&key) {
+                if let Some(owner) = state.owners.get(&key).cloned() {
                     let _ = owner.cast(OwnerMsg::Finish { succeeded });
+                    // Park: take the state back (after the Finish above, same sender, FIFO)
+                    // and stop the actor. If the owner does not answer, it stays running.
+                    if let Ok(CallResult::Success(hot)) =
+                        owner.call(OwnerMsg::Park, Some(PARK_TIMEOUT)).await
+                    {
+                        state.owners.remove(&key);
+                        state.by_actor.remove(&owner.get_id());
+                        owner.stop(Some("parked".to_string()));
+                        if state.index.contains(&key) {
+                            state.parked.insert(key, hot);
+                        }
+                    }
                 }
                 state.publish_gauges();
             }
@@ -183,8 +222,13 @@ impl Actor for SessionRegion {
                 state.publish_gauges();
             }
             RegionMsg::StopMatching(filter, reply) => {
-                let keys: Vec<SessionKey> =
-                    state.owners.keys().filter(|k| filter(k)).copied().collect();
+                let keys: Vec<SessionKey> = state
+                    .owners
+                    .keys()
+                    .chain(state.parked.keys())
+                    .filter(|k| filter(k))
+                    .copied()
+                    .collect();
                 for key in &keys {
                     state.index.remove(key);
                     state.stop_owner(key, "unassigned");
@@ -215,7 +259,7 @@ impl Actor for SessionRegion {
                     });
                 }
                 None => {
-                    let _ = reply.send(None);
+                    let _ = reply.send(state.parked.get(&key).map(HotState::snapshot));
                 }
             },
         }

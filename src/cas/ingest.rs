@@ -34,7 +34,7 @@ const BATCH_BYTES: usize = 256 * 1024;
 /// Chunks queued between the chunker and the block writes.
 const CHUNK_QUEUE: usize = 8;
 /// Block writes in flight at once per upload.
-const STORE_CONCURRENCY: usize = 4;
+const STORE_CONCURRENCY: usize = 8;
 
 /// Limits checked while the body streams.
 #[derive(Debug, Clone, Copy)]

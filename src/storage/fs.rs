@@ -7,8 +7,10 @@
 //! tmp/                                          in-flight writes
 //! ```
 //! Every write goes to a temporary file in the same filesystem, is optionally fsynced,
-//! and is published with a no-clobber link, so readers see complete files or nothing, and
-//! an existing file is never rewritten. With `fsync` on, the parent directory is synced
+//! and is published atomically, so readers see complete files or nothing. Manifests are
+//! published with a no-clobber link (the first writer wins). Blocks are published with a
+//! rename after an existence check: only two concurrent writers of the same block can
+//! both publish, and their bytes are identical because the name is their hash. With `fsync` on, the parent directory is synced
 //! after publishing. Blocks of a failed upload may remain (they are content-addressed and
 //! harmless); no manifest is written for a failed upload, so no partial blob is visible.
 
@@ -39,12 +41,19 @@ impl Dirs {
     }
 
     /// Atomically publish `data` at `path`; `Ok(false)` if the file already exists.
-    fn publish(&self, path: &Path, data: &[u8]) -> Result<bool, StoreError> {
+    ///
+    /// With `identical_if_raced` (blocks: the name is the content's hash), a file that
+    /// appears between the existence check and the publish is known to hold the same
+    /// bytes, so the cheaper `rename` is used. Otherwise (manifests) a no-clobber link
+    /// guarantees the first writer wins.
+    fn publish(&self, path: &Path, data: &[u8], identical_if_raced: bool) -> Result<bool, StoreError> {
         if path.exists() {
             return Ok(false);
         }
         let parent = path.parent().expect("store paths have a parent");
-        std::fs::create_dir_all(parent).map_err(|e| StoreError::io("create directory", e))?;
+        if !parent.is_dir() {
+            std::fs::create_dir_all(parent).map_err(|e| StoreError::io("create directory", e))?;
+        }
         let mut tmp = tempfile::NamedTempFile::new_in(&self.tmp)
             .map_err(|e| StoreError::io("create temporary file", e))?;
         tmp.write_all(data)
@@ -54,15 +63,20 @@ impl Dirs {
                 .sync_data()
                 .map_err(|e| StoreError::io("fsync file", e))?;
         }
-        match tmp.persist_noclobber(path) {
-            Ok(_) => {
+        let published = if identical_if_raced {
+            tmp.persist(path).map(|_| ()).map_err(|e| e.error)
+        } else {
+            tmp.persist_noclobber(path).map(|_| ()).map_err(|e| e.error)
+        };
+        match published {
+            Ok(()) => {
                 if self.fsync {
                     sync_dir(parent)?;
                 }
                 Ok(true)
             }
-            Err(err) if err.error.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
-            Err(err) => Err(StoreError::io("publish file", err.error)),
+            Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+            Err(err) => Err(StoreError::io("publish file", err)),
         }
     }
 }
@@ -116,7 +130,7 @@ impl BlockStore for FsBlockStore {
         let path = self.path_of(&key);
         let dirs = self.dirs.clone();
         Box::pin(blocking(move || {
-            Ok(if dirs.publish(&path, &data)? {
+            Ok(if dirs.publish(&path, &data, true)? {
                 PutOutcome::Fresh
             } else {
                 PutOutcome::Duplicate
@@ -164,7 +178,7 @@ impl ManifestStore for FsManifestStore {
         let encoded = serde_json::to_vec(manifest);
         Box::pin(blocking(move || {
             let data = encoded.map_err(|e| StoreError::Corrupt(format!("encode manifest: {e}")))?;
-            Ok(if dirs.publish(&path, &data)? {
+            Ok(if dirs.publish(&path, &data, false)? {
                 CreateOutcome::Created
             } else {
                 CreateOutcome::AlreadyExists
