@@ -20,8 +20,14 @@ fn rss_kib() -> u64 {
 }
 
 fn main() {
-    let count: usize = std::env::var("GRAVITON_BENCH_SESSIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000);
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let count: usize = std::env::var("GRAVITON_BENCH_SESSIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     runtime.block_on(async {
         let metrics = Metrics::new();
         let supervisor = SupervisorHandle::start(SupervisorArgs {

@@ -86,7 +86,9 @@ async fn spawn_owner(
         }
         Err(err) => {
             state.index.remove(&key);
-            Err(SessionError::Unavailable(format!("spawn session owner: {err}")))
+            Err(SessionError::Unavailable(format!(
+                "spawn session owner: {err}"
+            )))
         }
     }
 }

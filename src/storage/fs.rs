@@ -46,7 +46,12 @@ impl Dirs {
     /// appears between the existence check and the publish is known to hold the same
     /// bytes, so the cheaper `rename` is used. Otherwise (manifests) a no-clobber link
     /// guarantees the first writer wins.
-    fn publish(&self, path: &Path, data: &[u8], identical_if_raced: bool) -> Result<bool, StoreError> {
+    fn publish(
+        &self,
+        path: &Path,
+        data: &[u8],
+        identical_if_raced: bool,
+    ) -> Result<bool, StoreError> {
         if path.exists() {
             return Ok(false);
         }
