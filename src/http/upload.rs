@@ -200,6 +200,8 @@ pub async fn ingest_owned(
     };
     let ingest = async {
         tokio::select! {
+            // A finished ingest wins over a cancellation that fires at the same moment.
+            biased;
             result = ingest_body(app, declared, body, ticket.as_ref()) => result.map_err(ApiError::from),
             // The cluster lease was lost: stop ingesting (no manifest is written).
             () = lease_lost.cancelled() => Err(super::admission::lease_lost()),
@@ -207,6 +209,7 @@ pub async fn ingest_owned(
     };
     let result = match &permit {
         Some(permit) => tokio::select! {
+            biased;
             result = ingest => result,
             _ = permit.revoked() => Err(ApiError::unavailable(
                 "shard_moved",
