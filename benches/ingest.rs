@@ -18,18 +18,11 @@ use graviton::config::Config;
 use graviton::storage::fs::{FsBlockStore, FsManifestStore};
 use graviton::storage::{BlockStore, ManifestStore};
 
-fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
+#[path = "../tests/support/mod.rs"]
+#[allow(unused_imports)]
+mod support;
+
+use support::node::random_bytes;
 
 fn mb_per_s(bytes: usize, elapsed: Duration) -> f64 {
     bytes as f64 / elapsed.as_secs_f64() / 1e6
