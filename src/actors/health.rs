@@ -20,6 +20,7 @@ pub enum HealthMsg {
     Probe,
 }
 
+#[derive(Clone)]
 pub struct HealthArgs {
     pub view: Arc<LocalView>,
     pub interval: Duration,

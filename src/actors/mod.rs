@@ -22,6 +22,7 @@ pub mod health;
 pub mod lease_holder;
 pub mod manager_election;
 pub mod placement;
+pub mod placement_supervisor;
 pub mod session_owner;
 pub mod session_region;
 pub mod shard_manager;

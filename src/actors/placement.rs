@@ -41,6 +41,7 @@ pub enum PlacementMsg {
 }
 
 /// Startup arguments.
+#[derive(Clone)]
 pub struct PlacementArgs {
     pub store: PlacementStore,
     pub registration: NodeRegistration,

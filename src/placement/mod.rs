@@ -56,11 +56,15 @@ use ractor::{Actor, ActorRef};
 use serde::Serialize;
 use sqlx::{Connection, PgConnection, PgPool};
 
-use crate::actors::health::{HealthActor, HealthArgs, HealthMsg, probe_once};
+use crate::actors::health::{HealthArgs, probe_once};
 use crate::actors::manager_election::{
     self, ElectionArgs, ElectionMode, ElectionMsg, ManagerElection,
 };
-use crate::actors::placement::{PlacementActor, PlacementArgs, PlacementMsg};
+use crate::actors::placement::PlacementArgs;
+pub use crate::actors::placement_supervisor::Child as PlacementChild;
+use crate::actors::placement_supervisor::{
+    ElectionSpec, PlacementSupMsg, PlacementSupervisor, PlacementSupervisorArgs,
+};
 use crate::actors::shard_manager::ShardManagerArgs;
 use crate::ids::{NodeId, SessionKey};
 use crate::storage::pg::placement::{ClusterMeta, NodeRegistration, PlacementStore, StoreError};
@@ -95,9 +99,8 @@ pub struct Cluster;
 pub struct ClusterHandle {
     view: Arc<LocalView>,
     store: Option<PlacementStore>,
-    placement: Option<ActorRef<PlacementMsg>>,
-    health: Option<ActorRef<HealthMsg>>,
-    election: Option<ActorRef<ElectionMsg>>,
+    /// Owns and restarts the placement, health and election actors (cluster mode only).
+    supervisor: Option<ActorRef<PlacementSupMsg>>,
 }
 
 /// One node in the operator snapshot.
@@ -189,61 +192,41 @@ impl Cluster {
                 version.to_string()
             },
         };
-        let (placement, _) = Actor::spawn(
-            None,
-            PlacementActor,
-            PlacementArgs {
-                store: store.clone(),
-                registration,
-                view: view.clone(),
-                heartbeat_interval: config.heartbeat_interval.get(),
-                poll_interval: config.poll_interval.get(),
-                listen_notify: config.listen_notify,
-            },
-        )
-        .await
-        .map_err(|e| ClusterError::Spawn(e.to_string()))?;
-        probe_once(&view);
-        let (health, _) = Actor::spawn(
-            None,
-            HealthActor,
-            HealthArgs {
-                view: view.clone(),
-                interval: config.heartbeat_interval.get(),
-            },
-        )
-        .await
-        .map_err(|e| ClusterError::Spawn(e.to_string()))?;
-        let election = if config.embedded_manager {
-            let lock_options = manager_election::lock_connection_options(
+        let election = config.embedded_manager.then(|| ElectionSpec {
+            node: node.clone(),
+            lock_options: manager_election::lock_connection_options(
                 (*pool.connect_options()).clone(),
                 config.lock_ping_interval.get(),
-            );
-            let (election, _) = Actor::spawn(
-                None,
-                ManagerElection,
-                ElectionArgs {
-                    node: node.clone(),
-                    mode: ElectionMode::Standby,
-                    lock_options,
-                    held: None,
-                    manager: manager_args(&store, config),
-                    lock_retry_interval: config.lock_retry_interval.get(),
-                    lock_ping_interval: config.lock_ping_interval.get(),
+            ),
+            manager: manager_args(&store, config),
+            lock_retry_interval: config.lock_retry_interval.get(),
+            lock_ping_interval: config.lock_ping_interval.get(),
+        });
+        let (supervisor, _) = Actor::spawn(
+            None,
+            PlacementSupervisor,
+            PlacementSupervisorArgs {
+                placement: PlacementArgs {
+                    store: store.clone(),
+                    registration,
+                    view: view.clone(),
+                    heartbeat_interval: config.heartbeat_interval.get(),
+                    poll_interval: config.poll_interval.get(),
+                    listen_notify: config.listen_notify,
                 },
-            )
-            .await
-            .map_err(|e| ClusterError::Spawn(e.to_string()))?;
-            Some(election)
-        } else {
-            None
-        };
+                health: HealthArgs {
+                    view: view.clone(),
+                    interval: config.heartbeat_interval.get(),
+                },
+                election,
+            },
+        )
+        .await
+        .map_err(|e| ClusterError::Spawn(e.to_string()))?;
         Ok(ClusterHandle {
             view,
             store: Some(store),
-            placement: Some(placement),
-            health: Some(health),
-            election,
+            supervisor: Some(supervisor),
         })
     }
 
@@ -274,9 +257,7 @@ impl Cluster {
         ClusterHandle {
             view,
             store: None,
-            placement: None,
-            health: None,
-            election: None,
+            supervisor: None,
         }
     }
 }
@@ -536,16 +517,24 @@ impl ClusterHandle {
 
     /// The manager term this node leads under, 0 when it is not the manager.
     pub async fn leading_term(&self) -> i64 {
-        match &self.election {
-            Some(e) => ractor::call_t!(e, ElectionMsg::Term, 2000).unwrap_or(0),
+        match &self.supervisor {
+            Some(s) => ractor::call_t!(s, PlacementSupMsg::Term, 3000).unwrap_or(0),
             None => 0,
         }
     }
 
     /// Ask the placement actor to re-read the table now.
     pub fn refresh(&self) {
-        if let Some(p) = &self.placement {
-            let _ = p.cast(PlacementMsg::Refresh);
+        if let Some(s) = &self.supervisor {
+            let _ = s.cast(PlacementSupMsg::Refresh);
+        }
+    }
+
+    /// Fault injection for tests and drills: kill one placement actor as if it crashed.
+    /// The placement supervisor restarts it.
+    pub fn inject_actor_failure(&self, child: PlacementChild) {
+        if let Some(s) = &self.supervisor {
+            let _ = s.cast(PlacementSupMsg::Kill(child));
         }
     }
 
@@ -553,15 +542,9 @@ impl ClusterHandle {
     /// node fences itself; its row stays, and the manager reassigns its shards after the TTL
     /// unless it was drained first.
     pub async fn shutdown(&self) {
-        let wait = Some(Duration::from_secs(5));
-        if let Some(e) = &self.election {
-            let _ = e.stop_and_wait(None, wait).await;
-        }
-        if let Some(h) = &self.health {
-            let _ = h.stop_and_wait(None, wait).await;
-        }
-        if let Some(p) = &self.placement {
-            let _ = p.stop_and_wait(None, wait).await;
+        if let Some(s) = &self.supervisor {
+            // The supervisor stops the election, health and placement actors in that order.
+            let _ = s.stop_and_wait(None, Some(Duration::from_secs(20))).await;
         }
         self.view.fence_now();
     }
@@ -571,14 +554,8 @@ impl Drop for ClusterHandle {
     /// A handle dropped without [`ClusterHandle::shutdown`] still stops its actors (without
     /// waiting), so the election releases the lock and heartbeats stop.
     fn drop(&mut self) {
-        if let Some(e) = &self.election {
-            e.stop(None);
-        }
-        if let Some(h) = &self.health {
-            h.stop(None);
-        }
-        if let Some(p) = &self.placement {
-            p.stop(None);
+        if let Some(s) = &self.supervisor {
+            s.stop(None);
         }
         self.view.fence_now();
     }
