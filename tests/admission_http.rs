@@ -93,6 +93,9 @@ async fn refused_uploads_leave_the_body_unread_with_429_or_503() {
     )
     .await;
     let tenant = TenantId::new_random();
+    // The request quota counts per Redis-time minute: keep the three requests below
+    // inside one window.
+    avoid_minute_boundary(&server.url()).await;
 
     let response = upload_as(&node.url, tenant, endless_body()).await;
     assert_eq!(response.status(), 429);
@@ -125,6 +128,20 @@ async fn refused_uploads_leave_the_body_unread_with_429_or_503() {
     );
     assert_eq!(node.block_count(), 0);
     assert_eq!(node.manifest_count(), 0);
+}
+
+/// Wait until Redis time is at least 10 s away from the end of its current minute.
+async fn avoid_minute_boundary(url: &str) {
+    let client = redis::Client::open(url).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+    let into_minute =
+        std::time::Duration::from_secs(secs % 60) + std::time::Duration::from_micros(micros);
+    if into_minute > std::time::Duration::from_secs(50) {
+        let rest = std::time::Duration::from_secs(60) - into_minute
+            + std::time::Duration::from_millis(100);
+        tokio::time::sleep(rest).await;
+    }
 }
 
 #[tokio::test]
