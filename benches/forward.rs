@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use graviton::ids::{SessionId, SessionKey, TenantId};
 use graviton::placement::hash::shard_of;
-use support::cluster::{NodeProcess, eventually, is_ready};
+use support::cluster::{NodeProcess, is_ready};
 
 const SHARDS: u32 = 16;
 
@@ -73,7 +73,7 @@ fn main() {
         let owner = NodeProcess::start(dir.path(), "owner", db.url(), SHARDS, &data);
         let front = NodeProcess::start(dir.path(), "front", db.url(), SHARDS, &data);
         let client = reqwest::Client::builder().no_proxy().build().expect("client");
-        let ready = eventually(Duration::from_secs(60), || async {
+        let ready = support::wait_until(Duration::from_secs(60), || async {
             is_ready(&client, &owner.url).await && is_ready(&client, &front.url).await
         })
         .await;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use graviton::cas::BlobKey;
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
 use graviton::placement::hash::shard_of;
-use support::cluster::{BIN, NodeProcess, eventually, is_ready};
+use support::cluster::{BIN, NodeProcess, is_ready};
 use support::node::random_bytes;
 
 const SHARDS: u32 = 32;
@@ -86,7 +86,7 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
         .collect();
 
     // Every node becomes ready (owns shards) and the table covers every shard.
-    let all_ready = eventually(Duration::from_secs(60), || {
+    let all_ready = support::wait_until(Duration::from_secs(60), || {
         let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
         async move {
             for url in &urls {
@@ -180,7 +180,7 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
         "{}",
         String::from_utf8_lossy(&drain.stderr)
     );
-    let drained = eventually(Duration::from_secs(20), || async {
+    let drained = support::wait_until(Duration::from_secs(20), || async {
         owners(db_url)
             .await
             .nodes
@@ -205,7 +205,7 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
     let term = before.manager_term;
     let killed = Instant::now();
     nodes.iter_mut().find(|n| n.id == manager).unwrap().kill9();
-    let took_over = eventually(Duration::from_secs(30), || async {
+    let took_over = support::wait_until(Duration::from_secs(30), || async {
         let now = owners(db_url).await;
         now.manager_term > term && now.manager_node.as_deref().is_some_and(|m| m != manager)
     })
@@ -220,7 +220,7 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
     );
 
     // The killed node's shards are served elsewhere after the node TTL.
-    let reassigned = eventually(Duration::from_secs(30), || async {
+    let reassigned = support::wait_until(Duration::from_secs(30), || async {
         owners(db_url)
             .await
             .nodes
@@ -252,7 +252,7 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
     for node in nodes.iter_mut() {
         node.restart();
     }
-    let back = eventually(Duration::from_secs(60), || {
+    let back = support::wait_until(Duration::from_secs(60), || {
         let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
         async move {
             for url in &urls {
@@ -295,7 +295,7 @@ async fn internal_listener_refuses_unauthenticated_requests_before_the_body() {
     let node = NodeProcess::start(dir.path(), "solo", db.url(), 8, &dir.path().join("data"));
     let http = client();
     assert!(
-        eventually(Duration::from_secs(60), || is_ready(&http, &node.url)).await,
+        support::wait_until(Duration::from_secs(60), || is_ready(&http, &node.url)).await,
         "{}",
         node.log_text()
     );

@@ -36,9 +36,10 @@ use futures_util::future::BoxFuture;
 
 use crate::config::Secret;
 use crate::http::ApiError;
+use crate::http::headers::parse_digits;
 use crate::http::internal::{
     CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, INTERNAL_TOKEN_HEADER, SHARD_EPOCH_HEADER,
-    SHARD_HEADER, ingest_path, parse_digits,
+    SHARD_HEADER, ingest_path,
 };
 use crate::ids::{NodeId, SessionKey};
 
@@ -512,22 +513,6 @@ impl Stream for Tap {
     }
 }
 
-/// A convenience for the public route: the request's `Content-Length` (digits only).
-pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
-    match headers
-        .get(header::CONTENT_LENGTH)
-        .map(HeaderValue::as_bytes)
-    {
-        None => Ok(None),
-        Some(value) => parse_digits(value).map(Some).ok_or_else(|| {
-            ApiError::bad_request(
-                "invalid_content_length",
-                "Content-Length must be ASCII digits",
-            )
-        }),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -580,12 +565,20 @@ mod tests {
     #[test]
     fn content_length_is_digits_only() {
         let mut headers = HeaderMap::new();
-        assert_eq!(content_length(&headers).unwrap(), None);
+        assert_eq!(
+            crate::http::headers::content_length(&headers).unwrap(),
+            None
+        );
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("0042"));
-        assert_eq!(content_length(&headers).unwrap(), Some(42));
+        assert_eq!(
+            crate::http::headers::content_length(&headers).unwrap(),
+            Some(42)
+        );
         headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("+42"));
         assert_eq!(
-            content_length(&headers).unwrap_err().code,
+            crate::http::headers::content_length(&headers)
+                .unwrap_err()
+                .code,
             "invalid_content_length"
         );
     }

@@ -40,22 +40,26 @@ pub(crate) fn single_value<'a>(
         .map_err(|_| ApiError::bad_request(code, format!("{name} must be visible ASCII")))
 }
 
+/// Digits only (no sign, no spaces), fitting in u64. The one parser of numeric headers.
+pub fn parse_digits(value: &[u8]) -> Option<u64> {
+    if value.is_empty() || value.len() > 20 || !value.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(value).ok()?.parse().ok()
+}
+
 /// `Content-Length` must be ASCII digits only (no sign, spaces, or list).
 pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
     const CODE: &str = "invalid_content_length";
     let Some(value) = single_value(headers, header::CONTENT_LENGTH.as_str(), CODE)? else {
         return Ok(None);
     };
-    if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(ApiError::bad_request(
+    parse_digits(value.as_bytes()).map(Some).ok_or_else(|| {
+        ApiError::bad_request(
             CODE,
-            "Content-Length must be ASCII digits only",
-        ));
-    }
-    value
-        .parse::<u64>()
-        .map(Some)
-        .map_err(|_| ApiError::bad_request(CODE, "Content-Length is too large"))
+            "Content-Length must be ASCII digits only, within 64 bits",
+        )
+    })
 }
 
 /// Both locality headers or neither; each a canonical UUID.

@@ -31,6 +31,7 @@ use serde::Serialize;
 
 use crate::config::Secret;
 use crate::http::ApiError;
+use crate::http::headers::parse_digits;
 use crate::ids::{NodeId, SessionId, SessionKey, TenantId};
 
 /// Header carrying the internal token.
@@ -161,14 +162,6 @@ fn stale_response(current_owner: Option<NodeId>, current_epoch: u64) -> Response
     response
 }
 
-/// Digits only (no sign, no spaces), fitting in u64.
-pub fn parse_digits(value: &[u8]) -> Option<u64> {
-    if value.is_empty() || value.len() > 20 || !value.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    std::str::from_utf8(value).ok()?.parse().ok()
-}
-
 fn presented_token(headers: &HeaderMap) -> Option<&[u8]> {
     if let Some(value) = headers.get(INTERNAL_TOKEN_HEADER) {
         return Some(value.as_bytes());
@@ -235,15 +228,7 @@ fn check(
         )));
     };
     let key = SessionKey { tenant, session };
-    let content_length = match headers.get(header::CONTENT_LENGTH) {
-        None => None,
-        Some(value) => Some(parse_digits(value.as_bytes()).ok_or_else(|| {
-            Refusal::Api(ApiError::bad_request(
-                "invalid_content_length",
-                "Content-Length must be ASCII digits",
-            ))
-        })?),
-    };
+    let content_length = super::headers::content_length(headers).map_err(Refusal::Api)?;
     let content_type = match headers.get(header::CONTENT_TYPE) {
         None => "application/octet-stream".to_string(),
         Some(value) => value

@@ -138,22 +138,6 @@ impl Drop for NodeProcess {
     }
 }
 
-/// Poll `check` every 50 ms until it holds or `timeout` passes.
-pub async fn eventually<F, Fut>(timeout: Duration, mut check: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    while tokio::time::Instant::now() < deadline {
-        if check().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    false
-}
-
 pub async fn is_ready(client: &reqwest::Client, url: &str) -> bool {
     matches!(client.get(format!("{url}/readyz")).send().await, Ok(r) if r.status() == 200)
 }
