@@ -301,6 +301,137 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
     admin.pool().close().await;
 }
 
+/// Issue 9, item 1. A node declared dead comes back while its table reads still fail:
+/// its heartbeats succeed again, but its last table (read before it was declared dead)
+/// still lists shards that now belong to another node. It must not ingest them: the fence
+/// lifts only with a table read after the re-registration. Checks LOC-1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_declared_dead_rejoins_fenced_until_it_rereads_the_table() {
+    let Some(db) =
+        TestDatabase::create("a_node_declared_dead_rejoins_fenced_until_it_rereads_the_table")
+            .await
+    else {
+        return;
+    };
+    let a = Arc::new(start_node(db.url(), "a", |_| {}).await);
+    // b connects as an ordinary role, so that a REVOKE applies to it.
+    let role = format!("node_b_{}", support::unique_suffix());
+    let admin = placement_util::store(db.url()).await;
+    for sql in [
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("GRANT USAGE, CREATE ON SCHEMA public TO {role}"),
+        format!("GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}"),
+        format!("GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(sql))
+            .execute(admin.pool())
+            .await
+            .unwrap();
+    }
+    let _role_guard = TempRole(role.clone());
+    let b_url = db.url().replacen("postgres@", &format!("{role}@"), 1);
+    let b = Arc::new(
+        start_node(&b_url, "b", |c| {
+            c.embedded_manager = false;
+            c.listen_notify = false;
+        })
+        .await,
+    );
+    eventually(GENEROUS, "balanced", || settled(&[&a, &b], &["a", "b"])).await;
+
+    let sessions: Arc<Vec<SessionKey>> = Arc::new((0..32).map(|_| random_key()).collect());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for h in [&a, &b] {
+        for _ in 0..3 {
+            workers.push(spawn_worker(
+                h.clone(),
+                sessions.clone(),
+                log.clone(),
+                stop.clone(),
+            ));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Cut b off until it is declared dead and its shards are on a.
+    let run = |sql: String| {
+        let pool = admin.pool().clone();
+        async move {
+            sqlx::query(sqlx::AssertSqlSafe(sql))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    };
+    run(format!("ALTER ROLE {role} NOLOGIN")).await;
+    run(format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ))
+    .await;
+    let b_id = NodeId("b".into());
+    eventually(GENEROUS, "b's shards moved to a", || {
+        let t = a.view().table();
+        t.owned_by(&b_id) == 0 && t.moving() == 0
+    })
+    .await;
+    let stale = b.view().table();
+    let stale_mine: Vec<_> = stale
+        .shards
+        .iter()
+        .filter(|s| s.owner.as_ref() == Some(&b_id))
+        .map(|s| (s.shard, s.epoch))
+        .collect();
+    assert!(
+        !stale_mine.is_empty(),
+        "b's last table still lists its shards"
+    );
+
+    // Let b back in, but make its table reads fail.
+    run(format!("REVOKE SELECT ON placement_shards FROM {role}")).await;
+    run(format!("ALTER ROLE {role} LOGIN")).await;
+    eventually(GENEROUS, "b re-registered", || {
+        b.view().counters.snapshot().reregistrations > 0
+            && b.view().counters.snapshot().heartbeats > 0
+    })
+    .await;
+    // For two seconds of fresh heartbeats, b admits nothing on its stale shards.
+    let watch_until = Instant::now() + Duration::from_secs(2);
+    let mut samples = 0;
+    while Instant::now() < watch_until {
+        assert!(b.view().fenced(), "b un-fenced on a stale table");
+        for (shard, epoch) in &stale_mine {
+            assert!(
+                !b.can_ingest(*shard, *epoch),
+                "b would ingest shard {shard:?} that a owns"
+            );
+        }
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(samples > 10);
+
+    // Reads work again: b re-reads, sees a as owner, and rejoins normally.
+    run(format!("GRANT SELECT ON placement_shards TO {role}")).await;
+    eventually(GENEROUS, "b rejoined and balanced", || {
+        settled(&[&a, &b], &["a", "b"])
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.store(true, Ordering::SeqCst);
+    for w in workers {
+        w.await.unwrap();
+    }
+    let events = log.lock().unwrap().clone();
+    let (total, handed_over) = check_no_overlap(&events, sessions.len());
+    println!("FIGURE rejoin_checker ingests={total} owner_changes={handed_over}");
+    assert!(handed_over >= 4, "{handed_over}");
+    a.shutdown().await;
+    b.shutdown().await;
+    admin.pool().close().await;
+}
+
 /// The checker itself is not vacuous: overlapping ingests on two nodes are caught.
 #[test]
 #[should_panic(expected = "overlapping")]

@@ -5,18 +5,23 @@
 //!   and every `poll_interval` regardless, so a lost notification is healed within one
 //!   polling interval. A failed read keeps the last table (nodes keep routing) and marks
 //!   placement unreadable for health.
-//! - Heartbeat: every `heartbeat_interval`; success extends the self-fence deadline to
-//!   *request start* + `self_fence`. A heartbeat refused because the row is dead or has a
-//!   newer incarnation fences at once; the node then re-registers and refreshes its table
-//!   before it may ingest again.
+//! - Heartbeat: a task of its own, on a connection pool of its own, every
+//!   `heartbeat_interval`, so a stalled table read never holds a heartbeat back. Success
+//!   extends the self-fence deadline to *request start* + `self_fence`.
+//! - Lost registration: a heartbeat refused because the row was declared dead (or is gone)
+//!   fences at once ([`LocalView::registration_lost`]) and queues `Reregister`. The node
+//!   ingests again only after it re-registered *and* published a table whose read started
+//!   after that (LOC-1): a successful heartbeat alone never lifts the fence. A refusal
+//!   because another process registered the same node id fences this process for good.
 //! - Acks: after each refresh, and whenever the last permit on a shard is dropped, the
 //!   node acknowledges revocations of its shards that have no ingest in flight.
 //!
 //! Failure model: PostgreSQL errors never crash the actor; they are logged (no tenant or
-//! session values anywhere here) and retried on the next tick.
+//! session values anywhere here) and retried on the next tick. Every call has a
+//! client-side deadline (`call_timeout`), so one stuck connection cannot freeze the actor.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -27,15 +32,17 @@ use tokio_util::task::AbortOnDropHandle;
 use crate::placement::handoff;
 use crate::placement::model::NodeState;
 use crate::placement::view::{LocalView, PlacementCounters};
-use crate::storage::pg::placement::{NOTIFY_CHANNEL, NodeRegistration, PlacementStore};
+use crate::storage::pg::placement::{
+    HeartbeatReply, NOTIFY_CHANNEL, NodeRegistration, PlacementStore,
+};
 
 /// Messages of the placement actor.
 #[derive(Debug, ractor_cluster::RactorMessage)]
 pub enum PlacementMsg {
     /// Re-read the shard table.
     Refresh,
-    /// Write the heartbeat row.
-    Heartbeat,
+    /// The registration was lost: register again, then re-read the table.
+    Reregister,
     /// Acknowledge revocations whose in-flight ingest has drained.
     CheckAcks,
 }
@@ -43,11 +50,16 @@ pub enum PlacementMsg {
 /// Startup arguments.
 #[derive(Clone)]
 pub struct PlacementArgs {
+    /// Table reads, registration and acks.
     pub store: PlacementStore,
+    /// Heartbeats only (a pool of its own).
+    pub heartbeat_store: PlacementStore,
     pub registration: NodeRegistration,
     pub view: Arc<LocalView>,
     pub heartbeat_interval: Duration,
     pub poll_interval: Duration,
+    /// Client-side deadline of every PostgreSQL call.
+    pub call_timeout: Duration,
     pub listen_notify: bool,
 }
 
@@ -57,13 +69,25 @@ pub struct PlacementState {
     store: PlacementStore,
     registration: NodeRegistration,
     view: Arc<LocalView>,
-    incarnation: i64,
-    heartbeat_timeout: Duration,
-    last_state: Option<NodeState>,
+    incarnation: Arc<AtomicI64>,
+    call_timeout: Duration,
     refresh_queued: Arc<AtomicBool>,
+    reregister_queued: Arc<AtomicBool>,
     /// Timers and listener tasks; aborted when the state is dropped, which also happens
     /// when the actor is killed (`post_stop` does not run then).
     tasks: Vec<AbortOnDropHandle<()>>,
+}
+
+/// A PostgreSQL call under a client-side deadline.
+async fn within<T, E: std::fmt::Display>(
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(err)) => Err(err.to_string()),
+        Err(_) => Err(format!("no answer within {limit:?}")),
+    }
 }
 
 impl Actor for PlacementActor {
@@ -77,20 +101,35 @@ impl Actor for PlacementActor {
         args: PlacementArgs,
     ) -> Result<PlacementState, ActorProcessingErr> {
         let started = Instant::now();
-        let incarnation = args.store.register_node(&args.registration).await?;
+        args.view.registration_lost();
+        let incarnation = within(
+            args.call_timeout,
+            args.store.register_node(&args.registration),
+        )
+        .await?;
+        args.view.registered();
         args.view.heartbeat_ok(started);
-        let table = args.store.read_table().await?;
-        args.view.publish(table);
+        let ticket = args.view.read_ticket();
+        let table = within(args.call_timeout, args.store.read_table()).await?;
+        args.view.publish_read(table, ticket);
         tracing::info!(component = "placement", node_id = %args.registration.id, incarnation, "node registered");
 
+        let incarnation = Arc::new(AtomicI64::new(incarnation));
         let refresh_queued = Arc::new(AtomicBool::new(false));
+        let reregister_queued = Arc::new(AtomicBool::new(false));
         let mut tasks = Vec::new();
         tasks.push(AbortOnDropHandle::new(
             myself.send_interval(args.poll_interval, || PlacementMsg::Refresh),
         ));
-        tasks.push(AbortOnDropHandle::new(
-            myself.send_interval(args.heartbeat_interval, || PlacementMsg::Heartbeat),
-        ));
+        tasks.push(AbortOnDropHandle::new(spawn_heartbeats(Heartbeats {
+            store: args.heartbeat_store.clone(),
+            view: args.view.clone(),
+            actor: myself.clone(),
+            incarnation: incarnation.clone(),
+            reregister_queued: reregister_queued.clone(),
+            interval: args.heartbeat_interval,
+            timeout: args.heartbeat_interval.max(Duration::from_millis(50)),
+        })));
         if args.listen_notify {
             tasks.push(AbortOnDropHandle::new(spawn_listener(
                 args.store.clone(),
@@ -114,9 +153,9 @@ impl Actor for PlacementActor {
             registration: args.registration,
             view: args.view,
             incarnation,
-            heartbeat_timeout: args.heartbeat_interval.max(Duration::from_millis(50)),
-            last_state: None,
+            call_timeout: args.call_timeout,
             refresh_queued,
+            reregister_queued,
             tasks,
         })
     }
@@ -133,7 +172,10 @@ impl Actor for PlacementActor {
                 refresh(state).await;
                 check_acks(state).await;
             }
-            PlacementMsg::Heartbeat => heartbeat(state).await,
+            PlacementMsg::Reregister => {
+                reregister(state).await;
+                state.reregister_queued.store(false, Ordering::SeqCst);
+            }
             PlacementMsg::CheckAcks => check_acks(state).await,
         }
         Ok(())
@@ -148,13 +190,14 @@ impl Actor for PlacementActor {
             task.abort();
         }
         // A stopped node admits nothing more.
-        state.view.fence_now();
+        state.view.registration_lost();
         Ok(())
     }
 }
 
 async fn refresh(state: &mut PlacementState) {
-    match state.store.read_table().await {
+    let ticket = state.view.read_ticket();
+    match within(state.call_timeout, state.store.read_table()).await {
         Ok(table) => {
             if table.shard_count() != state.view.shard_count() {
                 tracing::error!(
@@ -165,7 +208,7 @@ async fn refresh(state: &mut PlacementState) {
                 return;
             }
             PlacementCounters::bump(&state.view.counters.table_reads, 1);
-            state.view.publish(table);
+            state.view.publish_read(table, ticket);
         }
         Err(err) => {
             PlacementCounters::bump(&state.view.counters.table_read_failures, 1);
@@ -177,57 +220,90 @@ async fn refresh(state: &mut PlacementState) {
     }
 }
 
-async fn heartbeat(state: &mut PlacementState) {
+/// Register again after the registration was lost, then read the table under the new
+/// registration. On failure the node stays fenced; the next refused heartbeat retries.
+async fn reregister(state: &mut PlacementState) {
+    PlacementCounters::bump(&state.view.counters.reregistrations, 1);
+    state.view.registration_lost();
     let started = Instant::now();
-    let node = state.registration.id.clone();
-    match tokio::time::timeout(
-        state.heartbeat_timeout,
-        state.store.heartbeat(&node, state.incarnation),
+    match within(
+        state.call_timeout,
+        state.store.reregister_node(&state.registration),
     )
     .await
     {
-        Ok(Ok(Some(node_state))) => {
-            PlacementCounters::bump(&state.view.counters.heartbeats, 1);
+        Ok(incarnation) => {
+            state.incarnation.store(incarnation, Ordering::SeqCst);
+            state.view.registered();
             state.view.heartbeat_ok(started);
-            if state.last_state != Some(node_state) {
-                tracing::info!(component = "placement", node_id = %node, state = node_state.as_str(), "node state");
-                state.last_state = Some(node_state);
-            }
+            tracing::info!(component = "placement", node_id = %state.registration.id, incarnation, "re-registered; fenced until the table is re-read");
+            refresh(state).await;
         }
-        Ok(Ok(None)) => {
-            PlacementCounters::bump(&state.view.counters.reregistrations, 1);
-            // Declared dead or superseded: stop ingesting now, then come back as a new
-            // incarnation with a table read after the re-registration.
-            state.view.fence_now();
-            tracing::warn!(component = "placement", node_id = %node, "heartbeat refused (declared dead or superseded); re-registering");
+        Err(err) => {
+            tracing::warn!(component = "placement", node_id = %state.registration.id, error = %err, "re-registration failed")
+        }
+    }
+}
+
+struct Heartbeats {
+    store: PlacementStore,
+    view: Arc<LocalView>,
+    actor: ActorRef<PlacementMsg>,
+    incarnation: Arc<AtomicI64>,
+    reregister_queued: Arc<AtomicBool>,
+    interval: Duration,
+    timeout: Duration,
+}
+
+/// The heartbeat loop. Stops for good when another process registered the same node id.
+fn spawn_heartbeats(hb: Heartbeats) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let node = hb.view.node().clone();
+        let mut ticker = tokio::time::interval(hb.interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_state: Option<NodeState> = None;
+        loop {
+            ticker.tick().await;
             let started = Instant::now();
-            match state.store.register_node(&state.registration).await {
-                Ok(incarnation) => {
-                    state.incarnation = incarnation;
-                    match state.store.read_table().await {
-                        Ok(table) => {
-                            state.view.publish(table);
-                            state.view.heartbeat_ok(started);
-                        }
-                        Err(err) => {
-                            tracing::warn!(component = "placement", error = %err, "table read after re-registration failed")
+            let incarnation = hb.incarnation.load(Ordering::SeqCst);
+            match within(hb.timeout, hb.store.heartbeat_reply(&node, incarnation)).await {
+                Ok(HeartbeatReply::Alive(node_state)) => {
+                    PlacementCounters::bump(&hb.view.counters.heartbeats, 1);
+                    hb.view.heartbeat_ok(started);
+                    if last_state != Some(node_state) {
+                        tracing::info!(component = "placement", node_id = %node, state = node_state.as_str(), "node state");
+                        last_state = Some(node_state);
+                    }
+                }
+                Ok(HeartbeatReply::Dead | HeartbeatReply::Missing) => {
+                    hb.view.registration_lost();
+                    last_state = None;
+                    if !hb.reregister_queued.swap(true, Ordering::SeqCst) {
+                        tracing::warn!(component = "placement", node_id = %node, "heartbeat refused (declared dead); fenced, re-registering");
+                        if hb.actor.cast(PlacementMsg::Reregister).is_err() {
+                            return;
                         }
                     }
                 }
+                Ok(HeartbeatReply::Superseded { incarnation: row }) => {
+                    // Our own re-registration may have committed after this heartbeat read
+                    // its incarnation: not a takeover.
+                    if hb.reregister_queued.load(Ordering::SeqCst)
+                        || row == hb.incarnation.load(Ordering::SeqCst)
+                    {
+                        continue;
+                    }
+                    hb.view.registration_lost();
+                    tracing::error!(component = "placement", node_id = %node, incarnation, newer = row, "another process registered this node id; this process stays fenced");
+                    return;
+                }
                 Err(err) => {
-                    tracing::warn!(component = "placement", error = %err, "re-registration failed")
+                    PlacementCounters::bump(&hb.view.counters.heartbeat_failures, 1);
+                    tracing::warn!(component = "placement", node_id = %node, error = %err, "heartbeat failed");
                 }
             }
         }
-        Ok(Err(err)) => {
-            PlacementCounters::bump(&state.view.counters.heartbeat_failures, 1);
-            tracing::warn!(component = "placement", node_id = %node, error = %err, "heartbeat failed");
-        }
-        Err(_) => {
-            PlacementCounters::bump(&state.view.counters.heartbeat_failures, 1);
-            tracing::warn!(component = "placement", node_id = %node, "heartbeat timed out");
-        }
-    }
+    })
 }
 
 async fn check_acks(state: &mut PlacementState) {
@@ -241,10 +317,12 @@ async fn check_acks(state: &mut PlacementState) {
         .filter(|e| handoff::should_ack(e, &me, state.view.in_flight(e.shard)))
         .map(|e| (e.shard, e.epoch))
         .collect();
-    match state
-        .store
-        .ack_revocations(&me, state.incarnation, &acks)
-        .await
+    let incarnation = state.incarnation.load(Ordering::SeqCst);
+    match within(
+        state.call_timeout,
+        state.store.ack_revocations(&me, incarnation, &acks),
+    )
+    .await
     {
         Ok(0) => {}
         Ok(n) => {

@@ -174,7 +174,9 @@ impl Cluster {
         if !problems.is_empty() {
             return Err(ClusterError::InvalidConfig(problems.join("; ")));
         }
-        let store = PlacementStore::new(pool.clone());
+        let store = PlacementStore::new(pg::purpose_pool(&pool, "placement", &node.0, 2));
+        let heartbeat_store = PlacementStore::new(pg::purpose_pool(&pool, "heartbeat", &node.0, 1));
+        let manager_store = PlacementStore::new(pg::purpose_pool(&pool, "manager", &node.0, 2));
         store.bootstrap(config.shard_count).await?;
         let view = Arc::new(LocalView::new(
             node.clone(),
@@ -195,10 +197,12 @@ impl Cluster {
         let election = config.embedded_manager.then(|| ElectionSpec {
             node: node.clone(),
             lock_options: manager_election::lock_connection_options(
-                (*pool.connect_options()).clone(),
+                (*pool.connect_options())
+                    .clone()
+                    .application_name(&format!("graviton-lock:{}", node.0)),
                 config.lock_ping_interval.get(),
             ),
-            manager: manager_args(&store, config),
+            manager: manager_args(&manager_store, config),
             lock_retry_interval: config.lock_retry_interval.get(),
             lock_ping_interval: config.lock_ping_interval.get(),
         });
@@ -208,10 +212,12 @@ impl Cluster {
             PlacementSupervisorArgs {
                 placement: PlacementArgs {
                     store: store.clone(),
+                    heartbeat_store,
                     registration,
                     view: view.clone(),
                     heartbeat_interval: config.heartbeat_interval.get(),
                     poll_interval: config.poll_interval.get(),
+                    call_timeout: config.statement_timeout.get() + Duration::from_millis(500),
                     listen_notify: config.listen_notify,
                 },
                 health: HealthArgs {

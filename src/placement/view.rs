@@ -10,6 +10,14 @@
 //! the writer takes to publish a table. So once a table announcing a revocation is
 //! published, no new permit can be issued for that shard, and a zero in-flight count read
 //! after publishing means the owner really stopped ingesting (the acknowledgement rule).
+//!
+//! The fence has two parts, and [`LocalView::fenced`] is true while either holds:
+//! - *heartbeat*: no heartbeat that started within the last `self_fence` succeeded;
+//! - *stale table*: the published table was not read under the current registration. A
+//!   node that learns it was declared dead (or that re-registers for any reason) calls
+//!   [`LocalView::registration_lost`]; only a table whose read *started after* the next
+//!   [`LocalView::registered`] lifts this part. A table read before the re-registration
+//!   may still list shards the manager has since given to another node (LOC-1).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -96,6 +104,11 @@ pub struct LocalView {
     table: RwLock<Arc<ShardTable>>,
     /// Nanoseconds since `origin` until which ingest is allowed; 0 = fenced.
     fence_deadline_ns: AtomicU64,
+    /// Registration generation: odd while unregistered (at start, and between a lost
+    /// registration and the next successful one), even while registered.
+    generation: AtomicU64,
+    /// The generation under which the published table was read.
+    table_generation: AtomicU64,
     read_ok: AtomicBool,
     /// Counters for metrics.
     pub counters: PlacementCounters,
@@ -124,6 +137,8 @@ impl LocalView {
             origin: Instant::now(),
             table: RwLock::new(Arc::new(ShardTable::default())),
             fence_deadline_ns: AtomicU64::new(0),
+            generation: AtomicU64::new(1),
+            table_generation: AtomicU64::new(0),
             read_ok: AtomicBool::new(false),
             counters: PlacementCounters::default(),
             in_flight: (0..shard_count).map(|_| AtomicU32::new(0)).collect(),
@@ -180,9 +195,44 @@ impl LocalView {
         self.origin.elapsed().as_nanos() as u64
     }
 
-    /// Is this node self-fenced (no successful heartbeat within the fence window)?
+    /// Is this node fenced: no successful heartbeat within the fence window, or a table
+    /// not read under the current registration (see the module docs)?
     pub fn fenced(&self) -> bool {
-        self.now_ns() >= self.fence_deadline_ns.load(Ordering::SeqCst)
+        self.now_ns() >= self.fence_deadline_ns.load(Ordering::SeqCst) || !self.table_current()
+    }
+
+    /// Whether the published table was read under the current registration.
+    pub fn table_current(&self) -> bool {
+        let generation = self.generation.load(Ordering::SeqCst);
+        generation % 2 == 0 && self.table_generation.load(Ordering::SeqCst) == generation
+    }
+
+    /// The node's registration is gone (declared dead, superseded, or about to be
+    /// renewed): fence at once, and keep the table-part of the fence until a table read
+    /// that starts after the next [`Self::registered`] is published.
+    pub(crate) fn registration_lost(&self) {
+        let _ = self
+            .generation
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |g| {
+                Some(if g % 2 == 0 { g + 1 } else { g })
+            });
+        self.fence_now();
+    }
+
+    /// A (re-)registration committed: table reads started from now on are current.
+    pub(crate) fn registered(&self) {
+        let _ = self
+            .generation
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |g| {
+                Some(if g % 2 == 1 { g + 1 } else { g })
+            });
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// Take before a table read: [`Self::publish_read`] counts the table as current only if
+    /// no registration change happened in between.
+    pub(crate) fn read_ticket(&self) -> TableTicket {
+        TableTicket(self.generation.load(Ordering::SeqCst))
     }
 
     /// Time left before the self-fence trips (zero when fenced).
@@ -217,14 +267,24 @@ impl LocalView {
         self.read_ok.store(ok, Ordering::SeqCst);
     }
 
-    /// Publish a new table (placement actor only).
-    pub(crate) fn publish(&self, table: ShardTable) {
+    /// Publish a table whose read started when `ticket` was taken (placement actor only).
+    pub(crate) fn publish_read(&self, table: ShardTable, ticket: TableTicket) {
         {
             let mut guard = self.table.write().unwrap_or_else(|e| e.into_inner());
             *guard = Arc::new(table);
+            // Under the write lock, so no permit is issued between the swap and this.
+            self.table_generation.fetch_max(ticket.0, Ordering::SeqCst);
         }
         self.set_read_ok(true);
         self.changes.send_modify(|v| *v += 1);
+    }
+
+    /// Publish a table as read under the current registration (the embedded single node,
+    /// which never registers, and tests).
+    pub(crate) fn publish(&self, table: ShardTable) {
+        self.registered();
+        let ticket = self.read_ticket();
+        self.publish_read(table, ticket);
     }
 
     /// May this node admit a new ingest for `shard` at `epoch` right now?
@@ -286,6 +346,10 @@ impl LocalView {
         self.changes.subscribe()
     }
 }
+
+/// The registration generation at the start of a table read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableTicket(u64);
 
 /// An admitted ingest on a shard; dropping it ends the ingest.
 #[derive(Debug)]
@@ -432,6 +496,42 @@ mod tests {
         assert!(view.begin_ingest(ShardId(0), Epoch(1)).is_some());
         view.fence_now();
         assert!(!view.can_ingest(ShardId(0), Epoch(1)));
+    }
+
+    // Checks LOC-1: a node that lost its registration ingests again only on a table read
+    // after it re-registered; a fresh heartbeat alone never un-fences it.
+    #[test]
+    fn a_lost_registration_needs_a_table_read_after_the_next_registration() {
+        let view = view();
+        assert!(view.can_ingest(ShardId(0), Epoch(1)));
+        // Declared dead: fenced at once.
+        view.registration_lost();
+        assert!(view.fenced());
+        // A heartbeat of the new incarnation succeeds: still fenced (the old table may
+        // list shards that moved while this node was away).
+        view.heartbeat_ok(Instant::now());
+        assert!(view.fenced() && !view.table_current());
+        assert!(view.begin_ingest(ShardId(0), Epoch(1)).is_none());
+        // A read that started before the re-registration committed does not count.
+        let early = view.read_ticket();
+        view.registered();
+        view.publish_read(table("a", None, 1), early);
+        assert!(
+            view.fenced(),
+            "a table read before the registration is stale"
+        );
+        // A read started after it does.
+        let ticket = view.read_ticket();
+        view.publish_read(table("b", None, 2), ticket);
+        assert!(view.table_current() && !view.fenced());
+        assert!(
+            !view.can_ingest(ShardId(0), Epoch(1)),
+            "the shard moved to b"
+        );
+        // A second loss while registered again re-arms the rule.
+        view.registration_lost();
+        view.registered();
+        assert!(view.fenced());
     }
 
     #[test]

@@ -48,6 +48,22 @@ pub async fn connect_pool(
         .map_err(StoreError::Database)
 }
 
+/// A lazily connecting pool of its own for one purpose of a node (placement reads,
+/// heartbeats, the manager), so slow data-path queries never delay the calls that
+/// liveness depends on. The connections carry `application_name`
+/// `graviton-<purpose>:<node>`, which operators (and the fault tests) use to find them in
+/// `pg_stat_activity`.
+pub fn purpose_pool(base: &PgPool, purpose: &str, node: &str, max_connections: u32) -> PgPool {
+    let options = (*base.connect_options())
+        .clone()
+        .application_name(&format!("graviton-{purpose}:{node}"));
+    let acquire = base.options().get_acquire_timeout();
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(acquire)
+        .connect_lazy_with(options)
+}
+
 /// Apply the pending migrations (safe to run concurrently: the migrator takes a lock).
 pub async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
     MIGRATOR

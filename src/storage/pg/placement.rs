@@ -54,6 +54,19 @@ pub struct NodeRegistration {
     pub version: String,
 }
 
+/// The answer to a heartbeat.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeartbeatReply {
+    /// Recorded; the node's current state.
+    Alive(NodeState),
+    /// The row was declared dead (by the manager): register again.
+    Dead,
+    /// A live row with another incarnation: another process registered this node id.
+    Superseded { incarnation: i64 },
+    /// No row (deleted by an operator): register again.
+    Missing,
+}
+
 /// Cluster meta row.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterMeta {
@@ -124,9 +137,19 @@ impl PlacementStore {
         })
     }
 
-    /// Register (or re-register) a node: state `joining`, a new incarnation, a fresh
+    /// Register a node at process start: state `joining`, a new incarnation, a fresh
     /// heartbeat. Returns the incarnation, which the node's heartbeats must quote.
     pub async fn register_node(&self, node: &NodeRegistration) -> Result<i64, StoreError> {
+        self.register(node, false).await
+    }
+
+    /// Register again from a running process that lost its registration (declared dead):
+    /// like [`Self::register_node`], but a drain requested before stays requested.
+    pub async fn reregister_node(&self, node: &NodeRegistration) -> Result<i64, StoreError> {
+        self.register(node, true).await
+    }
+
+    async fn register(&self, node: &NodeRegistration, keep_drain: bool) -> Result<i64, StoreError> {
         let mut tx = self.pool.begin().await?;
         let incarnation: i64 = sqlx::query_scalar(
             "INSERT INTO placement_nodes (id, public_addr, internal_addr, control_addr, version, state)
@@ -134,7 +157,8 @@ impl PlacementStore {
              ON CONFLICT (id) DO UPDATE SET
                 public_addr = EXCLUDED.public_addr, internal_addr = EXCLUDED.internal_addr,
                 control_addr = EXCLUDED.control_addr, version = EXCLUDED.version,
-                state = 'joining', incarnation = placement_nodes.incarnation + 1,
+                state = CASE WHEN $6 AND placement_nodes.state = 'draining' THEN 'draining' ELSE 'joining' END,
+                incarnation = placement_nodes.incarnation + 1,
                 registered_at = now(), heartbeat_at = now()
              RETURNING incarnation",
         )
@@ -143,6 +167,7 @@ impl PlacementStore {
         .bind(&node.internal_addr)
         .bind(&node.control_addr)
         .bind(&node.version)
+        .bind(keep_drain)
         .fetch_one(&mut *tx)
         .await?;
         notify(&mut tx, "nodes").await?;
@@ -150,24 +175,54 @@ impl PlacementStore {
         Ok(incarnation)
     }
 
-    /// Refresh this node's heartbeat (database clock). `None`: the row is gone, belongs to
-    /// another incarnation, or was declared dead; the node must fence and re-register.
-    pub async fn heartbeat(
+    /// Refresh this node's heartbeat (database clock), and say why if it was refused.
+    pub async fn heartbeat_reply(
         &self,
         node: &NodeId,
         incarnation: i64,
-    ) -> Result<Option<NodeState>, StoreError> {
-        let state: Option<String> = sqlx::query_scalar(
-            "UPDATE placement_nodes SET heartbeat_at = now()
-             WHERE id = $1 AND incarnation = $2 AND state <> 'dead' RETURNING state",
+    ) -> Result<HeartbeatReply, StoreError> {
+        let row = sqlx::query(
+            "WITH beat AS (
+                UPDATE placement_nodes SET heartbeat_at = now()
+                WHERE id = $1 AND incarnation = $2 AND state <> 'dead' RETURNING state)
+             SELECT (SELECT state FROM beat) AS beat_state, n.state, n.incarnation
+             FROM placement_nodes n WHERE n.id = $1",
         )
         .bind(&node.0)
         .bind(incarnation)
         .fetch_optional(&self.pool)
         .await?;
-        state
-            .map(|s| NodeState::parse(&s).ok_or(StoreError::Corrupt("node state")))
-            .transpose()
+        let Some(row) = row else {
+            return Ok(HeartbeatReply::Missing);
+        };
+        let parse = |s: String| NodeState::parse(&s).ok_or(StoreError::Corrupt("node state"));
+        if let Some(state) = row.try_get::<Option<String>, _>("beat_state")? {
+            return Ok(HeartbeatReply::Alive(parse(state)?));
+        }
+        let row_incarnation: i64 = row.try_get("incarnation")?;
+        let state = parse(row.try_get("state")?)?;
+        Ok(
+            if row_incarnation != incarnation && state != NodeState::Dead {
+                HeartbeatReply::Superseded {
+                    incarnation: row_incarnation,
+                }
+            } else {
+                HeartbeatReply::Dead
+            },
+        )
+    }
+
+    /// Refresh this node's heartbeat (database clock). `None`: the row is gone, belongs to
+    /// another incarnation, or was declared dead.
+    pub async fn heartbeat(
+        &self,
+        node: &NodeId,
+        incarnation: i64,
+    ) -> Result<Option<NodeState>, StoreError> {
+        Ok(match self.heartbeat_reply(node, incarnation).await? {
+            HeartbeatReply::Alive(state) => Some(state),
+            _ => None,
+        })
     }
 
     /// Ask for `node` to be drained (state `draining`). Not term-fenced: any node or operator
