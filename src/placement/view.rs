@@ -204,7 +204,7 @@ impl LocalView {
     /// Whether the published table was read under the current registration.
     pub fn table_current(&self) -> bool {
         let generation = self.generation.load(Ordering::SeqCst);
-        generation % 2 == 0 && self.table_generation.load(Ordering::SeqCst) == generation
+        generation.is_multiple_of(2) && self.table_generation.load(Ordering::SeqCst) == generation
     }
 
     /// The node's registration is gone (declared dead, superseded, or about to be
@@ -214,7 +214,7 @@ impl LocalView {
         let _ = self
             .generation
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |g| {
-                Some(if g % 2 == 0 { g + 1 } else { g })
+                Some(if g.is_multiple_of(2) { g + 1 } else { g })
             });
         self.fence_now();
     }
@@ -224,7 +224,7 @@ impl LocalView {
         let _ = self
             .generation
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |g| {
-                Some(if g % 2 == 1 { g + 1 } else { g })
+                Some(if g.is_multiple_of(2) { g } else { g + 1 })
             });
         self.changes.send_modify(|v| *v += 1);
     }
