@@ -204,9 +204,14 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         _ = manager_signal() => {
                             tracing::info!("shutdown signal received; releasing the manager lock");
                             manager.shutdown().await;
+                            Ok(ExitCode::SUCCESS)
+                        }
+                        _ = manager.stopped() => {
+                            // Never idle without a manager: exit so a supervisor restarts us.
+                            tracing::error!("the manager election stopped; exiting");
+                            Ok(ExitCode::from(1))
                         }
                     }
-                    Ok(ExitCode::SUCCESS)
                 }
                 Err(graviton::placement::ClusterError::ManagerLockHeld) => {
                     eprintln!(

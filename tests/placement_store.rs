@@ -312,3 +312,53 @@ async fn batched_acknowledgements_skip_stale_entries() {
         .collect();
     assert_eq!(acked, vec![true, true, false, false]);
 }
+
+/// Issue 9, item 9: re-registering from a running node keeps a drain that was requested,
+/// and a heartbeat says why it was refused (dead versus taken over by another process).
+#[tokio::test]
+async fn reregistration_keeps_a_drain_and_refusals_say_why() {
+    let Some(db) = TestDatabase::create("reregistration_keeps_a_drain_and_refusals_say_why").await
+    else {
+        return;
+    };
+    use graviton::storage::pg::placement::HeartbeatReply;
+    let store = placement_util::store(db.url()).await;
+    store.bootstrap(8).await.unwrap();
+    let a = NodeId("a".into());
+    let inc = store.register_node(&registration("a")).await.unwrap();
+    assert!(store.request_drain(&a).await.unwrap());
+    // Another process registers the same id: the first one's heartbeat is superseded.
+    let newer = store.register_node(&registration("a")).await.unwrap();
+    assert_eq!(
+        store.heartbeat_reply(&a, inc).await.unwrap(),
+        HeartbeatReply::Superseded { incarnation: newer }
+    );
+    assert!(store.request_drain(&a).await.unwrap());
+    // Declared dead: the reply says so, and re-registering keeps the drain.
+    sqlx::query("UPDATE placement_nodes SET state = 'dead'")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        store.heartbeat_reply(&a, newer).await.unwrap(),
+        HeartbeatReply::Dead
+    );
+    let back = store.reregister_node(&registration("a")).await.unwrap();
+    assert_eq!(
+        store.heartbeat_reply(&a, back).await.unwrap(),
+        HeartbeatReply::Alive(NodeState::Draining)
+    );
+    // A process start registers as joining.
+    let fresh = store.register_node(&registration("a")).await.unwrap();
+    assert_eq!(
+        store.heartbeat_reply(&a, fresh).await.unwrap(),
+        HeartbeatReply::Alive(NodeState::Joining)
+    );
+    assert_eq!(
+        store
+            .heartbeat_reply(&NodeId("nobody".into()), 1)
+            .await
+            .unwrap(),
+        HeartbeatReply::Missing
+    );
+}

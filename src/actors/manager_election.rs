@@ -11,8 +11,10 @@
 //!   the new manager carries a term no predecessor holds.
 //! - Mode [`ElectionMode::Standby`] (embedded): retries every `lock_retry_interval`.
 //!   Mode [`ElectionMode::FailClosed`] (standalone `graviton manager`): the lock is taken
-//!   once up front by [`crate::placement::run_standalone_manager`]; losing it or the
-//!   manager stops the election actor, and the process should exit.
+//!   once up front by [`crate::placement::run_standalone_manager`], which fails closed if
+//!   another manager holds it. Losing the lock later does *not* leave the process idle:
+//!   it becomes a standby and retries every `lock_retry_interval`, so a cluster with
+//!   `embedded_manager = false` regains a manager without an external restart.
 //!
 //! Supervision: overrides `handle_supervisor_evt`: a manager that stops or fails means
 //! leadership is lost; the lock is released and (standby mode) the election continues.
@@ -159,7 +161,12 @@ impl ManagerElection {
                 let period = state.args.lock_retry_interval;
                 Self::schedule(myself, state, period)
             }
-            ElectionMode::FailClosed => myself.stop(Some("manager lock lost".into())),
+            ElectionMode::FailClosed => {
+                tracing::warn!(component = "manager_election", node_id = %state.args.node, "standalone manager lost the lock; standing by to take it again");
+                state.args.mode = ElectionMode::Standby;
+                let period = state.args.lock_retry_interval;
+                Self::schedule(myself, state, period)
+            }
         }
     }
 }

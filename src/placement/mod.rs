@@ -285,12 +285,14 @@ pub async fn connect(config: &ClusterConfig) -> Result<PgPool, ClusterError> {
         .database_url
         .as_ref()
         .ok_or(ClusterError::NotConfigured)?;
-    Ok(pg::connect_pool(
+    let pool = pg::connect_pool(
         url.expose(),
         config.pool_max_connections,
         config.statement_timeout.get(),
     )
-    .await?)
+    .await?;
+    pg::check_server_version(&pool).await?;
+    Ok(pool)
 }
 
 /// `graviton migrate`: apply the placement migrations.
@@ -363,7 +365,9 @@ pub async fn run_standalone_manager(
     let store = PlacementStore::new(pool.clone());
     store.bootstrap(config.shard_count).await?;
     let lock_options = manager_election::lock_connection_options(
-        (*pool.connect_options()).clone(),
+        (*pool.connect_options())
+            .clone()
+            .application_name(&format!("graviton-lock:{}", node.0)),
         config.lock_ping_interval.get(),
     );
     let mut conn = PgConnection::connect_with(&lock_options)
@@ -404,10 +408,12 @@ impl StandaloneManager {
         ractor::call_t!(self.election, ElectionMsg::Term, 2000).unwrap_or(0)
     }
 
-    /// Wait until the manager stops (lock lost or shutdown): the process should then exit.
-    pub async fn wait(self) {
-        let _ = self.join.await;
-        self.pool.close().await;
+    /// Resolves if the election actor stops by itself (it should not: after losing the
+    /// lock it stands by). The process should then exit rather than idle.
+    pub async fn stopped(&self) {
+        while self.election.get_status() != ractor::ActorStatus::Stopped {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 
     /// Stop the manager and release the lock.

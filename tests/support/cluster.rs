@@ -26,6 +26,18 @@ impl NodeProcess {
         shard_count: u32,
         data_dir: &Path,
     ) -> Self {
+        Self::start_with(dir, id, database_url, shard_count, data_dir, "")
+    }
+
+    /// Like [`Self::start`], with `cluster_extra` (TOML lines) added to `[cluster]`.
+    pub fn start_with(
+        dir: &Path,
+        id: &str,
+        database_url: &str,
+        shard_count: u32,
+        data_dir: &Path,
+        cluster_extra: &str,
+    ) -> Self {
         let (public, internal, control) =
             (super::free_port(), super::free_port(), super::free_port());
         let config = dir.join(format!("{id}.toml"));
@@ -52,6 +64,7 @@ poll_interval = "250ms"
 rebalance_interval = "200ms"
 lock_retry_interval = "100ms"
 lock_ping_interval = "100ms"
+{cluster_extra}
 
 [control]
 internal_listen = "127.0.0.1:{internal}"

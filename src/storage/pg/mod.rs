@@ -64,6 +64,23 @@ pub fn purpose_pool(base: &PgPool, purpose: &str, node: &str, max_connections: u
         .connect_lazy_with(options)
 }
 
+/// The oldest PostgreSQL the product supports (`server_version_num`): 14, the first with
+/// `idle_session_timeout`, which the manager's lock connection sets.
+pub const MIN_SERVER_VERSION_NUM: i64 = 140_000;
+
+/// Refuse a server older than [`MIN_SERVER_VERSION_NUM`], naming its version.
+pub async fn check_server_version(pool: &PgPool) -> Result<(), StoreError> {
+    let (num, text): (String, String) = sqlx::query_as(
+        "SELECT current_setting('server_version_num'), current_setting('server_version')",
+    )
+    .fetch_one(pool)
+    .await?;
+    if num.parse::<i64>().unwrap_or(0) < MIN_SERVER_VERSION_NUM {
+        return Err(StoreError::UnsupportedServer { found: text });
+    }
+    Ok(())
+}
+
 /// Apply the pending migrations (safe to run concurrently: the migrator takes a lock).
 pub async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
     MIGRATOR

@@ -38,6 +38,10 @@ pub enum StoreError {
         "the cluster was bootstrapped with {stored} shards but this node is configured with {configured} (cluster.shard_count); the shard count cannot change"
     )]
     ShardCountMismatch { configured: u32, stored: u32 },
+    #[error(
+        "PostgreSQL {found} is too old: Graviton needs PostgreSQL 14 or later (the manager lock connection uses idle_session_timeout)"
+    )]
+    UnsupportedServer { found: String },
     #[error("the placement database is not bootstrapped")]
     NotBootstrapped,
     #[error("corrupt placement row: {0}")]
@@ -157,7 +161,9 @@ impl PlacementStore {
              ON CONFLICT (id) DO UPDATE SET
                 public_addr = EXCLUDED.public_addr, internal_addr = EXCLUDED.internal_addr,
                 control_addr = EXCLUDED.control_addr, version = EXCLUDED.version,
-                state = CASE WHEN $6 AND placement_nodes.state = 'draining' THEN 'draining' ELSE 'joining' END,
+                state = CASE WHEN $6 AND (placement_nodes.state = 'draining' OR placement_nodes.drain_requested)
+                             THEN 'draining' ELSE 'joining' END,
+                drain_requested = $6 AND (placement_nodes.state = 'draining' OR placement_nodes.drain_requested),
                 incarnation = placement_nodes.incarnation + 1,
                 registered_at = now(), heartbeat_at = now()
              RETURNING incarnation",
@@ -230,7 +236,8 @@ impl PlacementStore {
     pub async fn request_drain(&self, node: &NodeId) -> Result<bool, StoreError> {
         let mut tx = self.pool.begin().await?;
         let state: Option<String> = sqlx::query_scalar(
-            "UPDATE placement_nodes SET state = CASE WHEN state = 'dead' THEN state ELSE 'draining' END
+            "UPDATE placement_nodes SET state = CASE WHEN state = 'dead' THEN state ELSE 'draining' END,
+                    drain_requested = drain_requested OR state <> 'dead'
              WHERE id = $1 RETURNING state",
         )
         .bind(&node.0)

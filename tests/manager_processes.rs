@@ -1,0 +1,146 @@
+//! The standalone manager (`graviton manager`) as a real process, with nodes that run no
+//! embedded manager: after its lock connection is killed it takes the lock again and keeps
+//! acting (issue 9, item 3), so a node killed afterwards is still evacuated. Checks LOC-3.
+
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use support::cluster::{BIN, NodeProcess};
+
+const SHARDS: u32 = 16;
+
+struct Manager(Child);
+
+impl Drop for Manager {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The cluster status, or an empty one while the database is not bootstrapped yet.
+async fn status(url: &str) -> graviton::placement::ClusterStatus {
+    match graviton::placement::cluster_status(url).await {
+        Ok(status) => status,
+        Err(_) => graviton::placement::ClusterStatus {
+            shard_count: 0,
+            manager_term: 0,
+            manager_node: None,
+            nodes: Vec::new(),
+            unassigned_shards: usize::MAX,
+            moving_shards: 0,
+            shards: Vec::new(),
+        },
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standalone_manager_that_loses_its_lock_takes_it_again_and_keeps_acting() {
+    let Some(db) =
+        support::TestDatabase::create("a_standalone_manager_that_loses_its_lock_takes_it_again")
+            .await
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("shared-data");
+    let url = db.url().to_string();
+    let start = |id: &str| {
+        NodeProcess::start_with(
+            dir.path(),
+            id,
+            &url,
+            SHARDS,
+            &data,
+            "embedded_manager = false",
+        )
+    };
+    let a = start("node-a");
+    let mut b = start("node-b");
+    // The manager's config: node-a's, under its own node id.
+    let manager_config = dir.path().join("manager.toml");
+    std::fs::write(
+        &manager_config,
+        std::fs::read_to_string(&a.config)
+            .unwrap()
+            .replace("id = \"node-a\"", "id = \"manager\""),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.path().join("manager.log")).unwrap();
+    let mut manager = Manager(
+        Command::new(BIN)
+            .args(["manager", "--config"])
+            .arg(&manager_config)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    );
+    let manager_log = || std::fs::read_to_string(dir.path().join("manager.log")).unwrap();
+
+    let converged = support::wait_until(Duration::from_secs(60), || {
+        let url = url.clone();
+        async move {
+            let s = status(&url).await;
+            s.manager_node.as_deref() == Some("manager")
+                && s.unassigned_shards == 0
+                && s.nodes.iter().filter(|n| n.shards > 0).count() == 2
+        }
+    })
+    .await;
+    assert!(converged, "no convergence; manager log:\n{}", manager_log());
+    let term = status(&url).await.manager_term;
+
+    // Kill the manager's lock connection (the backend holding the advisory lock).
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted",
+    )
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert_eq!(killed, vec![true], "exactly the manager's lock connection");
+
+    let reacquired = support::wait_until(Duration::from_secs(20), || {
+        let url = url.clone();
+        async move {
+            let s = status(&url).await;
+            s.manager_term > term && s.manager_node.as_deref() == Some("manager")
+        }
+    })
+    .await;
+    assert!(
+        reacquired,
+        "the standalone manager did not take its lock again; log:\n{}",
+        manager_log()
+    );
+    assert!(
+        manager.0.try_wait().unwrap().is_none(),
+        "the manager process must keep running"
+    );
+
+    // It still acts: node-b killed with kill -9 is evacuated to node-a.
+    b.kill9();
+    let evacuated = support::wait_until(Duration::from_secs(30), || {
+        let url = url.clone();
+        async move {
+            let s = status(&url).await;
+            s.unassigned_shards == 0
+                && s.moving_shards == 0
+                && s.nodes
+                    .iter()
+                    .any(|n| n.id.0 == "node-a" && n.shards == SHARDS as usize)
+        }
+    })
+    .await;
+    assert!(
+        evacuated,
+        "node-b's shards were not moved; log:\n{}",
+        manager_log()
+    );
+    admin.close().await;
+    drop(a);
+}
