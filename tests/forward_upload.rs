@@ -70,6 +70,8 @@ struct HashingOwner {
     pulled_by_forwarder: Option<Arc<graviton::http::forward::ForwardStats>>,
     slow: bool,
     hash: bool,
+    /// Answer `409 session_busy` instead of ingesting.
+    busy: bool,
 }
 
 impl OwnerIngest for HashingOwner {
@@ -80,6 +82,13 @@ impl OwnerIngest for HashingOwner {
         let owner = self.clone();
         owner.calls.fetch_add(1, Ordering::SeqCst);
         Box::pin(async move {
+            if owner.busy {
+                return Err(ApiError::new(
+                    axum::http::StatusCode::CONFLICT,
+                    "session_busy",
+                    "this session is already uploading",
+                ));
+            }
             let mut hasher = blake3::Hasher::new();
             let mut size = 0u64;
             let mut since_pause = 0usize;
@@ -127,6 +136,7 @@ impl HashingOwner {
             pulled_by_forwarder: None,
             slow: false,
             hash: true,
+            busy: false,
         }
     }
 }
@@ -218,10 +228,14 @@ async fn public_upload(State(front): State<Front>, headers: HeaderMap, body: Bod
 }
 
 fn forwarder() -> Forwarder {
+    forwarder_with(Duration::from_secs(10))
+}
+
+fn forwarder_with(read_timeout: Duration) -> Forwarder {
     Forwarder::new(ForwardOptions {
         token: Secret::new(TOKEN),
         connect_timeout: Duration::from_secs(2),
-        read_timeout: Duration::from_secs(10),
+        read_timeout,
     })
     .unwrap()
 }
@@ -456,8 +470,9 @@ async fn an_unreachable_owner_is_503_owner_unavailable() {
 }
 
 /// An owner that passes the pre-flight, reads 1 MiB of the POST body, then dies
-/// (closes the socket), like a process killed mid-stream.
-async fn dying_owner() -> SocketAddr {
+/// (closes the socket), like a process killed mid-stream; or, with `hang`, keeps the
+/// socket open and stops reading, like a paused process.
+async fn dying_owner(hang: bool) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -493,6 +508,9 @@ async fn dying_owner() -> SocketAddr {
                             Ok(n) => got += n,
                         }
                     }
+                    if hang {
+                        tokio::time::sleep(GUARD).await;
+                    }
                     return; // dropped: the connection dies mid-body
                 }
             });
@@ -503,7 +521,7 @@ async fn dying_owner() -> SocketAddr {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_dying_mid_stream_is_a_clean_502_not_a_hang() {
-    let owner = dying_owner().await;
+    let owner = dying_owner(false).await;
     let (front, _) = start_front(
         forwarder(),
         target("node-b", owner, 1),
@@ -663,4 +681,85 @@ async fn a_stale_post_after_a_passing_preflight_retries_with_the_untouched_body(
     );
     assert_eq!(old.calls.load(Ordering::SeqCst), 0);
     assert_eq!(resolver.calls.load(Ordering::SeqCst), 1);
+}
+
+/// Issue 9, item 8: `forward_read_timeout` bounds the owner's silence, not the upload. A
+/// client that trickles 2 MiB over about 3 s through a forwarder with a 1 s timeout gets
+/// 201 with the right content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_client_outlasting_the_read_timeout_still_lands() {
+    let owner = start_owner(HashingOwner::new("node-b"), 1, "node-b").await;
+    let (front, _) = start_front(
+        forwarder_with(Duration::from_secs(1)),
+        target("node-b", owner, 1),
+        target("node-b", owner, 1),
+    )
+    .await;
+    let total = 2 * 1024 * 1024;
+    let pieces: Vec<Bytes> = frames(9, total).collect();
+    let per_piece = Duration::from_millis(3000 / pieces.len().max(1) as u64);
+    let slow = futures_util::stream::iter(pieces).then(move |piece| async move {
+        tokio::time::sleep(per_piece).await;
+        Ok::<_, std::io::Error>(piece)
+    });
+    let started = std::time::Instant::now();
+    let response = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .unwrap()
+        .post(format!("http://{front}/v1/blobs"))
+        .header("x-graviton-tenant-id", TENANT)
+        .header("x-graviton-upload-session-id", SESSION)
+        .header("content-length", total.to_string())
+        .body(reqwest::Body::wrap_stream(slow))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() > Duration::from_secs(2),
+        "the client was slow"
+    );
+    assert_eq!(response.status(), 201);
+    let json: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(json["hash"], expected_hash(9, total));
+}
+
+/// The other side of the same rule: an owner that stops reading mid-body (a paused
+/// process) is answered 502 `owner_unavailable` with `Retry-After` after its silence,
+/// not held until the client gives up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_that_stops_reading_is_a_502_after_the_read_timeout() {
+    let owner = dying_owner(true).await;
+    let (front, _) = start_front(
+        forwarder_with(Duration::from_secs(1)),
+        target("node-b", owner, 1),
+        target("node-b", owner, 1),
+    )
+    .await;
+    let (head, body) = tokio::time::timeout(GUARD, raw_upload(front, 64 * 1024 * 1024, 5))
+        .await
+        .expect("answered before the guard");
+    assert!(head.starts_with("http/1.1 502"), "{head}");
+    assert!(head.contains("retry-after: 1"), "{head}");
+    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(json["error"], "owner_unavailable");
+}
+
+/// Issue 9, item 9: a `409 session_busy` from the owner reaches the client as it is; it
+/// is not mistaken for a stale epoch (which would re-route and answer 503 `owner_moved`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_s_session_busy_answer_is_relayed_not_treated_as_a_move() {
+    let mut busy = HashingOwner::new("node-b");
+    busy.busy = true;
+    let owner = start_owner(busy, 1, "node-b").await;
+    let (front, resolver) = start_front(
+        forwarder(),
+        target("node-b", owner, 1),
+        target("node-b", owner, 1),
+    )
+    .await;
+    let (status, json) = upload(front, 4, 100_000).await;
+    assert_eq!(status, 409, "{json}");
+    assert_eq!(json["error"], "session_busy");
+    assert_eq!(resolver.calls.load(Ordering::SeqCst), 0, "no re-resolution");
 }

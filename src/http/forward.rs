@@ -14,8 +14,11 @@
 //! reading; the forwarder retries (once in total) only if no byte of the body was
 //! pulled yet, else it answers `503 owner_moved` with `Retry-After`.
 //!
-//! Failure model: one shared `reqwest::Client` with connect and per-read timeouts and
-//! no total deadline (long uploads are fine, stalls are not). Owner unreachable →
+//! Failure model: one shared `reqwest::Client` with a connect timeout and no total
+//! deadline (long uploads are fine, stalls are not). `forward_read_timeout` bounds the
+//! owner's *silence*: the time during which the owner neither pulls body bytes that the
+//! client has already sent nor answers. A client that trickles its body slowly is not
+//! the owner's silence: while the forwarder waits on the client, the clock does not run. Owner unreachable →
 //! `503 owner_unavailable`; owner lost mid-stream → `502 owner_unavailable`; both with
 //! `Retry-After`. The client's own body failing → `400 upload_interrupted`. Nothing
 //! waits without a deadline.
@@ -82,7 +85,7 @@ pub trait OwnerResolver: Send + Sync {
 pub struct ForwardOptions {
     pub token: Secret,
     pub connect_timeout: Duration,
-    /// Per-read idle timeout (resets on progress); there is no total deadline.
+    /// Longest silence of the owner (see the module docs); there is no total deadline.
     pub read_timeout: Duration,
 }
 
@@ -114,6 +117,8 @@ pub struct Forwarder {
     /// The internal token, marked sensitive (never shown by header `Debug`).
     token: HeaderValue,
     head_deadline: Duration,
+    /// Longest silence of the owner during a streamed POST.
+    silence: Duration,
     stats: Arc<ForwardStats>,
 }
 
@@ -140,7 +145,6 @@ impl Forwarder {
         let client = reqwest::Client::builder()
             .no_proxy()
             .connect_timeout(options.connect_timeout)
-            .read_timeout(options.read_timeout)
             .tcp_nodelay(true)
             .http1_only()
             .pool_idle_timeout(Duration::from_secs(30))
@@ -149,6 +153,7 @@ impl Forwarder {
             client,
             token,
             head_deadline: options.connect_timeout + options.read_timeout,
+            silence: options.read_timeout,
             stats: Arc::default(),
         })
     }
@@ -280,12 +285,18 @@ impl Forwarder {
             request = request.header(header::CONTENT_LENGTH, value.clone());
         }
         let tap = source.tap(self.stats.clone());
-        let response = match request.body(reqwest::Body::wrap_stream(tap)).send().await {
-            Ok(response) => response,
-            Err(error) => return Ok(self.failure(target, source, &error)),
+        let send = request.body(reqwest::Body::wrap_stream(tap)).send();
+        let response = tokio::select! {
+            sent = send => match sent {
+                Ok(response) => response,
+                Err(error) => return Ok(self.failure(target, source, &error)),
+            },
+            _ = source.owner_silent(self.silence) => return Ok(self.silent(target, source)),
         };
         let status = response.status();
-        if status == StatusCode::CONFLICT {
+        // Only a stale-epoch refusal names the current epoch; any other 409 (for example
+        // `session_busy`) is the owner's answer and is relayed as it is.
+        if status == StatusCode::CONFLICT && response.headers().contains_key(CURRENT_EPOCH_HEADER) {
             return Err(stale_from(target, response.headers()));
         }
         if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
@@ -296,7 +307,10 @@ impl Forwarder {
             ));
         }
         let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
-        match read_capped(response).await {
+        let Ok(read) = tokio::time::timeout(self.silence, read_capped(response)).await else {
+            return Ok(self.silent(target, source));
+        };
+        match read {
             Ok(None) => {
                 tracing::error!(owner = %target.node, "forward: owner answer exceeds 1 MiB");
                 Ok(self.unavailable(
@@ -334,6 +348,21 @@ impl Forwarder {
             self.unavailable(
                 StatusCode::BAD_GATEWAY,
                 "the owner node failed during the upload; retry it",
+            )
+        }
+    }
+
+    fn silent(&self, target: &OwnerTarget, source: &Source) -> Response {
+        tracing::warn!(owner = %target.node, silence = ?self.silence, "forward: the owner went silent during the upload");
+        if source.untouched() {
+            self.unavailable(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the owner node did not answer in time",
+            )
+        } else {
+            self.unavailable(
+                StatusCode::BAD_GATEWAY,
+                "the owner node stopped reading the upload; retry it",
             )
         }
     }
@@ -429,6 +458,10 @@ struct SourceState {
     generation: u64,
     pulled: u64,
     failed: bool,
+    /// Last time the owner's side pulled (polled) the body.
+    last_pull: std::time::Instant,
+    /// The last poll found no client bytes: the forwarder is waiting on the client.
+    waiting_on_client: bool,
 }
 
 impl Source {
@@ -438,7 +471,30 @@ impl Source {
             generation: 0,
             pulled: 0,
             failed: false,
+            last_pull: std::time::Instant::now(),
+            waiting_on_client: false,
         })))
+    }
+
+    /// Resolves once the owner has been silent for `limit`: it neither pulled the body
+    /// while client bytes were available, nor (after the body ended) answered. Time
+    /// spent waiting on the client does not count.
+    async fn owner_silent(&self, limit: Duration) {
+        {
+            let mut state = self.lock();
+            state.last_pull = std::time::Instant::now();
+            state.waiting_on_client = false;
+        }
+        let tick = (limit / 4).max(Duration::from_millis(20));
+        loop {
+            tokio::time::sleep(tick).await;
+            let mut state = self.lock();
+            if state.waiting_on_client {
+                state.last_pull = std::time::Instant::now();
+            } else if state.last_pull.elapsed() >= limit {
+                return;
+            }
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, SourceState> {
@@ -498,6 +554,8 @@ impl Stream for Tap {
             return Poll::Ready(None);
         };
         let polled = Pin::new(stream).poll_next(cx);
+        state.last_pull = std::time::Instant::now();
+        state.waiting_on_client = polled.is_pending();
         match &polled {
             Poll::Ready(Some(Ok(bytes))) => {
                 state.pulled += bytes.len() as u64;
