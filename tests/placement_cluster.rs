@@ -532,3 +532,42 @@ async fn unsafe_timings_refuse_to_start() {
     assert!(matches!(err, ClusterError::InvalidConfig(_)), "{err}");
     assert!(err.to_string().contains("cluster.node_ttl"), "{err}");
 }
+
+/// Issue 9, item 4: the fencing timings are cluster-wide. The first node stores its
+/// `self_fence`/`node_ttl`; a node that would fence later, or a manager that would
+/// declare nodes dead sooner, refuses to start and names the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timings_that_disagree_with_the_cluster_refuse_to_start() {
+    use graviton::config::HumanDuration;
+    let Some(db) = TestDatabase::create("timings_that_disagree_with_the_cluster").await else {
+        return;
+    };
+    // Stored: self_fence 400ms, node_ttl 1s.
+    let a = placement_util::start_node(db.url(), "a", |_| {}).await;
+    let start = |config: graviton::placement::ClusterConfig, name: &'static str| async move {
+        placement::Cluster::connect_and_start(NodeId(name.into()), &config, "test").await
+    };
+
+    let mut late_fence = placement_util::config(db.url(), "b");
+    late_fence.self_fence = HumanDuration::millis(800);
+    late_fence.node_ttl = HumanDuration::secs(2);
+    let err = start(late_fence, "b").await.err().expect("must refuse");
+    assert!(err.to_string().contains("cluster.self_fence"), "{err}");
+
+    let mut quick_manager = placement_util::config(db.url(), "c");
+    quick_manager.self_fence = HumanDuration::millis(200);
+    quick_manager.node_ttl = HumanDuration::millis(500);
+    let err = start(quick_manager.clone(), "c")
+        .await
+        .err()
+        .expect("must refuse");
+    assert!(err.to_string().contains("cluster.node_ttl"), "{err}");
+
+    // The same timings on a node that runs no manager are safe: it fences sooner.
+    quick_manager.embedded_manager = false;
+    let c = start(quick_manager, "c")
+        .await
+        .expect("a node that fences sooner may join");
+    c.shutdown().await;
+    a.shutdown().await;
+}

@@ -110,6 +110,43 @@ impl ClusterConfig {
     }
 
     /// Every problem with this section (empty when valid).
+    /// The timings this process proposes as the cluster's (stored at bootstrap).
+    pub fn timings(&self) -> ClusterTimings {
+        ClusterTimings {
+            self_fence: self.self_fence.get(),
+            node_ttl: self.node_ttl.get(),
+        }
+    }
+
+    /// Problems of this configuration against the cluster's stored timings. Safety needs
+    /// every node's fence window to end before any manager's TTL: so a node may not fence
+    /// later than the stored `self_fence`, and a manager may not declare nodes dead
+    /// sooner than the stored `node_ttl` (the stored pair passed [`Self::problems`]).
+    pub fn timing_problems(&self, stored: ClusterTimings, runs_manager: bool) -> Vec<Problem> {
+        let mut problems = Vec::new();
+        if self.self_fence.get() > stored.self_fence {
+            problems.push(Problem::new(
+                "cluster.self_fence",
+                format!(
+                    "is {} but the cluster was bootstrapped with {}; a node may not fence later than the cluster's self_fence",
+                    humantime::format_duration(self.self_fence.get()),
+                    humantime::format_duration(stored.self_fence)
+                ),
+            ));
+        }
+        if runs_manager && self.node_ttl.get() < stored.node_ttl {
+            problems.push(Problem::new(
+                "cluster.node_ttl",
+                format!(
+                    "is {} but the cluster was bootstrapped with {}; a manager may not declare nodes dead sooner than the cluster's node_ttl",
+                    humantime::format_duration(self.node_ttl.get()),
+                    humantime::format_duration(stored.node_ttl)
+                ),
+            ));
+        }
+        problems
+    }
+
     pub fn problems(&self) -> Vec<Problem> {
         let mut problems = Vec::new();
         if self.shard_count == 0 || self.shard_count > SHARD_COUNT_MAX {
@@ -193,9 +230,49 @@ impl ClusterConfig {
     }
 }
 
+/// The cluster-wide timings of the fencing argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClusterTimings {
+    pub self_fence: Duration,
+    pub node_ttl: Duration,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timings_are_checked_against_the_clusters() {
+        let stored = ClusterConfig::default().timings();
+        let same = ClusterConfig::default();
+        assert!(same.timing_problems(stored, true).is_empty());
+        let later_fence = ClusterConfig {
+            self_fence: HumanDuration::secs(4),
+            node_ttl: HumanDuration::secs(8),
+            ..ClusterConfig::default()
+        };
+        let keys: Vec<_> = later_fence
+            .timing_problems(stored, true)
+            .iter()
+            .map(|p| p.key)
+            .collect();
+        assert_eq!(keys, ["cluster.self_fence"]);
+        let short_ttl = ClusterConfig {
+            self_fence: HumanDuration::secs(1),
+            node_ttl: HumanDuration::secs(2),
+            ..ClusterConfig::default()
+        };
+        let keys: Vec<_> = short_ttl
+            .timing_problems(stored, true)
+            .iter()
+            .map(|p| p.key)
+            .collect();
+        assert_eq!(keys, ["cluster.node_ttl"]);
+        assert!(
+            short_ttl.timing_problems(stored, false).is_empty(),
+            "a node without a manager may fence sooner"
+        );
+    }
 
     #[test]
     fn defaults_are_valid() {

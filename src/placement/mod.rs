@@ -178,6 +178,7 @@ impl Cluster {
         let heartbeat_store = PlacementStore::new(pg::purpose_pool(&pool, "heartbeat", &node.0, 1));
         let manager_store = PlacementStore::new(pg::purpose_pool(&pool, "manager", &node.0, 2));
         store.bootstrap(config.shard_count).await?;
+        check_timings(&store, config, config.embedded_manager).await?;
         let view = Arc::new(LocalView::new(
             node.clone(),
             config.shard_count,
@@ -265,6 +266,26 @@ impl Cluster {
             store: None,
             supervisor: None,
         }
+    }
+}
+
+/// Refuse to run with timings that break the cluster's fencing argument (see
+/// [`ClusterConfig::timing_problems`]).
+async fn check_timings(
+    store: &PlacementStore,
+    config: &ClusterConfig,
+    runs_manager: bool,
+) -> Result<(), ClusterError> {
+    let stored = store.agree_timings(config.timings()).await?;
+    let problems: Vec<String> = config
+        .timing_problems(stored, runs_manager)
+        .iter()
+        .map(|p| p.to_string())
+        .collect();
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(ClusterError::InvalidConfig(problems.join("; ")))
     }
 }
 
@@ -364,6 +385,7 @@ pub async fn run_standalone_manager(
     pg::migrate(&pool).await?;
     let store = PlacementStore::new(pool.clone());
     store.bootstrap(config.shard_count).await?;
+    check_timings(&store, config, true).await?;
     let lock_options = manager_election::lock_connection_options(
         (*pool.connect_options())
             .clone()

@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
 use crate::ids::NodeId;
+use crate::placement::config::ClusterTimings;
 use crate::placement::model::{Epoch, NodeInfo, NodeState, ShardEntry, ShardId, ShardTable};
 
 /// LISTEN/NOTIFY channel of placement changes. Payloads: `shards`, `nodes`, `ack`, `term`.
@@ -125,6 +126,29 @@ impl PlacementStore {
         .await?;
         tx.commit().await?;
         self.meta().await
+    }
+
+    /// Store `proposed` as the cluster's timings if none are stored yet, and return the
+    /// stored ones.
+    pub async fn agree_timings(
+        &self,
+        proposed: ClusterTimings,
+    ) -> Result<ClusterTimings, StoreError> {
+        let (fence, ttl): (i64, i64) = sqlx::query_as(
+            "UPDATE placement_meta SET self_fence_ms = COALESCE(self_fence_ms, $1),
+                                       node_ttl_ms = COALESCE(node_ttl_ms, $2)
+             WHERE id = 1 RETURNING self_fence_ms, node_ttl_ms",
+        )
+        .bind(proposed.self_fence.as_millis() as i64)
+        .bind(proposed.node_ttl.as_millis() as i64)
+        .fetch_optional(&self.pool)
+        .await?
+        .ok_or(StoreError::NotBootstrapped)?;
+        let ms = |v: i64| std::time::Duration::from_millis(v.max(0) as u64);
+        Ok(ClusterTimings {
+            self_fence: ms(fence),
+            node_ttl: ms(ttl),
+        })
     }
 
     pub async fn meta(&self) -> Result<ClusterMeta, StoreError> {
