@@ -87,7 +87,8 @@ impl OwnerIngest for HashingOwner {
                     axum::http::StatusCode::CONFLICT,
                     "session_busy",
                     "this session is already uploading",
-                ));
+                )
+                .with_retry_after(Duration::from_secs(2)));
             }
             let mut hasher = blake3::Hasher::new();
             let mut size = 0u64;
@@ -745,8 +746,8 @@ async fn an_owner_that_stops_reading_is_a_502_after_the_read_timeout() {
     assert_eq!(json["error"], "owner_unavailable");
 }
 
-/// Issue 9, item 9: a `409 session_busy` from the owner reaches the client as it is; it
-/// is not mistaken for a stale epoch (which would re-route and answer 503 `owner_moved`).
+/// Issue 9, item 9: a `409 session_busy` from the owner reaches the client as it is,
+/// `Retry-After` included; it is not mistaken for a stale epoch (which would re-route and answer 503 `owner_moved`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_s_session_busy_answer_is_relayed_not_treated_as_a_move() {
     let mut busy = HashingOwner::new("node-b");
@@ -758,8 +759,21 @@ async fn an_owner_s_session_busy_answer_is_relayed_not_treated_as_a_move() {
         target("node-b", owner, 1),
     )
     .await;
-    let (status, json) = upload(front, 4, 100_000).await;
-    assert_eq!(status, 409, "{json}");
+    let response = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .unwrap()
+        .post(format!("http://{front}/v1/blobs"))
+        .header("x-graviton-tenant-id", TENANT)
+        .header("x-graviton-upload-session-id", SESSION)
+        .body(vec![7u8; 100_000])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 409);
+    // The owner's Retry-After reaches the client through the forwarder.
+    assert_eq!(response.headers()["retry-after"], "2");
+    let json: serde_json::Value = response.json().await.unwrap();
     assert_eq!(json["error"], "session_busy");
     assert_eq!(resolver.calls.load(Ordering::SeqCst), 0, "no re-resolution");
 }

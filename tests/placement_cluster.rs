@@ -571,3 +571,50 @@ async fn timings_that_disagree_with_the_cluster_refuse_to_start() {
     c.shutdown().await;
     a.shutdown().await;
 }
+
+/// Graceful handoff (issue 9): a drain refuses new ingest on the draining node at once, but
+/// an ingest already running keeps its permit for `handoff_grace`, and the shard moves
+/// only after it ends (the ack waits for it). Checks LOC-1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_lets_a_running_ingest_finish_before_its_shard_moves() {
+    use graviton::config::HumanDuration;
+    let Some(db) = TestDatabase::create("a_drain_lets_a_running_ingest_finish").await else {
+        return;
+    };
+    let grace = |c: &mut graviton::placement::ClusterConfig| {
+        c.handoff_grace = HumanDuration::secs(30);
+    };
+    let a = placement_util::start_node(db.url(), "a", grace).await;
+    let b = placement_util::start_node(db.url(), "b", grace).await;
+    placement_util::eventually(Duration::from_secs(20), "balanced", || {
+        placement_util::settled(&[&a, &b], &["a", "b"])
+    })
+    .await;
+    let a_id = NodeId("a".into());
+    let shard = a.view().owned_shards()[0];
+    let epoch = a.view().table().get(shard).unwrap().epoch;
+    let running = a.begin_ingest(shard, epoch).expect("a owns the shard");
+
+    assert!(a.drain(&a_id).await.unwrap());
+    placement_util::eventually(Duration::from_secs(20), "every other shard left a", || {
+        let t = a.view().table();
+        t.owned_by(&a_id) == 1 && t.get(shard).unwrap().moving_to.is_some()
+    })
+    .await;
+    assert!(running.is_valid(), "the running ingest may finish");
+    assert!(a.begin_ingest(shard, epoch).is_none(), "no new ingest on a");
+    assert!(
+        !b.can_ingest(shard, epoch)
+            && b.view().table().get(shard).unwrap().owner == Some(a_id.clone()),
+        "the shard has not moved while the ingest runs"
+    );
+
+    drop(running); // the upload finished: a acknowledges, the move completes
+    placement_util::eventually(Duration::from_secs(20), "the shard moved to b", || {
+        let entry = b.view().table().get(shard).cloned().unwrap();
+        entry.owner == Some(NodeId("b".into())) && entry.moving_to.is_none()
+    })
+    .await;
+    a.shutdown().await;
+    b.shutdown().await;
+}

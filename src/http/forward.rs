@@ -8,7 +8,8 @@
 //! 2. **Stream** `POST` the same path with the original body wrapped, frame by frame,
 //!    in `reqwest::Body::wrap_stream` (no buffering beyond the frames hyper holds, no
 //!    replay). `Content-Type` and `Content-Length` are copied.
-//! 3. **Relay** the owner's status and JSON body (capped at 1 MiB).
+//! 3. **Relay** the owner's status, JSON body (capped at 1 MiB) and its `Content-Type`,
+//!    `Retry-After`, `Location` and `ETag` headers.
 //!
 //! If the epoch moves between pre-flight and POST, the owner still refuses before
 //! reading; the forwarder retries (once in total) only if no byte of the body was
@@ -306,7 +307,19 @@ impl Forwarder {
                 "the owner node refused the upload",
             ));
         }
-        let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
+        // The owner's answer headers that matter to the client.
+        let relayed_headers: Vec<_> = [
+            header::CONTENT_TYPE,
+            header::RETRY_AFTER,
+            header::LOCATION,
+            header::ETAG,
+        ]
+        .into_iter()
+        .filter_map(|name| {
+            let value = response.headers().get(&name)?.clone();
+            Some((name, value))
+        })
+        .collect();
         let Ok(read) = tokio::time::timeout(self.silence, read_capped(response)).await else {
             return Ok(self.silent(target, source));
         };
@@ -320,8 +333,8 @@ impl Forwarder {
             }
             Ok(Some(bytes)) => {
                 let mut relayed = (status, bytes).into_response();
-                if let Some(value) = content_type {
-                    relayed.headers_mut().insert(header::CONTENT_TYPE, value);
+                for (name, value) in relayed_headers {
+                    relayed.headers_mut().insert(name, value);
                 }
                 Ok(relayed)
             }

@@ -16,7 +16,7 @@ pub mod cluster;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -326,7 +326,9 @@ impl RunningNode {
     pub async fn shutdown(mut self) -> ShutdownOutcome {
         let grace = self.state.config.node.shutdown_grace.get();
         if self.cluster_parts.is_some() {
-            match self.state.cluster.drain_self(grace).await {
+            // Uploads in flight get the handoff grace to finish before their shards move.
+            let handoff = self.state.config.cluster.handoff_grace.get() + Duration::from_secs(1);
+            match self.state.cluster.drain_self(grace.max(handoff)).await {
                 Ok(true) => tracing::info!("shards drained to other nodes"),
                 Ok(false) => tracing::warn!("drain did not complete before the grace period"),
                 Err(err) => {

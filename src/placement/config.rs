@@ -59,6 +59,10 @@ pub struct ClusterConfig {
     pub pool_max_connections: u32,
     /// Statement timeout on placement connections; bounds every placement query.
     pub statement_timeout: HumanDuration,
+    /// When a shard starts moving away, uploads already running on it get this long to
+    /// finish before they are aborted with a retryable 503 `shard_moved`; new uploads are
+    /// refused at once. Zero aborts at once. A SIGTERM drain waits up to this long.
+    pub handoff_grace: HumanDuration,
 }
 
 impl Default for ClusterConfig {
@@ -82,6 +86,7 @@ impl Default for ClusterConfig {
             lock_ping_interval: HumanDuration::millis(500),
             pool_max_connections: 8,
             statement_timeout: HumanDuration::secs(2),
+            handoff_grace: HumanDuration::secs(5),
         }
     }
 }

@@ -6,7 +6,10 @@
 //!    `moving_to` (a *revocation*), which makes [`may_ingest`] false on the owner as soon as
 //!    the owner sees the row.
 //! 2. The owner acknowledges ([`should_ack`]) once it has seen the revocation and no
-//!    ingest permit for the shard is in flight.
+//!    ingest permit for the shard is in flight. Permits issued before the revocation stay
+//!    valid for the *handoff grace* after the owner first saw it ([`permit_valid`]), so
+//!    uploads in flight can finish; past the grace they are revoked. The grace never
+//!    outlives the fence: a fenced node's permits are revoked at once.
 //! 3. The manager completes the move (owner := target, `epoch + 1`) only after the ack, or
 //!    when the owner has been declared dead, which happens only after its heartbeat is older
 //!    than `node_ttl > self_fence`, so the old owner has already fenced itself.
@@ -21,9 +24,21 @@ pub fn may_ingest(entry: &ShardEntry, me: &NodeId, epoch: Epoch, fenced: bool) -
     !fenced && entry.owner.as_ref() == Some(me) && entry.epoch == epoch && entry.moving_to.is_none()
 }
 
-/// Is an ingest permit issued at `epoch` still valid?
-pub fn permit_valid(entry: Option<&ShardEntry>, me: &NodeId, epoch: Epoch, fenced: bool) -> bool {
-    entry.is_some_and(|e| may_ingest(e, me, epoch, fenced))
+/// Is an ingest permit issued at `epoch` still valid? `in_grace`: the shard's revocation
+/// was first seen by this node less than the handoff grace ago.
+pub fn permit_valid(
+    entry: Option<&ShardEntry>,
+    me: &NodeId,
+    epoch: Epoch,
+    fenced: bool,
+    in_grace: bool,
+) -> bool {
+    entry.is_some_and(|e| {
+        !fenced
+            && e.owner.as_ref() == Some(me)
+            && e.epoch == epoch
+            && (e.moving_to.is_none() || in_grace)
+    })
 }
 
 /// Should `me` acknowledge the revocation of this shard now?
@@ -136,6 +151,25 @@ mod tests {
             false
         ));
         assert!(!may_ingest(&entry(None, None, false), &a, Epoch(7), false));
+    }
+
+    #[test]
+    fn running_permits_survive_a_revocation_only_within_the_grace_and_never_a_fence() {
+        let a = NodeId("a".into());
+        let moving = entry(Some("a"), Some("b"), false);
+        assert!(permit_valid(Some(&moving), &a, Epoch(7), false, true));
+        assert!(!permit_valid(Some(&moving), &a, Epoch(7), false, false));
+        assert!(
+            !permit_valid(Some(&moving), &a, Epoch(7), true, true),
+            "fenced"
+        );
+        assert!(
+            !permit_valid(Some(&moving), &a, Epoch(6), false, true),
+            "old epoch"
+        );
+        assert!(!may_ingest(&moving, &a, Epoch(7), false), "no new ingest");
+        let settled = entry(Some("a"), None, false);
+        assert!(permit_valid(Some(&settled), &a, Epoch(7), false, false));
     }
 
     #[test]

@@ -179,11 +179,10 @@ impl Cluster {
         let manager_store = PlacementStore::new(pg::purpose_pool(&pool, "manager", &node.0, 2));
         store.bootstrap(config.shard_count).await?;
         check_timings(&store, config, config.embedded_manager).await?;
-        let view = Arc::new(LocalView::new(
-            node.clone(),
-            config.shard_count,
-            config.self_fence.get(),
-        ));
+        let view = Arc::new(
+            LocalView::new(node.clone(), config.shard_count, config.self_fence.get())
+                .with_handoff_grace(config.handoff_grace.get()),
+        );
         let registration = NodeRegistration {
             id: node.clone(),
             public_addr: config.public_addr.clone(),

@@ -110,6 +110,10 @@ pub struct LocalView {
     /// The generation under which the published table was read.
     table_generation: AtomicU64,
     read_ok: AtomicBool,
+    /// How long permits issued before a revocation stay valid (see `handoff`).
+    handoff_grace: Duration,
+    /// Per shard: when this node first saw its revocation (ns since `origin`; 0 = none).
+    revocation_seen_ns: Box<[AtomicU64]>,
     /// Counters for metrics.
     pub counters: PlacementCounters,
     in_flight: Box<[AtomicU32]>,
@@ -140,12 +144,20 @@ impl LocalView {
             generation: AtomicU64::new(1),
             table_generation: AtomicU64::new(0),
             read_ok: AtomicBool::new(false),
+            handoff_grace: Duration::ZERO,
+            revocation_seen_ns: (0..shard_count).map(|_| AtomicU64::new(0)).collect(),
             counters: PlacementCounters::default(),
             in_flight: (0..shard_count).map(|_| AtomicU32::new(0)).collect(),
             changes,
             ack_wake: Notify::new(),
             health: RwLock::new(HealthSnapshot::starting(shard_count)),
         }
+    }
+
+    /// Let permits issued before a revocation run on for `grace` (graceful handoff).
+    pub fn with_handoff_grace(mut self, grace: Duration) -> Self {
+        self.handoff_grace = grace;
+        self
     }
 
     pub fn node(&self) -> &NodeId {
@@ -271,6 +283,17 @@ impl LocalView {
     pub(crate) fn publish_read(&self, table: ShardTable, ticket: TableTicket) {
         {
             let mut guard = self.table.write().unwrap_or_else(|e| e.into_inner());
+            let now = self.now_ns().max(1);
+            for entry in &table.shards {
+                let Some(seen) = self.revocation_seen_ns.get(entry.shard.0 as usize) else {
+                    continue;
+                };
+                if entry.owner.as_ref() == Some(&self.node) && entry.moving_to.is_some() {
+                    let _ = seen.compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst);
+                } else {
+                    seen.store(0, Ordering::SeqCst);
+                }
+            }
             *guard = Arc::new(table);
             // Under the write lock, so no permit is issued between the swap and this.
             self.table_generation.fetch_max(ticket.0, Ordering::SeqCst);
@@ -290,14 +313,34 @@ impl LocalView {
     /// May this node admit a new ingest for `shard` at `epoch` right now?
     pub fn can_ingest(&self, shard: ShardId, epoch: Epoch) -> bool {
         let table = self.table();
-        handoff::permit_valid(table.get(shard), &self.node, epoch, self.fenced())
+        handoff::permit_valid(table.get(shard), &self.node, epoch, self.fenced(), false)
+    }
+
+    /// Time left of the handoff grace of `shard` (`None`: no revocation seen).
+    fn grace_left(&self, shard: ShardId) -> Option<Duration> {
+        let seen = self
+            .revocation_seen_ns
+            .get(shard.0 as usize)?
+            .load(Ordering::SeqCst);
+        if seen == 0 {
+            return None;
+        }
+        let elapsed = Duration::from_nanos(self.now_ns().saturating_sub(seen));
+        Some(self.handoff_grace.saturating_sub(elapsed))
+    }
+
+    /// May an ingest already admitted at `epoch` go on (the handoff grace applies)?
+    fn permit_still_valid(&self, shard: ShardId, epoch: Epoch) -> bool {
+        let table = self.table();
+        let in_grace = self.grace_left(shard).is_some_and(|left| !left.is_zero());
+        handoff::permit_valid(table.get(shard), &self.node, epoch, self.fenced(), in_grace)
     }
 
     /// Admit an ingest: `Some(permit)` iff [`Self::can_ingest`]. Hold the permit for the whole
     /// ingest; abort the ingest when [`IngestPermit::revoked`] resolves.
     pub fn begin_ingest(self: &Arc<Self>, shard: ShardId, epoch: Epoch) -> Option<IngestPermit> {
         let guard = self.table.read().unwrap_or_else(|e| e.into_inner());
-        if !handoff::permit_valid(guard.get(shard), &self.node, epoch, self.fenced()) {
+        if !handoff::permit_valid(guard.get(shard), &self.node, epoch, self.fenced(), false) {
             return None;
         }
         self.in_flight
@@ -368,20 +411,24 @@ impl IngestPermit {
         self.epoch
     }
 
-    /// Still allowed to ingest (owner, same epoch, no move pending, not fenced)?
+    /// Still allowed to ingest (owner, same epoch, not fenced, and no move pending or
+    /// its handoff grace not yet over)?
     pub fn is_valid(&self) -> bool {
-        self.view.can_ingest(self.shard, self.epoch)
+        self.view.permit_still_valid(self.shard, self.epoch)
     }
 
-    /// Resolves once the permit stops being valid: a move of the shard was requested, the
-    /// epoch changed, or the node fenced itself. Ingest code should abort then.
+    /// Resolves once the permit stops being valid: the handoff grace of a requested move
+    /// ran out, the epoch changed, or the node fenced itself. Ingest code should abort then.
     pub async fn revoked(&self) {
         let mut changes = self.view.subscribe();
         loop {
             if !self.is_valid() {
                 return;
             }
-            let remaining = self.view.fence_remaining();
+            let mut remaining = self.view.fence_remaining();
+            if let Some(left) = self.view.grace_left(self.shard) {
+                remaining = remaining.min(left);
+            }
             tokio::select! {
                 changed = changes.changed() => {
                     if changed.is_err() {
@@ -472,6 +519,39 @@ mod tests {
             .expect("revoked");
         assert!(view.begin_ingest(ShardId(1), Epoch(1)).is_none());
         assert!(!view.can_ingest(ShardId(1), Epoch(1)));
+    }
+
+    // Checks LOC-1 with graceful handoff: a revocation refuses new ingest at once, lets a
+    // running one go on for the grace, then revokes it; the ack waits for it.
+    #[tokio::test]
+    async fn a_revocation_lets_running_ingest_finish_within_the_grace() {
+        let view = Arc::new(
+            LocalView::new(NodeId("a".into()), 4, Duration::from_secs(60))
+                .with_handoff_grace(Duration::from_millis(300)),
+        );
+        view.publish(table("a", None, 1));
+        view.heartbeat_ok(Instant::now());
+        let permit = view.begin_ingest(ShardId(1), Epoch(1)).unwrap();
+        view.publish(table("a", Some("b"), 1));
+        assert!(permit.is_valid(), "within the grace");
+        assert!(
+            view.begin_ingest(ShardId(1), Epoch(1)).is_none(),
+            "no new ingest"
+        );
+        assert_eq!(view.in_flight(ShardId(1)), 1, "the ack must wait");
+        // A re-published table does not restart the grace.
+        view.publish(table("a", Some("b"), 1));
+        tokio::time::timeout(Duration::from_secs(5), permit.revoked())
+            .await
+            .expect("revoked when the grace ran out");
+        assert!(!permit.is_valid());
+        // A fence ends the grace at once.
+        view.publish(table("a", None, 1));
+        let permit = view.begin_ingest(ShardId(2), Epoch(1)).unwrap();
+        view.publish(table("a", Some("b"), 1));
+        assert!(permit.is_valid());
+        view.fence_now();
+        assert!(!permit.is_valid());
     }
 
     #[tokio::test]
