@@ -37,6 +37,9 @@ enum BrokenReads {
     Stall,
 }
 
+/// How long the stalled-reads variant holds the shard table lock.
+const STALL: Duration = Duration::from_secs(10);
+
 /// Issue 9 item 1, exactly: node A cut off from PostgreSQL (NOLOGIN + its backends
 /// terminated) until declared dead and its shards moved; then A's table reads made to fail
 /// or stall, A let back in, and uploads for sessions of A's former shards sent to A and to
@@ -101,9 +104,12 @@ async fn cut_off_node_returns(scenario: &str, reads: BrokenReads) {
                 None
             }
             BrokenReads::Stall => {
-                let handle = cluster.pg.lock_shards_for(Duration::from_secs(6));
+                // Longer than the nodes' statement_timeout (2 s): A's reads time out.
+                let handle = cluster.pg.lock_shards_for(STALL);
                 tokio::time::sleep(Duration::from_millis(200)).await;
-                cluster.fault("LOCK TABLE placement_shards IN ACCESS EXCLUSIVE MODE for 6s");
+                cluster.fault(format!(
+                    "LOCK TABLE placement_shards IN ACCESS EXCLUSIVE MODE for {STALL:?}"
+                ));
                 Some(handle)
             }
         };

@@ -169,7 +169,7 @@ pub fn double_ownership(attempts: &[Attempt]) -> Vec<Violation> {
                     out.push(Violation::new(
                         "LOC-1",
                         format!(
-                            "double ownership of session {session}: {} overlaps {}",
+                            "double ownership: session {session}: {} overlaps {}",
                             describe(a),
                             describe(b)
                         ),

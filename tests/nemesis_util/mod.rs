@@ -385,18 +385,35 @@ impl Cluster {
         if violations.is_empty() {
             return;
         }
-        let mut shown = HashSet::new();
-        for v in violations.iter().take(20) {
+        let mut kinds: std::collections::BTreeMap<String, usize> = Default::default();
+        for v in &violations {
+            let kind = v.detail.split(':').next().unwrap_or_default();
+            *kinds.entry(format!("{} {kind}", v.invariant)).or_default() += 1;
+        }
+        eprintln!("NEMESIS {} violations by kind: {kinds:?}", self.scenario);
+        let mut shown_kinds: std::collections::HashMap<String, usize> = Default::default();
+        let mut shown_sessions = HashSet::new();
+        for v in &violations {
+            let kind = format!("{} {}", v.invariant, v.detail.split(':').next().unwrap_or_default());
+            let count = shown_kinds.entry(kind).or_default();
+            *count += 1;
+            if *count > 5 {
+                continue;
+            }
             eprintln!("NEMESIS {} VIOLATION {v}", self.scenario);
             if let Some(session) = attempts
                 .iter()
                 .map(|a| a.session.as_str())
                 .find(|s| v.detail.contains(s))
-                && shown.insert(session.to_string())
-                && shown.len() <= 3
+                && shown_sessions.len() < 2
+                && shown_sessions.insert(session.to_string())
             {
-                for line in history::session_history(&attempts, session) {
+                let lines = history::session_history(&attempts, session);
+                for line in lines.iter().take(16) {
                     eprintln!("NEMESIS {}     {session}: {line}", self.scenario);
+                }
+                if lines.len() > 16 {
+                    eprintln!("NEMESIS {}     ... {} more attempts", self.scenario, lines.len() - 16);
                 }
             }
         }
