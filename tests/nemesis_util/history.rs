@@ -200,8 +200,7 @@ pub fn stale_owner(attempts: &[Attempt], samples: &[ShardSample]) -> Vec<Violati
         let (Some(before), Some(after)) = (before, after) else {
             continue;
         };
-        let (Some(rb), Some(ra)) = (before.shards.get(&a.shard), after.shards.get(&a.shard))
-        else {
+        let (Some(rb), Some(ra)) = (before.shards.get(&a.shard), after.shards.get(&a.shard)) else {
             continue;
         };
         if rb.epoch == ra.epoch

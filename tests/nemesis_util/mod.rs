@@ -163,7 +163,9 @@ impl Cluster {
     }
 
     pub async fn status(&self) -> Option<ClusterStatus> {
-        graviton::placement::cluster_status(self.db.url()).await.ok()
+        graviton::placement::cluster_status(self.db.url())
+            .await
+            .ok()
     }
 
     /// Current owner of `key`'s shard in PostgreSQL.
@@ -254,16 +256,14 @@ impl Cluster {
             .collect();
         status.unassigned_shards == 0
             && status.manager_node.is_some()
-            && status
-                .shards
-                .iter()
-                .all(|s| s.owner.as_ref().is_some_and(|o| running.contains(o.0.as_str())))
-            && running.iter().all(|id| {
-                status
-                    .nodes
-                    .iter()
-                    .any(|n| n.id.0 == *id && n.shards > 0)
+            && status.shards.iter().all(|s| {
+                s.owner
+                    .as_ref()
+                    .is_some_and(|o| running.contains(o.0.as_str()))
             })
+            && running
+                .iter()
+                .all(|id| status.nodes.iter().any(|n| n.id.0 == *id && n.shards > 0))
             && self.pg.manager_lock_held().await
     }
 
@@ -330,7 +330,10 @@ impl Cluster {
                 if !ok {
                     self.violations.push(Violation::new(
                         "LOC-2",
-                        format!("acknowledged blob {key} not readable from {}: {last}", node.id),
+                        format!(
+                            "acknowledged blob {key} not readable from {}: {last}",
+                            node.id
+                        ),
                     ));
                 }
             }
@@ -345,8 +348,9 @@ impl Cluster {
 
     /// Stop the sampler, run every check, print the report and panic on violations.
     pub async fn finish(mut self, seed: u64, iteration: usize) {
-        self.check_manager(Duration::from_secs(30), "after the run")
-            .await;
+        let broken = self.violations.iter().any(|v| v.invariant == "LOC-3");
+        let bound = Duration::from_secs(if broken { 5 } else { 30 });
+        self.check_manager(bound, "after the run").await;
         self.stop.cancel();
         if let Some(sampler) = self.sampler.take() {
             let _ = sampler.await;
@@ -394,7 +398,11 @@ impl Cluster {
         let mut shown_kinds: std::collections::HashMap<String, usize> = Default::default();
         let mut shown_sessions = HashSet::new();
         for v in &violations {
-            let kind = format!("{} {}", v.invariant, v.detail.split(':').next().unwrap_or_default());
+            let kind = format!(
+                "{} {}",
+                v.invariant,
+                v.detail.split(':').next().unwrap_or_default()
+            );
             let count = shown_kinds.entry(kind).or_default();
             *count += 1;
             if *count > 5 {
@@ -413,16 +421,16 @@ impl Cluster {
                     eprintln!("NEMESIS {}     {session}: {line}", self.scenario);
                 }
                 if lines.len() > 16 {
-                    eprintln!("NEMESIS {}     ... {} more attempts", self.scenario, lines.len() - 16);
+                    eprintln!(
+                        "NEMESIS {}     ... {} more attempts",
+                        self.scenario,
+                        lines.len() - 16
+                    );
                 }
             }
         }
         for node in &self.nodes {
-            eprintln!(
-                "---- {} log tail ----\n{}",
-                node.id,
-                node.log_tail(25)
-            );
+            eprintln!("---- {} log tail ----\n{}", node.id, node.log_tail(25));
         }
         panic!(
             "{}: {} violation(s), first: {} (replay with GRAVITON_NEMESIS_SEED={})",

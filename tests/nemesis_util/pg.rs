@@ -170,9 +170,11 @@ impl Pg {
                 }
                 if let Some(c) = conn.as_mut() {
                     let sent = t0.elapsed();
-                    match sqlx::query("SELECT shard, node_id, epoch, moving_to FROM placement_shards")
-                        .fetch_all(&mut *c)
-                        .await
+                    match sqlx::query(
+                        "SELECT shard, node_id, epoch, moving_to FROM placement_shards",
+                    )
+                    .fetch_all(&mut *c)
+                    .await
                     {
                         Ok(rows) => {
                             let received = t0.elapsed();
