@@ -193,7 +193,7 @@ impl History {
                 let targets = targets.clone();
                 let stop = stop.clone();
                 tokio::spawn(async move {
-                    let mut rng = StdRng::seed_from_u64(seed ^ (w as u64 + 1) * 0x9E37_79B9);
+                    let mut rng = StdRng::seed_from_u64(seed ^ ((w as u64 + 1) * 0x9E37_79B9));
                     while !stop.is_cancelled() {
                         let key = sessions[rng.random_range(0..sessions.len())];
                         let len = rng.random_range(16 << 10..384 << 10);
