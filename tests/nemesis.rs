@@ -1,0 +1,411 @@
+//! Nemesis suite on real processes: three `graviton serve` processes (and, in one scenario,
+//! a standalone `graviton manager`) on a fresh PostgreSQL database, one PostgreSQL role per
+//! process, under client load, while faults chosen from a seeded RNG are injected. The
+//! history of every upload attempt is checked against the invariants of docs/locality.md
+//! §13 (checks LOC-1, LOC-2, LOC-3, LOC-4). Replay: `GRAVITON_NEMESIS_SEED=<seed>`; more
+//! rounds: `GRAVITON_NEMESIS_ITERATIONS=<n>` or `scripts/drill --nemesis`.
+
+mod nemesis_util;
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use graviton::ids::SessionKey;
+use nemesis_util::procs::NODE_TTL;
+use nemesis_util::{Cluster, base_seed, iterations, load, scenario_rng};
+use rand::Rng;
+use rand::rngs::StdRng;
+use tokio_util::sync::CancellationToken;
+
+fn banner(scenario: &str, iteration: usize, seed: u64) {
+    eprintln!(
+        "NEMESIS start scenario={scenario} iteration={iteration}/{} seed={seed} base_seed={} \
+         (GRAVITON_NEMESIS_SEED={} replays)",
+        iterations(),
+        base_seed(),
+        base_seed()
+    );
+}
+
+/// How node A's view of the shard table is broken after it is let back in.
+#[derive(Clone, Copy, Debug)]
+enum BrokenReads {
+    /// `REVOKE SELECT ON placement_shards` from A's role: A's table reads fail.
+    Fail,
+    /// `LOCK TABLE placement_shards IN ACCESS EXCLUSIVE MODE` from the test: reads stall.
+    Stall,
+}
+
+/// How long the stalled-reads variant holds the shard table lock.
+const STALL: Duration = Duration::from_secs(10);
+
+/// Issue 9 item 1, exactly: node A cut off from PostgreSQL (NOLOGIN + its backends
+/// terminated) until declared dead and its shards moved; then A's table reads made to fail
+/// or stall, A let back in, and uploads for sessions of A's former shards sent to A and to
+/// the new owner at the same time. Checks LOC-1 (A must not answer 201 as owner), LOC-2,
+/// LOC-3, LOC-4.
+async fn cut_off_node_returns(scenario: &str, reads: BrokenReads) {
+    for iteration in 1..=iterations() {
+        let (seed, mut rng) = scenario_rng(scenario, iteration);
+        banner(scenario, iteration, seed);
+        let Some(mut cluster) = Cluster::start(scenario, 3, false).await else {
+            return;
+        };
+        let stop = CancellationToken::new();
+        let pool = Arc::new(load::sessions(&mut rng, 12));
+        let workers =
+            cluster
+                .history
+                .spawn_workers(2, rng.random(), pool, cluster.targets(), stop.clone());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+
+        // A: a node that is not the manager (the manager keeps acting throughout).
+        let manager = cluster.status().await.and_then(|s| s.manager_node);
+        let candidates: Vec<usize> = (0..cluster.nodes.len())
+            .filter(|&i| Some(&cluster.nodes[i].id) != manager.as_ref())
+            .collect();
+        let a = candidates[rng.random_range(0..candidates.len())];
+        let (a_id, a_role) = (cluster.nodes[a].id.clone(), cluster.nodes[a].role.clone());
+        let a_shards = cluster.shards_of(&a_id).await;
+        assert!(
+            !a_shards.is_empty(),
+            "{a_id} owns no shard before the fault"
+        );
+
+        let cut = cluster.pg.cut_off(&a_role).await;
+        cluster.fault(format!(
+            "{a_id} cut off from PostgreSQL (NOLOGIN, {cut} backends terminated)"
+        ));
+        let moved = support::wait_until(Duration::from_secs(30), || async {
+            cluster.shards_of(&a_id).await.is_empty()
+        })
+        .await;
+        assert!(moved, "{a_id}'s shards never moved while it was cut off");
+        cluster.fault(format!("{a_id} declared dead; its shards moved"));
+
+        // Sessions of A's former shards.
+        let mut probes: Vec<SessionKey> = Vec::new();
+        while probes.len() < 4 {
+            let key = load::sessions(&mut rng, 1)[0];
+            if a_shards.contains(&cluster.history.shard(&key)) {
+                probes.push(key);
+            }
+        }
+        let mut owners = Vec::new();
+        for key in &probes {
+            owners.push(
+                cluster
+                    .owner_of(key)
+                    .await
+                    .expect("moved shard has an owner"),
+            );
+        }
+
+        let lock = match reads {
+            BrokenReads::Fail => {
+                cluster
+                    .pg
+                    .exec(&format!("REVOKE SELECT ON placement_shards FROM {a_role}"))
+                    .await;
+                cluster.fault(format!("REVOKE SELECT ON placement_shards FROM {a_id}"));
+                None
+            }
+            BrokenReads::Stall => {
+                // Longer than the nodes' statement_timeout (2 s): A's reads time out.
+                let handle = cluster.pg.lock_shards_for(STALL);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                cluster.fault(format!(
+                    "LOCK TABLE placement_shards IN ACCESS EXCLUSIVE MODE for {STALL:?}"
+                ));
+                Some(handle)
+            }
+        };
+        cluster.pg.let_in(&a_role).await;
+        cluster.fault(format!("{a_id} let back in (LOGIN)"));
+
+        // Pairs of concurrent, trickled uploads per probe session: one to A, one to the
+        // owner PostgreSQL has. Bounded: 12 s.
+        let targets = cluster.targets();
+        let a_target = targets[a].clone();
+        let probe_until = tokio::time::Instant::now() + Duration::from_secs(12);
+        let mut pairs = 0;
+        while tokio::time::Instant::now() < probe_until {
+            let mut round = Vec::new();
+            for (key, owner) in probes.iter().zip(&owners) {
+                let b_target = targets.iter().find(|t| &t.id == owner).unwrap().clone();
+                let history = cluster.history.clone();
+                let (a_target, key) = (a_target.clone(), *key);
+                let (sa, sb): (u64, u64) = (rng.random(), rng.random());
+                round.push(tokio::spawn(async move {
+                    let (op_a, op_b) = (history.new_op(), history.new_op());
+                    tokio::join!(
+                        history.attempt(&a_target, &key, op_a, sa, 384 << 10, true),
+                        history.attempt(&b_target, &key, op_b, sb, 384 << 10, true),
+                    );
+                }));
+            }
+            for r in round {
+                let _ = r.await;
+            }
+            pairs += probes.len();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        cluster.fault(format!(
+            "{pairs} concurrent A/owner upload pairs sent for {} sessions of moved shards",
+            probes.len()
+        ));
+
+        // Heal.
+        match lock {
+            Some(handle) => {
+                let _ = handle.await;
+            }
+            None => {
+                cluster
+                    .pg
+                    .exec(&format!("GRANT SELECT ON placement_shards TO {a_role}"))
+                    .await;
+                cluster.fault(format!("GRANT SELECT ON placement_shards TO {a_id}"));
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        stop.cancel();
+        for w in workers {
+            let _ = w.await;
+        }
+        cluster.finish(seed, iteration).await;
+    }
+}
+
+// Checks LOC-1, LOC-2, LOC-3, LOC-4 (issue 9 item 1, reads failing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nemesis_cut_off_node_returns_with_failing_reads() {
+    cut_off_node_returns("cut_off_reads_fail", BrokenReads::Fail).await;
+}
+
+// Checks LOC-1, LOC-2, LOC-3, LOC-4 (issue 9 item 1, reads stalled).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nemesis_cut_off_node_returns_with_stalled_reads() {
+    cut_off_node_returns("cut_off_reads_stall", BrokenReads::Stall).await;
+}
+
+/// Faults on nodes and PostgreSQL, chosen from the seeded RNG.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    Kill9Restart,
+    PausePastTtl,
+    TerminateBackends,
+    LockShardTable,
+    CutOff,
+}
+
+const FAULTS: [Fault; 5] = [
+    Fault::Kill9Restart,
+    Fault::PausePastTtl,
+    Fault::TerminateBackends,
+    Fault::LockShardTable,
+    Fault::CutOff,
+];
+
+async fn inject(cluster: &mut Cluster, rng: &mut StdRng, fault: Fault) {
+    let i = rng.random_range(0..cluster.nodes.len());
+    let id = cluster.nodes[i].id.clone();
+    let role = cluster.nodes[i].role.clone();
+    match fault {
+        Fault::Kill9Restart => {
+            cluster.nodes[i].kill9();
+            cluster.fault(format!("kill -9 {id}"));
+            tokio::time::sleep(Duration::from_millis(rng.random_range(200..2500))).await;
+            cluster.nodes[i].spawn();
+            cluster.fault(format!("restart {id}"));
+        }
+        Fault::PausePastTtl => {
+            let pause = NODE_TTL + Duration::from_millis(rng.random_range(500..1500));
+            cluster.nodes[i].sigstop();
+            cluster.fault(format!("SIGSTOP {id} for {pause:?}"));
+            tokio::time::sleep(pause).await;
+            cluster.nodes[i].sigcont();
+            cluster.fault(format!("SIGCONT {id}"));
+        }
+        Fault::TerminateBackends => {
+            let n = cluster.pg.terminate(&role).await;
+            cluster.fault(format!("pg_terminate_backend of {id}'s {n} connections"));
+        }
+        Fault::LockShardTable => {
+            let hold = Duration::from_millis(rng.random_range(1000..3500));
+            let handle = cluster.pg.lock_shards_for(hold);
+            cluster.fault(format!("LOCK TABLE placement_shards for {hold:?}"));
+            let _ = handle.await;
+            cluster.fault("placement_shards lock released");
+        }
+        Fault::CutOff => {
+            let hold = Duration::from_millis(rng.random_range(1000..4000));
+            let n = cluster.pg.cut_off(&role).await;
+            cluster.fault(format!(
+                "{id} cut off from PostgreSQL for {hold:?} ({n} backends terminated)"
+            ));
+            tokio::time::sleep(hold).await;
+            cluster.pg.let_in(&role).await;
+            cluster.fault(format!("{id} let back in"));
+        }
+    }
+}
+
+// Checks LOC-1, LOC-2, LOC-3, LOC-4 under seeded node and PostgreSQL faults.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nemesis_random_node_and_postgres_faults() {
+    let scenario = "random_faults";
+    for iteration in 1..=iterations() {
+        let (seed, mut rng) = scenario_rng(scenario, iteration);
+        banner(scenario, iteration, seed);
+        let Some(mut cluster) = Cluster::start(scenario, 3, false).await else {
+            return;
+        };
+        let stop = CancellationToken::new();
+        let pool = Arc::new(load::sessions(&mut rng, 16));
+        let workers =
+            cluster
+                .history
+                .spawn_workers(4, rng.random(), pool, cluster.targets(), stop.clone());
+        for _ in 0..4 {
+            tokio::time::sleep(Duration::from_millis(rng.random_range(500..1500))).await;
+            let fault = FAULTS[rng.random_range(0..FAULTS.len())];
+            inject(&mut cluster, &mut rng, fault).await;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        stop.cancel();
+        for w in workers {
+            let _ = w.await;
+        }
+        cluster.finish(seed, iteration).await;
+    }
+}
+
+// Checks LOC-3 (and LOC-1, LOC-2, LOC-4): a standalone manager (nodes run no embedded one)
+// is killed with -9, paused past the TTL, and has its lock connection terminated; after each
+// fault the test (playing the process supervisor: it restarts a manager that exited) expects
+// an acting manager again, and proves it acts by killing a node whose shards must move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nemesis_standalone_manager_faults() {
+    let scenario = "standalone_manager";
+    for iteration in 1..=iterations() {
+        let (seed, mut rng) = scenario_rng(scenario, iteration);
+        banner(scenario, iteration, seed);
+        let Some(mut cluster) = Cluster::start(scenario, 3, true).await else {
+            return;
+        };
+        let stop = CancellationToken::new();
+        let pool = Arc::new(load::sessions(&mut rng, 12));
+        let workers =
+            cluster
+                .history
+                .spawn_workers(2, rng.random(), pool, cluster.targets(), stop.clone());
+        let mut order = [0u8, 1, 2];
+        for k in (1..order.len()).rev() {
+            order.swap(k, rng.random_range(0..=k));
+        }
+        for step in order {
+            tokio::time::sleep(Duration::from_millis(rng.random_range(300..1000))).await;
+            let manager = cluster.manager.as_mut().expect("standalone manager");
+            match step {
+                0 => {
+                    manager.kill9();
+                    cluster.fault("kill -9 standalone manager");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    cluster.manager.as_mut().unwrap().spawn();
+                    cluster.fault("standalone manager restarted");
+                }
+                1 => {
+                    let pause = NODE_TTL + Duration::from_millis(rng.random_range(500..1500));
+                    manager.sigstop();
+                    cluster.fault(format!("SIGSTOP standalone manager for {pause:?}"));
+                    tokio::time::sleep(pause).await;
+                    cluster.manager.as_mut().unwrap().sigcont();
+                    cluster.fault("SIGCONT standalone manager");
+                }
+                _ => {
+                    let role = manager.role.clone();
+                    let n = cluster.pg.terminate(&role).await;
+                    cluster.fault(format!(
+                        "pg_terminate_backend of the manager's {n} connections (lock included)"
+                    ));
+                }
+            }
+            // An acting manager again (LOC-3) ... (once one LOC-3 violation is recorded,
+            // later waits are short: the run stays bounded on a broken build.)
+            let broken = cluster.violations.iter().any(|v| v.invariant == "LOC-3");
+            let bound = Duration::from_secs(if broken { 3 } else { 15 });
+            cluster
+                .check_manager(bound, &format!("after manager fault {step}"))
+                .await;
+            // ... that acts: a killed node's shards move elsewhere.
+            let victim = rng.random_range(0..cluster.nodes.len());
+            let victim_id = cluster.nodes[victim].id.clone();
+            cluster.nodes[victim].kill9();
+            cluster.fault(format!(
+                "kill -9 {victim_id} (the manager must move its shards)"
+            ));
+            let moved = support::wait_until(bound, || async {
+                cluster.shards_of(&victim_id).await.is_empty()
+            })
+            .await;
+            if !moved {
+                cluster.violations.push(nemesis_util::history::Violation::new(
+                    "LOC-3",
+                    format!(
+                        "after manager fault {step}: shards of killed {victim_id} never moved (no acting manager)"
+                    ),
+                ));
+            }
+            cluster.nodes[victim].spawn();
+            cluster.fault(format!("restart {victim_id}"));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        stop.cancel();
+        for w in workers {
+            let _ = w.await;
+        }
+        cluster.finish(seed, iteration).await;
+    }
+}
+
+// Checks LOC-1, LOC-2, LOC-3, LOC-4 across a rolling restart (SIGTERM, start, ready) of
+// every node under load, in an order from the seeded RNG.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nemesis_rolling_restart() {
+    let scenario = "rolling_restart";
+    for iteration in 1..=iterations() {
+        let (seed, mut rng) = scenario_rng(scenario, iteration);
+        banner(scenario, iteration, seed);
+        let Some(mut cluster) = Cluster::start(scenario, 3, false).await else {
+            return;
+        };
+        let stop = CancellationToken::new();
+        let pool = Arc::new(load::sessions(&mut rng, 16));
+        let workers =
+            cluster
+                .history
+                .spawn_workers(4, rng.random(), pool, cluster.targets(), stop.clone());
+        let mut order: Vec<usize> = (0..cluster.nodes.len()).collect();
+        for k in (1..order.len()).rev() {
+            order.swap(k, rng.random_range(0..=k));
+        }
+        for i in order {
+            tokio::time::sleep(Duration::from_millis(rng.random_range(500..1500))).await;
+            let id = cluster.nodes[i].id.clone();
+            cluster.nodes[i].terminate();
+            cluster.fault(format!("SIGTERM {id} (exited)"));
+            cluster.nodes[i].spawn();
+            cluster.fault(format!("start {id}"));
+            let back = cluster.converged(Duration::from_secs(30)).await;
+            cluster.fault(format!("{id} back, cluster converged={back}"));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        stop.cancel();
+        for w in workers {
+            let _ = w.await;
+        }
+        cluster.finish(seed, iteration).await;
+    }
+}

@@ -1,0 +1,443 @@
+//! The nemesis harness: a cluster of real processes on a fresh database, one PostgreSQL role
+//! per process, client load recording a history, a shard-table sampler, fault bookkeeping,
+//! and the after-run checks of docs/locality.md §13 (LOC-1..LOC-4).
+//!
+//! Reproducible from a seed: `GRAVITON_NEMESIS_SEED` (random when unset, printed at start);
+//! each scenario iteration derives its own seed from it. `GRAVITON_NEMESIS_ITERATIONS`
+//! (default 1) repeats every scenario on a fresh cluster.
+
+pub mod history;
+pub mod load;
+pub mod pg;
+pub mod procs;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use graviton::ids::SessionKey;
+use graviton::placement::ClusterStatus;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use tokio_util::sync::CancellationToken;
+
+use crate::support::TestDatabase;
+use crate::support::node::random_bytes;
+use history::{ShardSample, Violation};
+use load::{History, Target};
+use pg::{Pg, Roles};
+use procs::{Kind, Proc};
+
+pub const SHARDS: u32 = 16;
+
+/// The run's seed (printed once per scenario so a failure can be replayed).
+pub fn base_seed() -> u64 {
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SEED.get_or_init(|| match std::env::var("GRAVITON_NEMESIS_SEED") {
+        Ok(text) => text.trim().parse().expect("GRAVITON_NEMESIS_SEED is a u64"),
+        Err(_) => rand::random(),
+    })
+}
+
+pub fn iterations() -> usize {
+    std::env::var("GRAVITON_NEMESIS_ITERATIONS")
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(1)
+        .clamp(1, 1000)
+}
+
+/// The seed of one scenario iteration.
+pub fn scenario_rng(scenario: &str, iteration: usize) -> (u64, StdRng) {
+    let mut seed = base_seed() ^ (iteration as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    for b in scenario.bytes() {
+        seed = seed.rotate_left(5) ^ b as u64;
+    }
+    (seed, StdRng::seed_from_u64(seed))
+}
+
+/// A cluster under test. Fields drop in order: processes first, the database, then roles.
+pub struct Cluster {
+    pub scenario: String,
+    pub nodes: Vec<Proc>,
+    pub manager: Option<Proc>,
+    pub pg: Pg,
+    pub history: History,
+    pub samples: Arc<Mutex<Vec<ShardSample>>>,
+    pub faults: Vec<String>,
+    pub violations: Vec<Violation>,
+    pub stop: CancellationToken,
+    sampler: Option<tokio::task::JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+    db: TestDatabase,
+    _roles: Roles,
+}
+
+fn admin_url() -> String {
+    std::env::var("GRAVITON_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| crate::support::postgres::DEFAULT_ADMIN_URL.to_string())
+}
+
+impl Cluster {
+    /// Start `n` nodes (and a standalone manager when `standalone_manager`) and wait until
+    /// the cluster converged. `None` when PostgreSQL is missing (loud skip).
+    pub async fn start(scenario: &str, n: usize, standalone_manager: bool) -> Option<Self> {
+        let mut roles = Roles::new(&admin_url());
+        let db = TestDatabase::create(scenario).await?;
+        graviton::placement::migrate(db.url())
+            .await
+            .expect("migrate as admin");
+        let pg = Pg {
+            url: db.url().to_string(),
+            db: db.name().to_string(),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let suffix = crate::support::unique_suffix();
+        let mut nodes = Vec::new();
+        for i in 0..n {
+            let id = format!("node-{}", (b'a' + i as u8) as char);
+            let role = format!("gnem_{suffix}_{}", (b'a' + i as u8) as char);
+            let url = pg.create_role(&mut roles, &role).await;
+            let kind = Kind::Node {
+                embedded_manager: !standalone_manager,
+            };
+            nodes.push(Proc::start(dir.path(), &id, &role, &url, SHARDS, kind));
+        }
+        let manager = if standalone_manager {
+            let role = format!("gnem_{suffix}_mgr");
+            let url = pg.create_role(&mut roles, &role).await;
+            Some(Proc::start(
+                dir.path(),
+                "manager-1",
+                &role,
+                &url,
+                SHARDS,
+                Kind::Manager,
+            ))
+        } else {
+            None
+        };
+        let history = History::new(SHARDS);
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let stop = CancellationToken::new();
+        let sampler = pg.sampler(
+            history.t0,
+            Duration::from_millis(50),
+            samples.clone(),
+            stop.clone(),
+        );
+        let mut cluster = Self {
+            scenario: scenario.to_string(),
+            nodes,
+            manager,
+            pg,
+            history,
+            samples,
+            faults: Vec::new(),
+            violations: Vec::new(),
+            stop,
+            sampler: Some(sampler),
+            _dir: dir,
+            db,
+            _roles: roles,
+        };
+        let converged = cluster.converged(Duration::from_secs(60)).await;
+        assert!(
+            converged,
+            "{scenario}: cluster did not converge; node-a log:\n{}",
+            cluster.nodes[0].log_tail(40)
+        );
+        Some(cluster)
+    }
+
+    pub fn targets(&self) -> Arc<Vec<Target>> {
+        Arc::new(
+            self.nodes
+                .iter()
+                .map(|n| Target {
+                    id: n.id.clone(),
+                    url: n.url.clone(),
+                })
+                .collect(),
+        )
+    }
+
+    pub async fn status(&self) -> Option<ClusterStatus> {
+        graviton::placement::cluster_status(self.db.url())
+            .await
+            .ok()
+    }
+
+    /// Current owner of `key`'s shard in PostgreSQL.
+    pub async fn owner_of(&self, key: &SessionKey) -> Option<String> {
+        let shard = self.history.shard(key);
+        let status = self.status().await?;
+        status
+            .shards
+            .iter()
+            .find(|s| s.shard.0 == shard)
+            .and_then(|s| s.owner.clone())
+            .map(|o| o.0)
+    }
+
+    pub async fn shards_of(&self, node: &str) -> HashSet<u32> {
+        self.status()
+            .await
+            .map(|s| {
+                s.shards
+                    .iter()
+                    .filter(|e| e.owner.as_ref().is_some_and(|o| o.0 == node))
+                    .map(|e| e.shard.0)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Note a fault in the printed log.
+    pub fn fault(&mut self, what: impl Into<String>) {
+        let line = format!(
+            "{:>8.3}s {}",
+            self.history.t0.elapsed().as_secs_f64(),
+            what.into()
+        );
+        eprintln!("NEMESIS {} fault {line}", self.scenario);
+        self.faults.push(line);
+    }
+
+    /// Restart a standalone manager that exited (the test plays the process supervisor).
+    pub fn supervise_manager(&mut self) {
+        if let Some(manager) = self.manager.as_mut()
+            && let Some(status) = manager.exited()
+        {
+            eprintln!(
+                "NEMESIS {} standalone manager exited ({status}); restarting it",
+                self.scenario
+            );
+            manager.kill9();
+            manager.spawn();
+        }
+    }
+
+    /// Every running node ready, every shard assigned to a live node with shards on every
+    /// running node, and an acting manager (advisory lock held).
+    pub async fn converged(&mut self, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(Duration::from_secs(2))
+            .build()
+            .unwrap();
+        loop {
+            self.supervise_manager();
+            if self.is_converged(&client).await {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn is_converged(&self, client: &reqwest::Client) -> bool {
+        for node in self.nodes.iter().filter(|n| n.is_running()) {
+            if !crate::support::cluster::is_ready(client, &node.url).await {
+                return false;
+            }
+        }
+        let Some(status) = self.status().await else {
+            return false;
+        };
+        let running: HashSet<&str> = self
+            .nodes
+            .iter()
+            .filter(|n| n.is_running())
+            .map(|n| n.id.as_str())
+            .collect();
+        status.unassigned_shards == 0
+            && status.manager_node.is_some()
+            && status.shards.iter().all(|s| {
+                s.owner
+                    .as_ref()
+                    .is_some_and(|o| running.contains(o.0.as_str()))
+            })
+            && running
+                .iter()
+                .all(|id| status.nodes.iter().any(|n| n.id.0 == *id && n.shards > 0))
+            && self.pg.manager_lock_held().await
+    }
+
+    /// LOC-3: the cluster regains an acting manager and converges after the faults.
+    pub async fn check_manager(&mut self, within: Duration, when: &str) {
+        if !self.converged(within).await {
+            let status = self.status().await;
+            let lock = self.pg.manager_lock_held().await;
+            let tail = self
+                .manager
+                .as_ref()
+                .map(|m| m.log_tail(15))
+                .unwrap_or_default();
+            self.violations.push(Violation::new(
+                "LOC-3",
+                format!(
+                    "{when}: no acting manager / no convergence within {within:?}: lock held={lock}, \
+                     term={:?}, manager={:?}, unassigned={:?}, nodes={:?}\nmanager log tail:\n{tail}",
+                    status.as_ref().map(|s| s.manager_term),
+                    status.as_ref().and_then(|s| s.manager_node.clone()),
+                    status.as_ref().map(|s| s.unassigned_shards),
+                    status.as_ref().map(|s| s
+                        .nodes
+                        .iter()
+                        .map(|n| format!("{}:{:?}:{}", n.id.0, n.state, n.shards))
+                        .collect::<Vec<_>>()),
+                ),
+            ));
+        }
+    }
+
+    /// LOC-2: every acknowledged blob downloads byte-exact from every node.
+    pub async fn check_reads(&mut self) {
+        let acked = history::acknowledged(&self.history.snapshot());
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(Duration::from_secs(20))
+            .build()
+            .unwrap();
+        for (key, len, seed) in &acked {
+            let want = random_bytes(*len, *seed);
+            for node in self.nodes.iter().filter(|n| n.is_running()) {
+                let mut last = String::new();
+                let mut ok = false;
+                for _ in 0..3 {
+                    match client
+                        .get(format!("{}/v1/blobs/{key}", node.url))
+                        .send()
+                        .await
+                    {
+                        Ok(r) if r.status() == 200 => match r.bytes().await {
+                            Ok(got) if got[..] == want[..] => {
+                                ok = true;
+                                break;
+                            }
+                            Ok(got) => last = format!("{} bytes differ from {len}", got.len()),
+                            Err(e) => last = format!("body: {e}"),
+                        },
+                        Ok(r) => last = format!("status {}", r.status()),
+                        Err(e) => last = format!("transport: {e}"),
+                    }
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+                if !ok {
+                    self.violations.push(Violation::new(
+                        "LOC-2",
+                        format!(
+                            "acknowledged blob {key} not readable from {}: {last}",
+                            node.id
+                        ),
+                    ));
+                }
+            }
+        }
+        eprintln!(
+            "NEMESIS {} LOC-2 read back {} acknowledged blobs from {} nodes",
+            self.scenario,
+            acked.len(),
+            self.nodes.iter().filter(|n| n.is_running()).count()
+        );
+    }
+
+    /// Stop the sampler, run every check, print the report and panic on violations.
+    pub async fn finish(mut self, seed: u64, iteration: usize) {
+        let broken = self.violations.iter().any(|v| v.invariant == "LOC-3");
+        let bound = Duration::from_secs(if broken { 5 } else { 30 });
+        self.check_manager(bound, "after the run").await;
+        self.stop.cancel();
+        if let Some(sampler) = self.sampler.take() {
+            let _ = sampler.await;
+        }
+        self.check_reads().await;
+        let attempts = self.history.snapshot();
+        let samples = self.samples.lock().unwrap().clone();
+        let mut violations = history::check(&attempts, &samples);
+        violations.append(&mut self.violations);
+        let ops = attempts.iter().map(|a| a.op).collect::<HashSet<_>>().len();
+        eprintln!(
+            "NEMESIS scenario={} iteration={} seed={seed} base_seed={} operations={ops} attempts={} \
+             acked_ops={} failed_ops={} shard_samples={} faults={} violations={}",
+            self.scenario,
+            iteration,
+            base_seed(),
+            attempts.len(),
+            self.history
+                .acked_ops
+                .load(std::sync::atomic::Ordering::Relaxed),
+            self.history
+                .failed_ops
+                .load(std::sync::atomic::Ordering::Relaxed),
+            samples.len(),
+            self.faults.len(),
+            violations.len()
+        );
+        eprintln!(
+            "NEMESIS {} outcomes: {}",
+            self.scenario,
+            history::summary(&attempts)
+        );
+        for f in &self.faults {
+            eprintln!("NEMESIS {}   fault {f}", self.scenario);
+        }
+        if violations.is_empty() {
+            return;
+        }
+        let mut kinds: std::collections::BTreeMap<String, usize> = Default::default();
+        for v in &violations {
+            let kind = v.detail.split(':').next().unwrap_or_default();
+            *kinds.entry(format!("{} {kind}", v.invariant)).or_default() += 1;
+        }
+        eprintln!("NEMESIS {} violations by kind: {kinds:?}", self.scenario);
+        let mut shown_kinds: std::collections::HashMap<String, usize> = Default::default();
+        let mut shown_sessions = HashSet::new();
+        for v in &violations {
+            let kind = format!(
+                "{} {}",
+                v.invariant,
+                v.detail.split(':').next().unwrap_or_default()
+            );
+            let count = shown_kinds.entry(kind).or_default();
+            *count += 1;
+            if *count > 5 {
+                continue;
+            }
+            eprintln!("NEMESIS {} VIOLATION {v}", self.scenario);
+            if let Some(session) = attempts
+                .iter()
+                .map(|a| a.session.as_str())
+                .find(|s| v.detail.contains(s))
+                && shown_sessions.len() < 2
+                && shown_sessions.insert(session.to_string())
+            {
+                let lines = history::session_history(&attempts, session);
+                for line in lines.iter().take(16) {
+                    eprintln!("NEMESIS {}     {session}: {line}", self.scenario);
+                }
+                if lines.len() > 16 {
+                    eprintln!(
+                        "NEMESIS {}     ... {} more attempts",
+                        self.scenario,
+                        lines.len() - 16
+                    );
+                }
+            }
+        }
+        for node in &self.nodes {
+            eprintln!("---- {} log tail ----\n{}", node.id, node.log_tail(25));
+        }
+        panic!(
+            "{}: {} violation(s), first: {} (replay with GRAVITON_NEMESIS_SEED={})",
+            self.scenario,
+            violations.len(),
+            violations[0],
+            base_seed()
+        );
+    }
+}

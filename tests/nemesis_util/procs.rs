@@ -1,0 +1,196 @@
+//! Real `graviton serve` / `graviton manager` processes for the nemesis suite: each has its
+//! own PostgreSQL role (so the test can cut exactly one process off from PostgreSQL), fixed
+//! ports across restarts, and a log file. Signals go through `kill(1)`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::support::cluster::{BIN, TOKEN};
+
+/// Cluster timings of the suite: heartbeat 200 ms, self-fence 800 ms, node TTL 2 s (the
+/// node TTL covers self-fence plus margin, so a node paused past the TTL has fenced).
+pub const NODE_TTL: Duration = Duration::from_secs(2);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Node { embedded_manager: bool },
+    Manager,
+}
+
+/// One process of the cluster.
+pub struct Proc {
+    pub id: String,
+    /// The PostgreSQL role this process connects as.
+    pub role: String,
+    pub kind: Kind,
+    pub config: PathBuf,
+    pub url: String,
+    child: Option<Child>,
+    log: PathBuf,
+    stopped: bool,
+}
+
+impl Proc {
+    /// Write the config and start the process.
+    pub fn start(
+        dir: &Path,
+        id: &str,
+        role: &str,
+        database_url: &str,
+        shard_count: u32,
+        kind: Kind,
+    ) -> Self {
+        let (public, internal, control) = (
+            crate::support::free_port(),
+            crate::support::free_port(),
+            crate::support::free_port(),
+        );
+        let embedded = match kind {
+            Kind::Node { embedded_manager } => embedded_manager,
+            Kind::Manager => true,
+        };
+        let config = dir.join(format!("{id}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                r#"[node]
+id = "{id}"
+listen = "127.0.0.1:{public}"
+shutdown_grace = "3s"
+
+[storage]
+data_dir = "{data}"
+fsync = false
+
+[cluster]
+enabled = true
+database_url = "{database_url}"
+shard_count = {shard_count}
+embedded_manager = {embedded}
+heartbeat_interval = "200ms"
+self_fence = "800ms"
+node_ttl = "{ttl}ms"
+poll_interval = "250ms"
+rebalance_interval = "200ms"
+lock_retry_interval = "200ms"
+lock_ping_interval = "200ms"
+
+[control]
+internal_listen = "127.0.0.1:{internal}"
+control_listen = "127.0.0.1:{control}"
+internal_token = "{TOKEN}"
+"#,
+                data = dir.join("shared-data").display(),
+                ttl = NODE_TTL.as_millis(),
+            ),
+        )
+        .expect("write config");
+        let mut proc = Self {
+            id: id.to_string(),
+            role: role.to_string(),
+            kind,
+            config,
+            url: format!("http://127.0.0.1:{public}"),
+            child: None,
+            log: dir.join(format!("{id}.log")),
+            stopped: false,
+        };
+        proc.spawn();
+        proc
+    }
+
+    pub fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log file");
+        let command = match self.kind {
+            Kind::Node { .. } => "serve",
+            Kind::Manager => "manager",
+        };
+        let child = Command::new(BIN)
+            .args([command, "--config"])
+            .arg(&self.config)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn graviton");
+        self.child = Some(child);
+        self.stopped = false;
+    }
+
+    fn signal(&self, sig: &str) {
+        if let Some(child) = &self.child {
+            let _ = Command::new("kill")
+                .args([sig, &child.id().to_string()])
+                .status();
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.stopped = false;
+    }
+
+    pub fn sigstop(&mut self) {
+        self.signal("-STOP");
+        self.stopped = true;
+    }
+
+    pub fn sigcont(&mut self) {
+        self.signal("-CONT");
+        self.stopped = false;
+    }
+
+    /// SIGTERM and wait (bounded) for the exit; kill -9 past the bound.
+    pub fn terminate(&mut self) {
+        if self.stopped {
+            self.sigcont();
+        }
+        self.signal("-TERM");
+        if let Some(mut child) = self.child.take() {
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Whether the process has exited on its own (a standalone manager failing closed).
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        match self.child.as_mut() {
+            Some(child) => child.try_wait().ok().flatten(),
+            None => None,
+        }
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    pub fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.stopped {
+            self.sigcont();
+        }
+        self.kill9();
+    }
+}
