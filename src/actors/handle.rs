@@ -72,9 +72,12 @@ impl SessionRegionHandle {
         self.call(|reply| RegionMsg::Snapshot(key, reply)).await
     }
 
-    /// Stop the owners of all sessions matching `filter` (for example, sessions of shards
-    /// this node no longer owns). Returns how many were stopped.
-    pub async fn stop_matching(&self, filter: SessionFilter) -> Result<usize, SessionError> {
+    /// Stop the owners of all idle sessions matching `filter` (for example, sessions of
+    /// shards this node no longer owns); uploading ones are left alone and counted.
+    pub async fn stop_matching(
+        &self,
+        filter: SessionFilter,
+    ) -> Result<super::session_region::StopReport, SessionError> {
         self.call(|reply| RegionMsg::StopMatching(filter, reply))
             .await
     }

@@ -58,8 +58,10 @@ pub enum RegionMsg {
     },
     /// Stop owners idle for longer than the timeout (timer).
     Sweep,
-    /// Stop the owners of every session matching the filter; replies with how many.
-    StopMatching(SessionFilter, RpcReplyPort<usize>),
+    /// Stop the owners of every *idle* session matching the filter. Sessions running an
+    /// upload are left alone (their upload ends under its own ingest permit, and stopping
+    /// them would drop the index entry that keeps one upload per session, SES-2).
+    StopMatching(SessionFilter, RpcReplyPort<StopReport>),
     Stats(RpcReplyPort<RegionStats>),
     Snapshot(SessionKey, RpcReplyPort<Option<HotSnapshot>>),
 }
@@ -67,6 +69,15 @@ pub enum RegionMsg {
 impl ractor::Message for RegionMsg {}
 
 pub struct SessionRegion;
+
+/// What a `StopMatching` did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StopReport {
+    /// Idle sessions whose owner (or parked state) was dropped.
+    pub stopped: usize,
+    /// Matching sessions left alone because they are uploading.
+    pub still_uploading: usize,
+}
 
 /// How long the region waits for an owner to hand over its state when parking it.
 const PARK_TIMEOUT: Duration = Duration::from_secs(1);
@@ -224,19 +235,25 @@ impl Actor for SessionRegion {
                 state.publish_gauges();
             }
             RegionMsg::StopMatching(filter, reply) => {
-                let keys: Vec<SessionKey> = state
+                let matching: Vec<SessionKey> = state
                     .owners
                     .keys()
                     .chain(state.parked.keys())
                     .filter(|k| filter(k))
                     .copied()
                     .collect();
-                for key in &keys {
+                let mut report = StopReport::default();
+                for key in &matching {
+                    if state.index.is_active(key) {
+                        report.still_uploading += 1;
+                        continue;
+                    }
                     state.index.remove(key);
                     state.stop_owner(key, "unassigned");
+                    report.stopped += 1;
                 }
                 state.publish_gauges();
-                let _ = reply.send(keys.len());
+                let _ = reply.send(report);
             }
             RegionMsg::Stats(reply) => {
                 let _ = reply.send(RegionStats {

@@ -149,3 +149,30 @@ async fn shutdown_stops_the_region_without_restart() {
         Err(SessionError::Unavailable(_))
     ));
 }
+
+// Checks SES-2 across a shard loss: stopping the sessions of a lost shard leaves a session
+// that is uploading alone, so a second upload of it is still refused as busy.
+#[tokio::test]
+async fn stopping_lost_sessions_never_drops_an_uploading_one() {
+    let (sup, _) = start(8, Duration::from_secs(60)).await;
+    let sessions = sup.sessions();
+    let (busy, idle) = (key(), key());
+    let ticket = sessions.begin(busy).await.unwrap();
+    sessions.begin(idle).await.unwrap().finish(true);
+    let report = sessions.stop_matching(Box::new(|_| true)).await.unwrap();
+    assert_eq!((report.stopped, report.still_uploading), (1, 1));
+    assert!(matches!(
+        sessions.begin(busy).await,
+        Err(SessionError::Busy)
+    ));
+    assert!(sessions.snapshot(idle).await.unwrap().is_none());
+    ticket.finish(true);
+    assert!(
+        eventually(async || {
+            let report = sessions.stop_matching(Box::new(|_| true)).await.unwrap();
+            report.still_uploading == 0
+        })
+        .await
+    );
+    sup.shutdown().await;
+}

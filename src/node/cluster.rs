@@ -235,21 +235,39 @@ pub async fn release_lost_sessions(
     stop: tokio_util::sync::CancellationToken,
 ) {
     let mut changes = cluster.subscribe();
+    // The view changes on every heartbeat; scan the sessions only when the set of owned
+    // shards changed, or again shortly after a scan that had to leave uploads running.
+    let mut last: Option<std::collections::HashSet<ShardId>> = None;
+    let mut pending = false;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             changed = changes.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep(Duration::from_millis(500)), if pending => {}
         }
         let owned: std::collections::HashSet<ShardId> =
             cluster.owned_shards().into_iter().collect();
+        if !pending && last.as_ref() == Some(&owned) {
+            continue;
+        }
+        last = Some(owned.clone());
         let probe = cluster.clone();
         let filter = Box::new(move |key: &SessionKey| !owned.contains(&probe.shard_of(key)));
         match sessions.stop_matching(filter).await {
-            Ok(0) => {}
-            Ok(stopped) => {
-                tracing::info!(stopped, "stopped session owners of shards this node lost")
+            Ok(report) => {
+                pending = report.still_uploading > 0;
+                if report.stopped > 0 {
+                    tracing::info!(
+                        stopped = report.stopped,
+                        still_uploading = report.still_uploading,
+                        "stopped session owners of shards this node lost"
+                    )
+                }
             }
-            Err(err) => tracing::debug!(error = %err, "could not release session owners"),
+            Err(err) => {
+                pending = true;
+                tracing::debug!(error = %err, "could not release session owners")
+            }
         }
     }
 }

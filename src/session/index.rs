@@ -73,6 +73,11 @@ impl<K: Clone + Eq + Hash + Ord> SessionIndex<K> {
         self.entries.contains_key(key)
     }
 
+    /// Whether `key` is running an upload.
+    pub fn is_active(&self, key: &K) -> bool {
+        self.entries.get(key).is_some_and(|e| e.active)
+    }
+
     /// An upload of `key` wants to start at `now`.
     pub fn begin(&mut self, key: &K, now: Instant) -> Admission<K> {
         if let Some(entry) = self.entries.get_mut(key) {
