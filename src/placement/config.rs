@@ -75,12 +75,12 @@ impl Default for ClusterConfig {
             public_addr: String::new(),
             internal_addr: String::new(),
             control_addr: String::new(),
-            heartbeat_interval: HumanDuration::secs(1),
-            self_fence: HumanDuration::secs(3),
-            node_ttl: HumanDuration::secs(6),
+            heartbeat_interval: HumanDuration::millis(500),
+            self_fence: HumanDuration::millis(1500),
+            node_ttl: HumanDuration::millis(2500),
             poll_interval: HumanDuration::secs(1),
             listen_notify: true,
-            rebalance_interval: HumanDuration::secs(2),
+            rebalance_interval: HumanDuration::millis(500),
             move_budget: 64,
             lock_retry_interval: HumanDuration::millis(500),
             lock_ping_interval: HumanDuration::millis(500),
@@ -252,8 +252,8 @@ mod tests {
         let same = ClusterConfig::default();
         assert!(same.timing_problems(stored, true).is_empty());
         let later_fence = ClusterConfig {
-            self_fence: HumanDuration::secs(4),
-            node_ttl: HumanDuration::secs(8),
+            self_fence: HumanDuration::secs(2),
+            node_ttl: HumanDuration::secs(3),
             ..ClusterConfig::default()
         };
         let keys: Vec<_> = later_fence
@@ -264,7 +264,7 @@ mod tests {
         assert_eq!(keys, ["cluster.self_fence"]);
         let short_ttl = ClusterConfig {
             self_fence: HumanDuration::secs(1),
-            node_ttl: HumanDuration::secs(2),
+            node_ttl: HumanDuration::millis(1600),
             ..ClusterConfig::default()
         };
         let keys: Vec<_> = short_ttl
@@ -293,8 +293,9 @@ mod tests {
 
     #[test]
     fn ttl_must_exceed_self_fence() {
+        // Default self_fence 1.5s, heartbeat 500ms: the TTL needs at least 2s.
         let config = ClusterConfig {
-            node_ttl: HumanDuration::secs(3),
+            node_ttl: HumanDuration::millis(1900),
             ..ClusterConfig::default()
         };
         let keys: Vec<_> = config.problems().iter().map(|p| p.key).collect();
