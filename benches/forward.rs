@@ -34,14 +34,14 @@ async fn upload(
     size: u64,
     seed: u64,
 ) -> Duration {
-    // Generated on the fly in 1 MiB pieces so the client holds no large buffer.
-    let piece = support::node::random_bytes(1 << 20, seed);
+    // Generated on the fly in 1 MiB pieces so the client holds no large buffer. Every
+    // piece is fresh pseudo-random content: nothing deduplicates, so the owner really
+    // stores every block (an earlier version repeated one piece with 8 bytes changed, and
+    // the store wrote almost nothing).
     let pieces = size.div_ceil(1 << 20);
     let stream = futures_util::stream::iter((0..pieces).map(move |i| {
-        let mut buf = piece.clone();
-        buf[..8].copy_from_slice(&(i ^ seed.rotate_left(17)).to_le_bytes());
         let take = (size - i * (1 << 20)).min(1 << 20) as usize;
-        buf.truncate(take);
+        let buf = support::node::random_bytes(take, seed ^ (i + 1).wrapping_mul(0x2545_F491));
         Ok::<_, std::io::Error>(bytes::Bytes::from(buf))
     }));
     let started = Instant::now();
