@@ -47,6 +47,8 @@ pub(super) struct IssuerKeys {
     keys: RwLock<Arc<KeySet>>,
     /// When the URL was last fetched (serializes refetches, too).
     last_fetch: tokio::sync::Mutex<Option<Instant>>,
+    /// When an unknown `kid` last caused a fetch (the rate limit of such refetches).
+    last_kid_refetch: std::sync::Mutex<Option<Instant>>,
     stats: JwksStats,
 }
 
@@ -64,6 +66,7 @@ impl IssuerKeys {
             http,
             keys: RwLock::new(Arc::new(KeySet::default())),
             last_fetch: tokio::sync::Mutex::new(None),
+            last_kid_refetch: std::sync::Mutex::new(None),
             stats: JwksStats::default(),
         }
     }
@@ -187,7 +190,17 @@ impl IssuerKeys {
             if let Some(key) = lookup(&self.current(), kid, alg)? {
                 return Ok(key);
             }
-            let due = last.is_none_or(|at| at.elapsed() >= self.refetch_min_interval);
+            let due = {
+                let mut kid_last = self
+                    .last_kid_refetch
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                let due = kid_last.is_none_or(|at| at.elapsed() >= self.refetch_min_interval);
+                if due {
+                    *kid_last = Some(Instant::now());
+                }
+                due
+            };
             if due {
                 self.stats.kid_refetches.fetch_add(1, Ordering::Relaxed);
                 if let Err(err) = self.fetch(&mut last).await {

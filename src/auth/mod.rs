@@ -145,10 +145,14 @@ impl Authenticator {
             return Err(AuthError::Algorithm);
         }
         let key = issuer.keys.find(header.kid.as_deref(), header.alg).await?;
+        // jsonwebtoken wants every listed algorithm in the key's family: list only this
+        // token's (already checked against the issuer's list above).
+        let mut validation = issuer.validation.clone();
+        validation.algorithms = vec![header.alg];
         let data = jsonwebtoken::decode::<serde_json::Map<String, serde_json::Value>>(
             token,
             &key,
-            &issuer.validation,
+            &validation,
         )
         .map_err(|e| classify(e.kind()))?;
         let org = data
