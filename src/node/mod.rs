@@ -169,7 +169,12 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         let options = ForwardOptions::from_config(&config.control).ok_or_else(|| {
             StartError::Control("control.internal_token is required in cluster mode".into())
         })?;
-        Some(Forwarder::new(options).map_err(|e| StartError::Control(e.to_string()))?)
+        let forwarder = if config.http.internal_tls.enabled() {
+            Forwarder::with_mutual_tls(options, &config.http.internal_tls)
+        } else {
+            Forwarder::new(options)
+        };
+        Some(forwarder.map_err(|e| StartError::Control(e.to_string()))?)
     } else {
         None
     };
