@@ -181,8 +181,7 @@ async fn mtls_cluster_forwards_refuses_uncertified_peers_and_drains_over_http() 
 
     // The HTTP drain endpoint: admin token required, unknown node 404, then node-b drains.
     let drain = |node: &str, token: Option<&str>| {
-        let mut request =
-            client().post(format!("{}/v1/admin/nodes/{node}/drain", nodes[0].url));
+        let mut request = client().post(format!("{}/v1/admin/nodes/{node}/drain", nodes[0].url));
         if let Some(token) = token {
             request = request.bearer_auth(token);
         }

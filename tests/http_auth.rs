@@ -56,8 +56,8 @@ impl SigningKey {
             // jsonwebtoken cannot derive an OKP JWK; build it from the raw public key.
             Algorithm::EdDSA => {
                 use base64::Engine;
-                let x = base64::engine::general_purpose::URL_SAFE_NO_PAD
-                    .encode(pair.public_key_raw());
+                let x =
+                    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(pair.public_key_raw());
                 serde_json::from_value(
                     json!({"kty": "OKP", "crv": "Ed25519", "x": x, "kid": kid, "alg": "EdDSA"}),
                 )

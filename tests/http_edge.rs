@@ -227,8 +227,7 @@ async fn oversized_request_heads_get_431() {
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
     let (_s, ok) =
-        support::node::raw_exchange(node.addr(), b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await;
+        support::node::raw_exchange(node.addr(), b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await;
     assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
 }
 
@@ -299,12 +298,7 @@ async fn cors_preflight_allows_the_locality_headers_and_exposes_location() {
         .send()
         .await
         .unwrap();
-    assert!(
-        other
-            .headers()
-            .get("access-control-allow-origin")
-            .is_none()
-    );
+    assert!(other.headers().get("access-control-allow-origin").is_none());
 }
 
 #[tokio::test]
@@ -361,7 +355,8 @@ async fn tls_public_listener_is_verified_by_curl_with_cacert() {
         "--write-out",
         "\n%{http_code}",
         &url,
-    ]).await;
+    ])
+    .await;
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -377,7 +372,8 @@ async fn tls_public_listener_is_verified_by_curl_with_cacert() {
         "--cacert",
         pki.ca.to_str().unwrap(),
         &format!("https://127.0.0.1:{port}/v1/blobs/{key_text}"),
-    ]).await;
+    ])
+    .await;
     assert_eq!(out.stdout, b"bytes over TLS");
     // Without the CA, curl refuses the server (it is not publicly trusted).
     let out = curl(&[&format!("https://127.0.0.1:{port}/healthz")]).await;
@@ -415,7 +411,8 @@ async fn tls_handshake_that_never_starts_is_cut_by_the_header_timeout() {
         "--cacert",
         pki.ca.to_str().unwrap(),
         &format!("https://localhost:{}/healthz", node.addr().port()),
-    ]).await;
+    ])
+    .await;
     assert!(
         out.status.success(),
         "{}",
@@ -427,8 +424,7 @@ async fn tls_handshake_that_never_starts_is_cut_by_the_header_timeout() {
 async fn graceful_shutdown_still_finishes_in_flight_requests() {
     let mut node = TestNode::start().await;
     let (_stream, answer) =
-        support::node::raw_exchange(node.addr(), b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await;
+        support::node::raw_exchange(node.addr(), b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await;
     assert!(answer.starts_with("HTTP/1.1 200"));
     // An idle keep-alive connection does not hold the shutdown up.
     assert_eq!(

@@ -131,7 +131,9 @@ impl IssuerConfig {
             if !SUPPORTED_ALGORITHMS.contains(&alg.as_str()) {
                 problems.push(Problem::new(
                     "auth.issuers.algorithms",
-                    format!("unsupported algorithm {alg:?} (supported: RS256, ES256, EdDSA, HS256)"),
+                    format!(
+                        "unsupported algorithm {alg:?} (supported: RS256, ES256, EdDSA, HS256)"
+                    ),
                 ));
             } else if alg == "HS256" && !self.allow_hs256 {
                 problems.push(Problem::new(

@@ -176,9 +176,10 @@ fn classify(kind: &ErrorKind) -> AuthError {
         ErrorKind::InvalidIssuer => AuthError::UnknownIssuer,
         ErrorKind::InvalidSignature => AuthError::Signature,
         ErrorKind::InvalidAlgorithm | ErrorKind::InvalidAlgorithmName => AuthError::Algorithm,
-        ErrorKind::InvalidToken | ErrorKind::Base64(_) | ErrorKind::Json(_) | ErrorKind::Utf8(_) => {
-            AuthError::Malformed
-        }
+        ErrorKind::InvalidToken
+        | ErrorKind::Base64(_)
+        | ErrorKind::Json(_)
+        | ErrorKind::Utf8(_) => AuthError::Malformed,
         ErrorKind::MissingRequiredClaim(_) => AuthError::Invalid,
         _ => AuthError::Invalid,
     }

@@ -60,9 +60,7 @@ fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
     let (Some(value), None) = (values.next(), values.next()) else {
         return Err(refusal(AuthError::Missing));
     };
-    let text = value
-        .to_str()
-        .map_err(|_| refusal(AuthError::Malformed))?;
+    let text = value.to_str().map_err(|_| refusal(AuthError::Malformed))?;
     let (scheme, token) = text
         .split_once(' ')
         .ok_or_else(|| refusal(AuthError::Malformed))?;
@@ -96,10 +94,8 @@ pub fn refusal(err: AuthError) -> ApiError {
             ApiError::new(StatusCode::UNAUTHORIZED, "unauthenticated", err.to_string())
                 .with_challenge(REALM)
         }
-        AuthError::KeysUnavailable => {
-            ApiError::unavailable("auth_unavailable", err.to_string())
-                .with_retry_after(std::time::Duration::from_secs(5))
-        }
+        AuthError::KeysUnavailable => ApiError::unavailable("auth_unavailable", err.to_string())
+            .with_retry_after(std::time::Duration::from_secs(5)),
         other => ApiError::new(StatusCode::UNAUTHORIZED, "invalid_token", other.to_string())
             .with_challenge(format!(
                 "{REALM}, error=\"invalid_token\", error_description=\"{other}\""
@@ -118,9 +114,15 @@ mod tests {
         assert_eq!(bearer(&headers).unwrap_err().code, "unauthenticated");
         headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic abc"));
         assert_eq!(bearer(&headers).unwrap_err().code, "invalid_token");
-        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer a.b.c"));
+        headers.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer a.b.c"),
+        );
         assert_eq!(bearer(&headers).unwrap(), "a.b.c");
-        headers.append(header::AUTHORIZATION, HeaderValue::from_static("Bearer x.y.z"));
+        headers.append(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer x.y.z"),
+        );
         assert_eq!(bearer(&headers).unwrap_err().code, "unauthenticated");
     }
 

@@ -30,7 +30,13 @@ pub fn layer(config: &CorsConfig) -> Option<CorsLayer> {
     Some(
         CorsLayer::new()
             .allow_origin(origins)
-            .allow_methods([Method::GET, Method::HEAD, Method::POST, Method::PUT, Method::DELETE])
+            .allow_methods([
+                Method::GET,
+                Method::HEAD,
+                Method::POST,
+                Method::PUT,
+                Method::DELETE,
+            ])
             .allow_headers([
                 header::AUTHORIZATION,
                 header::CONTENT_TYPE,

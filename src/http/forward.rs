@@ -151,7 +151,8 @@ impl Forwarder {
             path.as_deref()
                 .ok_or_else(|| ForwarderError::Tls("http.internal_tls is incomplete".into()))
                 .and_then(|p| {
-                    std::fs::read(p).map_err(|e| ForwarderError::Tls(format!("{}: {e}", p.display())))
+                    std::fs::read(p)
+                        .map_err(|e| ForwarderError::Tls(format!("{}: {e}", p.display())))
                 })
         };
         let mut identity = read(&tls.cert_file)?;
@@ -245,7 +246,12 @@ impl Forwarder {
     }
 
     fn url(&self, target: &OwnerTarget, key: &SessionKey) -> String {
-        format!("{}://{}{}", self.scheme, target.internal_addr, ingest_path(key))
+        format!(
+            "{}://{}{}",
+            self.scheme,
+            target.internal_addr,
+            ingest_path(key)
+        )
     }
 
     fn request(

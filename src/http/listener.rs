@@ -34,8 +34,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
-use tokio_util::sync::CancellationToken;
 use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 
 /// Limits applied to every connection of one listener.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -33,7 +33,8 @@ fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
 }
 
 fn key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
-    PrivateKeyDer::from_pem_file(path).map_err(|e| format!("{}: no usable private key ({e})", path.display()))
+    PrivateKeyDer::from_pem_file(path)
+        .map_err(|e| format!("{}: no usable private key ({e})", path.display()))
 }
 
 fn roots(path: &Path) -> Result<Arc<RootCertStore>, String> {

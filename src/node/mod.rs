@@ -299,7 +299,10 @@ async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, Star
         ingest: Arc::new(cluster::NodeIngest(state.clone())),
     });
     let tls = if config.http.internal_tls.enabled() {
-        Some(crate::http::tls::internal_acceptor(&config.http.internal_tls).map_err(StartError::Tls)?)
+        Some(
+            crate::http::tls::internal_acceptor(&config.http.internal_tls)
+                .map_err(StartError::Tls)?,
+        )
     } else {
         None
     };

@@ -50,4 +50,3 @@ impl TestPki {
         (cert_path, key_path)
     }
 }
-
