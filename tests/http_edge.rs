@@ -53,6 +53,7 @@ fn metric(text: &str, prefix: &str) -> u64 {
         .unwrap_or(0)
 }
 
+// Checks EDGE-5.
 #[tokio::test]
 async fn slowloris_clients_are_disconnected_while_others_are_served() {
     let node = TestNode::start_with(
@@ -60,6 +61,7 @@ async fn slowloris_clients_are_disconnected_while_others_are_served() {
         NodeOptions::default(),
     )
     .await;
+    let started = std::time::Instant::now();
     let mut slow = slow_clients(node.addr(), 10).await;
     // While 20 connections dribble their heads, a well-behaved client is served.
     let client = reqwest::Client::new();
@@ -75,6 +77,10 @@ async fn slowloris_clients_are_disconnected_while_others_are_served() {
         let closed = read_until_closed(stream, Duration::from_secs(20)).await;
         assert!(closed.is_some(), "slow client {i} still connected");
     }
+    eprintln!(
+        "FIGURE 20 slowloris clients all disconnected after {:?} (header_read_timeout 1s)",
+        started.elapsed()
+    );
     let text = node.metrics_text();
     assert!(
         metric(
@@ -92,6 +98,7 @@ async fn slowloris_clients_are_disconnected_while_others_are_served() {
     assert_eq!(health.status(), 200);
 }
 
+// Checks EDGE-5.
 #[tokio::test]
 async fn internal_listener_cuts_slowloris_clients_too() {
     // The internal router served the way a cluster node serves it (`serve_with`).
@@ -153,6 +160,7 @@ async fn internal_listener_cuts_slowloris_clients_too() {
     assert!(timeouts >= 10, "{timeouts}");
 }
 
+// Checks EDGE-5.
 #[tokio::test]
 async fn connections_over_the_bound_are_refused_with_503_and_counted() {
     let node = TestNode::start_with(
