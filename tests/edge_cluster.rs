@@ -2,7 +2,8 @@
 //! listener: forwarding works with the node certificates; a client without a
 //! certificate, or with one from another CA, cannot even complete the handshake; a valid
 //! certificate without the internal token still gets 401 (second factor); a slowloris
-//! client is cut off the internal listener; and `POST /v1/admin/nodes/{id}/drain` moves
+//! client is cut off the internal listener; the ractor_cluster control plane forms its
+//! sessions over mutual TLS and refuses a client without a certificate; and `POST /v1/admin/nodes/{id}/drain` moves
 //! a node's shards like `graviton drain`.
 //!
 //! Checks EDGE-5, EDGE-6 (docs/invariants.md).
@@ -48,6 +49,39 @@ async fn curl(args: &[&str]) -> std::process::Output {
         .expect("run curl")
 }
 
+/// Connect with TLS, trusting the CA but presenting no certificate; true when the
+/// server refuses (handshake error, alert or close) instead of talking.
+async fn uncertified_tls_is_refused(ca: &std::path::Path, port: u16) -> bool {
+    use rustls_pki_types::pem::PemObject;
+    use tokio_rustls::rustls;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let name =
+        rustls_pki_types::ServerName::IpAddress(std::net::IpAddr::from([127, 0, 0, 1]).into());
+    let Ok(mut tls) = connector.connect(name, tcp).await else {
+        return true; // refused during the handshake
+    };
+    // TLS 1.3: the client finishes first; the server's refusal arrives as an alert.
+    let _ = tls.write_all(b"hello").await;
+    let mut buf = [0u8; 64];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(10), tls.read(&mut buf)).await,
+        Ok(Ok(0)) | Ok(Err(_))
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mtls_cluster_forwards_refuses_uncertified_peers_and_drains_over_http() {
     let Some(db) = support::TestDatabase::create("mtls_cluster_forwards_and_drains").await else {
@@ -89,6 +123,31 @@ async fn mtls_cluster_forwards_refuses_uncertified_peers_and_drains_over_http() 
     })
     .await;
     assert!(ready, "cluster not ready: {}", nodes[1].log_text());
+
+    // The control plane runs over mutual TLS too: both nodes report a ready session.
+    let sessions = support::wait_until(Duration::from_secs(30), || async {
+        nodes
+            .iter()
+            .all(|n| n.log_text().contains("control: peer session ready"))
+    })
+    .await;
+    assert!(sessions, "no control session: {}", nodes[0].log_text());
+    // A client without a certificate cannot hold a TLS session with the control
+    // listener: the server aborts the handshake ("certificate required").
+    let control_port: u16 = std::fs::read_to_string(&nodes[1].config)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("control_listen = \"127.0.0.1:"))
+        .and_then(|rest| rest.trim_end_matches('"').parse().ok())
+        .expect("control port in config");
+    assert!(
+        uncertified_tls_is_refused(&pki.ca, control_port).await,
+        "control listener accepted a client without a certificate"
+    );
+    assert!(
+        uncertified_tls_is_refused(&pki.ca, nodes[1].internal).await,
+        "internal listener accepted a client without a certificate"
+    );
 
     // Forwarding over mutual TLS: a node-b session uploaded through node-a.
     let table = status(db.url()).await;

@@ -3,7 +3,8 @@
 //! - [`internal_acceptor`]: the internal listener with mutual TLS: client certificates
 //!   must chain to `http.internal_tls.ca_file` (`[http.internal_tls]`);
 //! - [`internal_client_config`]: the forwarding client, presenting this node's
-//!   certificate and trusting only the same CA.
+//!   certificate and trusting only the same CA;
+//! - [`control_tls`]: the same pair for the ractor_cluster control plane.
 //!
 //! Errors name the file at fault, never key material.
 
@@ -97,4 +98,19 @@ pub fn internal_client_config(config: &InternalTlsConfig) -> Result<ClientConfig
         .map_err(|e| format!("http.internal_tls: {e}"))?;
     client.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(client)
+}
+
+/// Mutual TLS of the ractor_cluster control plane, from `[http.internal_tls]`.
+pub fn control_tls(
+    config: &InternalTlsConfig,
+) -> Result<crate::control::cluster::ControlTls, String> {
+    let acceptor = internal_acceptor(config)?;
+    let mut server = (**acceptor.config()).clone();
+    server.alpn_protocols.clear();
+    let mut client = internal_client_config(config)?;
+    client.alpn_protocols.clear();
+    Ok(crate::control::cluster::ControlTls {
+        acceptor: TlsAcceptor::from(Arc::new(server)),
+        connector: tokio_rustls::TlsConnector::from(Arc::new(client)),
+    })
 }

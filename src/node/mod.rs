@@ -325,8 +325,13 @@ async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, Star
         app: state.clone(),
         internal_addr,
     });
+    let control_tls = if config.http.internal_tls.enabled() {
+        Some(crate::http::tls::control_tls(&config.http.internal_tls).map_err(StartError::Tls)?)
+    } else {
+        None
+    };
     let control = Arc::new(
-        ClusterTransport::start(options, handler)
+        ClusterTransport::start_with_tls(options, handler, control_tls)
             .await
             .map_err(|e| StartError::Control(e.to_string()))?,
     );
