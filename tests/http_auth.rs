@@ -546,3 +546,73 @@ async fn auth_off_by_default_keeps_header_tenants_working() {
         .unwrap();
     assert_eq!(response.status(), 201);
 }
+
+#[tokio::test]
+async fn hs256_is_refused_unless_explicitly_allowed() {
+    let secret = b"a-shared-secret-of-at-least-32-bytes!!";
+    let jwk: Jwk = {
+        use base64::Engine;
+        let k = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret);
+        serde_json::from_value(json!({"kty": "oct", "k": k, "kid": "hs", "alg": "HS256"})).unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jwks.json");
+    std::fs::write(
+        &path,
+        serde_json::to_string(&JwkSet { keys: vec![jwk] }).unwrap(),
+    )
+    .unwrap();
+    let mut header = Header::new(Algorithm::HS256);
+    header.kid = Some("hs".into());
+    let token =
+        jsonwebtoken::encode(&header, &claims(ORG), &EncodingKey::from_secret(secret)).unwrap();
+
+    // Default issuer (RS256, ES256, EdDSA): an HS256 token is refused before the body.
+    let default_path = path.clone();
+    let node = TestNode::start_with(
+        move |c| {
+            c.auth = AuthConfig {
+                enabled: true,
+                issuers: vec![issuer_with_file(&default_path)],
+            }
+        },
+        NodeOptions::default(),
+    )
+    .await;
+    let (_s, answer) = raw_exchange(
+        node.addr(),
+        &partial_upload(&format!("Authorization: Bearer {token}\r\n")),
+    )
+    .await;
+    assert_eq!(status_of(&answer), 401, "{answer}");
+    assert!(
+        json_body(&answer)["message"]
+            .as_str()
+            .unwrap()
+            .contains("algorithm")
+    );
+    assert_nothing_read_or_stored(&node);
+
+    // Explicitly allowed: the same token is accepted.
+    let node = TestNode::start_with(
+        move |c| {
+            let mut issuer = issuer_with_file(&path);
+            issuer.algorithms = vec!["HS256".into()];
+            issuer.allow_hs256 = true;
+            c.auth = AuthConfig {
+                enabled: true,
+                issuers: vec![issuer],
+            }
+        },
+        NodeOptions::default(),
+    )
+    .await;
+    let response = reqwest::Client::new()
+        .post(format!("{}/v1/blobs", node.url))
+        .bearer_auth(&token)
+        .body("hs256 body")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+}
