@@ -12,6 +12,7 @@
 //! - [`actors`]: ractor actors (node supervisor, session region and owners) as thin shells
 //!   over the pure modules. Bytes never travel through actor mailboxes.
 //! - [`control`]: node-to-node control plane (envelopes, transport over ractor_cluster).
+//! - [`auth`]: JWT bearer verification (issuers, JWKS, the caller's organization).
 //! - [`http`]: the axum/hyper server: public API, ops endpoints, error mapping.
 //! - [`metrics`]: the Prometheus registry and the metric handles.
 //! - [`node`]: assembles one running node and shuts it down.
@@ -20,6 +21,7 @@
 
 pub mod actors;
 pub mod admission;
+pub mod auth;
 pub mod cas;
 pub mod client;
 pub mod config;

@@ -69,12 +69,15 @@ fn unsafe_settings_are_rejected_naming_their_keys() {
         [
             "admission.redis.url",
             "admission.redis.password",
-            "admission.redis.cell"
+            "admission.redis.cell",
+            // Tenant mode also requires authentication (issue 11).
+            "auth.enabled"
         ]
     );
     assert!(
         problems(
-            "[admission]\ntenant_mode = true\ncell = \"eu-1\"\n[admission.redis]\nurl = \"rediss://r:6380/\"\ncell = \"eu-1\"\npassword = \"a-long-redis-password\"\n"
+            "[admission]\ntenant_mode = true\ncell = \"eu-1\"\n[admission.redis]\nurl = \"rediss://r:6380/\"\ncell = \"eu-1\"\npassword = \"a-long-redis-password\"\n\
+             [auth]\nenabled = true\n[[auth.issuers]]\nissuer = \"https://idp.example\"\naudience = [\"graviton\"]\njwks_file = \"/etc/graviton/jwks.json\"\n"
         )
         .is_empty()
     );

@@ -48,13 +48,14 @@ async fn a_standalone_manager_that_loses_its_lock_takes_it_again_and_keeps_actin
     let data = dir.path().join("shared-data");
     let url = db.url().to_string();
     let start = |id: &str| {
-        NodeProcess::start_with(
+        NodeProcess::start_with_extra(
             dir.path(),
             id,
             &url,
             SHARDS,
             &data,
             "embedded_manager = false",
+            "",
         )
     };
     let a = start("node-a");

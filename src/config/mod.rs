@@ -40,6 +40,10 @@ pub struct Config {
     /// `[control]`: cluster control plane and internal listener (see `control::config`).
     pub control: crate::control::config::ControlConfig,
     pub cluster: crate::placement::config::ClusterConfig,
+    /// `[http]`: connection limits of every listener, CORS, TLS (see `http::config`).
+    pub http: crate::http::config::HttpConfig,
+    /// `[auth]`: JWT bearer authentication of the public API (see `auth::config`).
+    pub auth: crate::auth::AuthConfig,
 }
 
 /// `[node]`: identity and listeners.
@@ -290,6 +294,14 @@ impl Config {
             ));
         }
         problems.extend(self.admission.problems());
+        problems.extend(self.http.problems());
+        problems.extend(self.auth.problems());
+        if self.admission.tenant_mode && !self.auth.enabled {
+            problems.push(Problem::new(
+                "auth.enabled",
+                "admission.tenant_mode requires authentication (auth.enabled = true with an issuer)",
+            ));
+        }
         problems.extend(self.control.problems_in(self.cluster.enabled));
         // cluster.internal_addr defaults to control.internal_listen when that is a concrete
         // address peers can dial; only a wildcard bind needs it spelled out.

@@ -256,6 +256,17 @@ pub struct DialerArgs {
     shared: Shared,
     backoff: Backoff,
     dial_timeout: Duration,
+    /// Mutual TLS towards peers (`[http.internal_tls]`), or plaintext.
+    tls: Option<tokio_rustls::TlsConnector>,
+}
+
+/// Mutual TLS of the control plane: the NodeServer's acceptor (client certificates
+/// required) and the dialer's connector (this node's certificate). Built by
+/// `http::tls::control_tls`.
+#[derive(Clone)]
+pub struct ControlTls {
+    pub acceptor: tokio_rustls::TlsAcceptor,
+    pub connector: tokio_rustls::TlsConnector,
 }
 
 impl PeerDialer {
@@ -344,8 +355,21 @@ impl Actor for PeerDialer {
                 let server = state.server.clone();
                 let timeout = state.dial_timeout;
                 let me = myself.clone();
+                let tls = state.tls.clone();
                 tokio::spawn(async move {
-                    let connect = ractor_cluster::client_connect(&server, addr);
+                    let connect = async {
+                        match tls {
+                            None => ractor_cluster::client_connect(&server, addr).await,
+                            Some(connector) => {
+                                // Peers are dialled by address: the certificate must
+                                // name that IP.
+                                let name =
+                                    rustls_pki_types::ServerName::IpAddress(addr.ip().into());
+                                ractor_cluster::client_connect_enc(&server, addr, connector, name)
+                                    .await
+                            }
+                        }
+                    };
                     match tokio::time::timeout(timeout, connect).await {
                         Ok(Ok(())) => {
                             me.send_after(timeout, move || DialerMsg::HandshakeDeadline {
@@ -454,13 +478,26 @@ impl ClusterTransport {
         options: ClusterOptions,
         handler: Arc<dyn ControlHandler>,
     ) -> Result<Self, StartError> {
+        Self::start_with_tls(options, handler, None).await
+    }
+
+    /// [`Self::start`] with mutual TLS on the NodeServer and the dialer (the cookie, the
+    /// internal token, is still checked by ractor_cluster's handshake).
+    pub async fn start_with_tls(
+        options: ClusterOptions,
+        handler: Arc<dyn ControlHandler>,
+        tls: Option<ControlTls>,
+    ) -> Result<Self, StartError> {
         envelope::validate_node_id(&options.node).map_err(|e| StartError(e.to_string()))?;
+        let encryption = tls
+            .as_ref()
+            .map(|t| ractor_cluster::IncomingEncryptionMode::Tls(t.acceptor.clone()));
         let server = NodeServer::new(
             options.listen.port(),
             options.token.expose().to_string(),
             options.node.0.clone(),
             HOSTNAME.to_string(),
-            None,
+            encryption,
             Some(ractor_cluster::node::NodeConnectionMode::Isolated),
         )
         .with_listen_addr(options.listen.ip())
@@ -492,6 +529,7 @@ impl ClusterTransport {
                 shared: shared.clone(),
                 backoff: options.backoff,
                 dial_timeout: options.dial_timeout,
+                tls: tls.map(|t| t.connector),
             },
         )
         .await

@@ -35,6 +35,8 @@ pub async fn get_blob(
     // Quota and admission before the manifest or any block is read. HEAD moves no body
     // bytes: it is charged as a request but holds no transfer permit.
     let tenant = super::admission::tenant_header(&headers)?;
+    // With auth on: bearer verified, tenant bound to the token's organization.
+    let tenant = super::auth::caller_tenant(&app, &headers, tenant).await?;
     super::admission::charge_request(&app, tenant.as_ref()).await?;
     let permit = if method == Method::HEAD {
         None

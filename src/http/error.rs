@@ -18,6 +18,8 @@ pub struct ApiError {
     pub code: &'static str,
     pub message: String,
     pub retry_after: Option<Duration>,
+    /// `WWW-Authenticate` value of a 401.
+    pub challenge: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -33,7 +35,14 @@ impl ApiError {
             code,
             message: message.into(),
             retry_after: None,
+            challenge: None,
         }
+    }
+
+    /// Answer with this `WWW-Authenticate` challenge.
+    pub fn with_challenge(mut self, challenge: impl Into<String>) -> Self {
+        self.challenge = Some(challenge.into());
+        self
     }
 
     pub fn with_retry_after(mut self, after: Duration) -> Self {
@@ -85,6 +94,15 @@ impl IntoResponse for ApiError {
             if let Ok(value) = HeaderValue::from_str(&secs.max(1).to_string()) {
                 response.headers_mut().insert(header::RETRY_AFTER, value);
             }
+        }
+        if let Some(value) = self
+            .challenge
+            .as_deref()
+            .and_then(|c| HeaderValue::from_str(c).ok())
+        {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, value);
         }
         response
     }

@@ -121,6 +121,8 @@ pub struct Forwarder {
     /// Longest silence of the owner during a streamed POST.
     silence: Duration,
     stats: Arc<ForwardStats>,
+    /// `https` with `[http.internal_tls]`, else `http`.
+    scheme: &'static str,
 }
 
 enum Preflight {
@@ -136,26 +138,65 @@ pub enum ForwarderError {
     Client(#[from] reqwest::Error),
     #[error("the internal token is not a valid header value")]
     Token,
+    #[error("internal TLS: {0}")]
+    Tls(String),
 }
 
 impl Forwarder {
     pub fn new(options: ForwardOptions) -> Result<Self, ForwarderError> {
+        Self::build(options, None)
+    }
+
+    /// A forwarder that speaks HTTPS to owners, presenting this node's certificate and
+    /// trusting only the cluster CA (`[http.internal_tls]`, see `http::tls`).
+    pub fn with_mutual_tls(
+        options: ForwardOptions,
+        tls: &crate::http::config::InternalTlsConfig,
+    ) -> Result<Self, ForwarderError> {
+        let read = |path: &Option<std::path::PathBuf>| {
+            path.as_deref()
+                .ok_or_else(|| ForwarderError::Tls("http.internal_tls is incomplete".into()))
+                .and_then(|p| {
+                    std::fs::read(p)
+                        .map_err(|e| ForwarderError::Tls(format!("{}: {e}", p.display())))
+                })
+        };
+        let mut identity = read(&tls.cert_file)?;
+        identity.push(b'\n');
+        identity.extend(read(&tls.key_file)?);
+        let identity = reqwest::Identity::from_pem(&identity)?;
+        let ca = reqwest::Certificate::from_pem_bundle(&read(&tls.ca_file)?)?;
+        Self::build(options, Some((identity, ca)))
+    }
+
+    fn build(
+        options: ForwardOptions,
+        tls: Option<(reqwest::Identity, Vec<reqwest::Certificate>)>,
+    ) -> Result<Self, ForwarderError> {
         let mut token =
             HeaderValue::from_str(options.token.expose()).map_err(|_| ForwarderError::Token)?;
         token.set_sensitive(true);
-        let client = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .no_proxy()
             .connect_timeout(options.connect_timeout)
             .tcp_nodelay(true)
             .http1_only()
-            .pool_idle_timeout(Duration::from_secs(30))
-            .build()?;
+            .pool_idle_timeout(Duration::from_secs(30));
+        let scheme = match tls {
+            Some((identity, ca)) => {
+                builder = builder.tls_certs_only(ca).identity(identity);
+                "https"
+            }
+            None => "http",
+        };
+        let client = builder.build()?;
         Ok(Self {
             client,
             token,
             head_deadline: options.connect_timeout + options.read_timeout,
             silence: options.read_timeout,
             stats: Arc::default(),
+            scheme,
         })
     }
 
@@ -210,8 +251,13 @@ impl Forwarder {
         }
     }
 
-    fn url(target: &OwnerTarget, key: &SessionKey) -> String {
-        format!("http://{}{}", target.internal_addr, ingest_path(key))
+    fn url(&self, target: &OwnerTarget, key: &SessionKey) -> String {
+        format!(
+            "{}://{}{}",
+            self.scheme,
+            target.internal_addr,
+            ingest_path(key)
+        )
     }
 
     fn request(
@@ -223,7 +269,7 @@ impl Forwarder {
     ) -> reqwest::RequestBuilder {
         let mut request = self
             .client
-            .request(method, Self::url(target, key))
+            .request(method, self.url(target, key))
             .header(INTERNAL_TOKEN_HEADER, self.token.clone())
             .header(SHARD_HEADER, target.shard)
             .header(SHARD_EPOCH_HEADER, target.epoch);

@@ -118,15 +118,31 @@ pub fn router(state: InternalState) -> Router {
         .with_state(state)
 }
 
-/// Serve `router` on `listener` until `shutdown` completes.
+/// Serve `router` on `listener` until `shutdown` completes, with default connection
+/// limits and no TLS (see [`serve_with`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_with(
+        listener,
+        router,
+        crate::http::listener::ServeOptions::plain("internal"),
+        shutdown,
+    )
+    .await
+}
+
+/// Serve `router` with explicit connection limits, TLS (mutual, in a cluster) and
+/// metrics (see `http::listener`).
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    options: crate::http::listener::ServeOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    crate::http::listener::serve(listener, router, options, shutdown).await
 }
 
 /// The parsed, validated head of a forwarded upload.

@@ -7,15 +7,25 @@
 //! - [`headers`]: header checks that run before the body is read
 //! - [`error`]: [`ApiError`], the one place errors become responses
 //! - [`observe`]: request metrics
+//! - [`auth`]: the JWT binding of the tenant (which caller a request acts for)
+//! - [`cors`]: the CORS layer for browser clients
+//! - [`listener`]: the accept loop of every listener (timeouts, bounds, TLS, shutdown)
+//! - [`tls`]: rustls configurations of the public and internal listeners
+//! - [`config`]: the `[http]` section
 
 pub mod admission;
+pub mod auth;
+pub mod config;
+pub mod cors;
 pub mod download;
 pub mod error;
 pub mod forward;
 pub mod headers;
 pub mod internal;
+pub mod listener;
 pub mod observe;
 pub mod ops;
+pub mod tls;
 pub mod upload;
 
 use std::sync::Arc;
@@ -47,11 +57,61 @@ pub struct AppState {
     pub cluster: Arc<crate::placement::ClusterHandle>,
     /// Streams uploads of remotely owned sessions to their owner (cluster mode).
     pub forwarder: Option<forward::Forwarder>,
+    /// Bearer-token verification; `None` when `auth.enabled = false`.
+    pub auth: Option<Arc<crate::auth::Authenticator>>,
+    pub edge: EdgeMetrics,
+}
+
+/// Metrics of the edge: connections of every listener and refused tokens.
+#[derive(Clone, Debug, Default)]
+pub struct EdgeMetrics {
+    pub connections: listener::ConnectionMetrics,
+    /// Refused bearer tokens and tenant bindings, by reason (bounded enum).
+    pub auth_failures: prometheus_client::metrics::family::Family<
+        crate::metrics::ReasonLabels,
+        prometheus_client::metrics::counter::Counter,
+    >,
+}
+
+impl EdgeMetrics {
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.connections.register(registry);
+        registry.register(
+            "auth_failures",
+            "Requests refused by bearer-token authentication, by reason",
+            self.auth_failures.clone(),
+        );
+    }
+}
+
+/// Serve the public API of `state` on `listener` until `shutdown` completes, with the
+/// connection limits, CORS and TLS of `state.config.http` (see [`listener`]).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let tls = if state.config.http.tls.enabled() {
+        Some(
+            tls::public_acceptor(&state.config.http.tls)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
+        )
+    } else {
+        None
+    };
+    let options = listener::ServeOptions {
+        name: "public",
+        limits: state.config.http.public_limits(),
+        tls,
+        metrics: state.edge.connections.clone(),
+    };
+    listener::serve(listener, router(state), options, shutdown).await
 }
 
 /// The public router.
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let cors = cors::layer(&state.config.http.cors);
+    let router = Router::new()
         .route("/v1/blobs", post(upload::post_blob))
         .route("/v1/blobs/{key}", get(download::get_blob))
         .route("/healthz", get(ops::healthz))
@@ -63,9 +123,14 @@ pub fn router(state: Arc<AppState>) -> Router {
             put(admission::put_override).delete(admission::delete_override),
         )
         .route("/v1/admin/admission", get(admission::snapshot))
+        .route("/v1/admin/nodes/{node}/drain", post(ops::drain))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             observe::record,
         ))
-        .with_state(state)
+        .with_state(state);
+    match cors {
+        Some(cors) => router.layer(cors),
+        None => router,
+    }
 }

@@ -1,15 +1,17 @@
-//! Operations endpoints: `/healthz`, `/readyz`, `/metrics`, `/v1/ops/cluster`.
+//! Operations endpoints: `/healthz`, `/readyz`, `/metrics`, `/v1/ops/cluster`, and
+//! `POST /v1/admin/nodes/{node}/drain` (admin token): the same drain request as
+//! `graviton drain NODE` (a flag on the node's row that the placement manager acts on).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Json;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
-use super::AppState;
+use super::{ApiError, AppState};
 
 /// Whether this node should receive traffic. In embedded mode it becomes ready once the
 /// stores are open and the actors run (every shard is local), and stops being ready when
@@ -129,4 +131,64 @@ pub async fn cluster(State(app): State<Arc<AppState>>) -> Response {
         placement,
     };
     Json(snapshot).into_response()
+}
+
+#[derive(Debug, Serialize)]
+pub struct DrainAccepted {
+    pub node: String,
+    pub status: &'static str,
+}
+
+/// `POST /v1/admin/nodes/{node}/drain`: ask the placement manager to move every shard
+/// off `node` (202). Embedded mode: 409 `not_clustered`; unknown or dead node: 404.
+pub async fn drain(
+    State(app): State<Arc<AppState>>,
+    Path(node): Path<String>,
+    headers: axum::http::HeaderMap,
+) -> Result<Response, ApiError> {
+    super::admission::require_admin(&app, &headers)?;
+    let valid = !node.is_empty()
+        && node.len() <= 128
+        && node
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if !valid {
+        return Err(ApiError::bad_request(
+            "invalid_node_id",
+            "node ids are ASCII letters, digits, '-', '_' and '.'",
+        ));
+    }
+    if !app.config.cluster.enabled {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "not_clustered",
+            "this node runs in embedded mode; there is nothing to drain to",
+        ));
+    }
+    let node = crate::ids::NodeId(node);
+    match app.cluster.drain(&node).await {
+        Ok(true) => {
+            tracing::info!(%node, "drain requested over the admin API");
+            Ok((
+                StatusCode::ACCEPTED,
+                Json(DrainAccepted {
+                    node: node.to_string(),
+                    status: "drain_requested",
+                }),
+            )
+                .into_response())
+        }
+        Ok(false) => Err(ApiError::not_found(
+            "node_not_found",
+            "no live node with this id in the cluster",
+        )),
+        Err(err) => {
+            tracing::warn!(error = %err, "drain request failed");
+            Err(ApiError::unavailable(
+                "placement_unavailable",
+                "the placement store is unavailable; retry",
+            )
+            .with_retry_after(std::time::Duration::from_secs(2)))
+        }
+    }
 }

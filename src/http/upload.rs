@@ -1,7 +1,7 @@
 //! `POST /v1/blobs`: streamed upload into content-addressed storage.
 //!
 //! Order of work: header checks (length syntax, size limit, media type, locality
-//! headers) -> request quota -> owner resolution -> transfer admission (an `upload` where
+//! headers) -> bearer token and tenant binding (`http::auth`, when auth is on) -> request quota -> owner resolution -> transfer admission (an `upload` where
 //! the bytes are ingested, a `forwarded_upload` on a relaying node; see `http::admission`)
 //! -> session owner (when the locality headers are present) -> stream the body through
 //! the ingest pipeline -> 201. Nothing before the ingest touches the body, so every
@@ -102,12 +102,17 @@ pub async fn post_blob(
     body: Body,
 ) -> Result<Response, ApiError> {
     let parsed = upload_headers(&headers, app.config.upload.max_blob_size.bytes())?;
+    // With auth on, the bearer token is verified here and the tenant is its organization
+    // (a differing tenant header is refused); all before the body (`http::auth`).
+    let tenant =
+        super::auth::caller_tenant(&app, &headers, parsed.session.as_ref().map(|k| k.tenant))
+            .await?;
     // The request quota is charged here, on the node the client called, before the body
     // is read; admission happens where the bytes are held (below and in `ingest_owned`).
-    super::admission::charge_request(&app, parsed.session.as_ref().map(|k| &k.tenant)).await?;
+    super::admission::charge_request(&app, tenant.as_ref()).await?;
     let Some(key) = parsed.session else {
         // No session: content-addressed data can be ingested by any node.
-        let report = ingest_owned(&app, None, parsed.content_length, body).await?;
+        let report = ingest_owned_for(&app, None, tenant, parsed.content_length, body).await?;
         return Ok(created(&app, &report));
     };
     let kind = |kind| crate::metrics::KindLabels { kind };
@@ -176,10 +181,21 @@ pub async fn ingest_owned(
     declared: Option<u64>,
     body: Body,
 ) -> Result<IngestReport, ApiError> {
+    ingest_owned_for(app, route, route.map(|r| r.key.tenant), declared, body).await
+}
+
+/// [`ingest_owned`] with the tenant admission charges (the authenticated organization,
+/// which a session-less upload has only through its token).
+pub async fn ingest_owned_for(
+    app: &AppState,
+    route: Option<LocalRoute>,
+    tenant: Option<crate::ids::TenantId>,
+    declared: Option<u64>,
+    body: Body,
+) -> Result<IngestReport, ApiError> {
     // Admission before anything else: local permits and the cluster lease for the bytes
     // this node will hold. A refusal leaves the body unread.
-    let admission =
-        super::admission::admit(app, Operation::Upload, route.map(|r| r.key.tenant)).await?;
+    let admission = super::admission::admit(app, Operation::Upload, tenant).await?;
     let lease_lost = admission.cancellation();
     let (permit, ticket) = match route {
         Some(route) => {

@@ -27,7 +27,7 @@ use crate::actors::supervisor::SupervisorArgs;
 use crate::config::Config;
 use crate::control::{ClusterOptions, ClusterTransport, ControlTransport};
 use crate::http::forward::{ForwardOptions, Forwarder};
-use crate::http::{AppState, internal, ops::Readiness, router};
+use crate::http::{AppState, internal, ops::Readiness};
 use crate::ids::NodeId;
 use crate::metrics::Metrics;
 use crate::placement::{Cluster, ClusterHandle};
@@ -65,6 +65,10 @@ pub enum StartError {
     Cluster(String),
     #[error("start the control plane: {0}")]
     Control(String),
+    #[error("authentication: {0}")]
+    Auth(String),
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 /// A started node.
@@ -165,7 +169,12 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         let options = ForwardOptions::from_config(&config.control).ok_or_else(|| {
             StartError::Control("control.internal_token is required in cluster mode".into())
         })?;
-        Some(Forwarder::new(options).map_err(|e| StartError::Control(e.to_string()))?)
+        let forwarder = if config.http.internal_tls.enabled() {
+            Forwarder::with_mutual_tls(options, &config.http.internal_tls)
+        } else {
+            Forwarder::new(options)
+        };
+        Some(forwarder.map_err(|e| StartError::Control(e.to_string()))?)
     } else {
         None
     };
@@ -198,6 +207,24 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         source,
     })?;
 
+    let auth = if config.auth.enabled {
+        let authenticator = crate::auth::Authenticator::start(&config.auth)
+            .await
+            .map_err(StartError::Auth)?;
+        tracing::info!(
+            issuers = config.auth.issuers.len(),
+            "authentication on: uploads and downloads need a bearer token"
+        );
+        Some(Arc::new(authenticator))
+    } else {
+        tracing::info!(
+            "authentication is off (auth.enabled = false): the tenant is the X-Graviton-Tenant-Id header as sent"
+        );
+        None
+    };
+    let edge = crate::http::EdgeMetrics::default();
+    metrics.register_with(|registry| edge.register(registry));
+
     let state = Arc::new(AppState {
         node_id: node_id.clone(),
         config: Arc::new(config),
@@ -210,6 +237,8 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         started_at: Instant::now(),
         cluster: cluster.clone(),
         forwarder,
+        auth,
+        edge,
     });
 
     let cluster_parts = if cluster_mode {
@@ -218,13 +247,16 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         None
     };
 
-    let app = router(state.clone());
     let stop_accepting = CancellationToken::new();
-    let server = tokio::spawn(
-        axum::serve(listener, app)
-            .with_graceful_shutdown(stop_accepting.clone().cancelled_owned())
-            .into_future(),
-    );
+    if state.config.http.tls.enabled() {
+        // Fail the start, not the first connection, on a bad certificate or key.
+        crate::http::tls::public_acceptor(&state.config.http.tls).map_err(StartError::Tls)?;
+    }
+    let server = tokio::spawn(crate::http::serve(
+        listener,
+        state.clone(),
+        stop_accepting.clone().cancelled_owned(),
+    ));
     state.readiness.set(true);
     tracing::info!(
         %addr,
@@ -266,9 +298,24 @@ async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, Star
         epochs: Arc::new(cluster::PlacementEpochs(state.cluster.clone())),
         ingest: Arc::new(cluster::NodeIngest(state.clone())),
     });
-    let internal = tokio::spawn(internal::serve(
+    let tls = if config.http.internal_tls.enabled() {
+        Some(
+            crate::http::tls::internal_acceptor(&config.http.internal_tls)
+                .map_err(StartError::Tls)?,
+        )
+    } else {
+        None
+    };
+    let options = crate::http::listener::ServeOptions {
+        name: "internal",
+        limits: config.http.internal_limits(),
+        tls,
+        metrics: state.edge.connections.clone(),
+    };
+    let internal = tokio::spawn(internal::serve_with(
         listener,
         router,
+        options,
         stop.clone().cancelled_owned(),
     ));
 
@@ -278,8 +325,13 @@ async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, Star
         app: state.clone(),
         internal_addr,
     });
+    let control_tls = if config.http.internal_tls.enabled() {
+        Some(crate::http::tls::control_tls(&config.http.internal_tls).map_err(StartError::Tls)?)
+    } else {
+        None
+    };
     let control = Arc::new(
-        ClusterTransport::start(options, handler)
+        ClusterTransport::start_with_tls(options, handler, control_tls)
             .await
             .map_err(|e| StartError::Control(e.to_string()))?,
     );

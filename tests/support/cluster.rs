@@ -26,17 +26,19 @@ impl NodeProcess {
         shard_count: u32,
         data_dir: &Path,
     ) -> Self {
-        Self::start_with(dir, id, database_url, shard_count, data_dir, "")
+        Self::start_with_extra(dir, id, database_url, shard_count, data_dir, "", "")
     }
 
-    /// Like [`Self::start`], with `cluster_extra` (TOML lines) added to `[cluster]`.
-    pub fn start_with(
+    /// [`Self::start`] with `cluster_extra` (TOML lines) added to `[cluster]` and `extra`
+    /// TOML appended to the config (more sections).
+    pub fn start_with_extra(
         dir: &Path,
         id: &str,
         database_url: &str,
         shard_count: u32,
         data_dir: &Path,
         cluster_extra: &str,
+        extra: &str,
     ) -> Self {
         let (public, internal, control) =
             (super::free_port(), super::free_port(), super::free_port());
@@ -70,6 +72,8 @@ lock_ping_interval = "100ms"
 internal_listen = "127.0.0.1:{internal}"
 control_listen = "127.0.0.1:{control}"
 internal_token = "{TOKEN}"
+
+{extra}
 "#,
                 data = data_dir.display()
             ),

@@ -14,6 +14,7 @@
 
 pub mod cluster;
 pub mod node;
+pub mod pki;
 pub mod postgres;
 pub mod redis;
 

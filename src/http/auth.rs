@@ -1,0 +1,136 @@
+//! Who a public request acts for: the JWT binding of the tenant (see `crate::auth`).
+//!
+//! [`caller_tenant`] is called by uploads and downloads before anything else that
+//! charges a quota or touches the body. With `auth.enabled = false` the tenant is the
+//! `X-Graviton-Tenant-Id` header as sent (the embedded default). With auth on:
+//! - no `Authorization: Bearer` -> 401 `unauthenticated` with `WWW-Authenticate: Bearer`;
+//! - a token that fails verification -> 401 `invalid_token` (the challenge says
+//!   `error="invalid_token"`), or 503 `auth_unavailable` while an issuer has no keys;
+//! - a tenant header that differs from the token's organization -> 403 `tenant_mismatch`;
+//! - otherwise the tenant is the token's organization, whether the header was sent or
+//!   not: quotas and admission never see a tenant the caller did not prove.
+
+use axum::http::{HeaderMap, StatusCode, header};
+
+use super::{ApiError, AppState};
+use crate::auth::AuthError;
+use crate::ids::TenantId;
+
+const REALM: &str = "Bearer realm=\"graviton\"";
+
+/// The tenant of this request (see the module doc).
+pub async fn caller_tenant(
+    app: &AppState,
+    headers: &HeaderMap,
+    header_tenant: Option<TenantId>,
+) -> Result<Option<TenantId>, ApiError> {
+    let Some(auth) = &app.auth else {
+        return Ok(header_tenant);
+    };
+    let token = bearer(headers)?;
+    let principal = auth.verify(token).await.map_err(|err| {
+        app.edge
+            .auth_failures
+            .get_or_create(&crate::metrics::ReasonLabels {
+                reason: reason(&err),
+            })
+            .inc();
+        refusal(err)
+    })?;
+    if let Some(tenant) = header_tenant
+        && tenant != principal.org
+    {
+        app.edge
+            .auth_failures
+            .get_or_create(&crate::metrics::ReasonLabels {
+                reason: "tenant_mismatch",
+            })
+            .inc();
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "tenant_mismatch",
+            "X-Graviton-Tenant-Id differs from the organization of the bearer token",
+        ));
+    }
+    Ok(Some(principal.org))
+}
+
+fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return Err(refusal(AuthError::Missing));
+    };
+    let text = value.to_str().map_err(|_| refusal(AuthError::Malformed))?;
+    let (scheme, token) = text
+        .split_once(' ')
+        .ok_or_else(|| refusal(AuthError::Malformed))?;
+    if !scheme.eq_ignore_ascii_case("bearer") || token.trim().is_empty() {
+        return Err(refusal(AuthError::Malformed));
+    }
+    Ok(token.trim())
+}
+
+fn reason(err: &AuthError) -> &'static str {
+    match err {
+        AuthError::Missing => "missing",
+        AuthError::Malformed => "malformed",
+        AuthError::UnknownIssuer => "issuer",
+        AuthError::Algorithm => "algorithm",
+        AuthError::UnknownKey => "unknown_key",
+        AuthError::Expired => "expired",
+        AuthError::NotYetValid => "not_yet_valid",
+        AuthError::Audience => "audience",
+        AuthError::Signature => "signature",
+        AuthError::Organization => "organization",
+        AuthError::Invalid => "invalid",
+        AuthError::KeysUnavailable => "keys_unavailable",
+    }
+}
+
+/// The response for a refused token. Messages say what was wrong, never the token.
+pub fn refusal(err: AuthError) -> ApiError {
+    match err {
+        AuthError::Missing => {
+            ApiError::new(StatusCode::UNAUTHORIZED, "unauthenticated", err.to_string())
+                .with_challenge(REALM)
+        }
+        AuthError::KeysUnavailable => ApiError::unavailable("auth_unavailable", err.to_string())
+            .with_retry_after(std::time::Duration::from_secs(5)),
+        other => ApiError::new(StatusCode::UNAUTHORIZED, "invalid_token", other.to_string())
+            .with_challenge(format!(
+                "{REALM}, error=\"invalid_token\", error_description=\"{other}\""
+            )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    #[test]
+    fn bearer_extraction_refuses_other_schemes_and_duplicates() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(bearer(&headers).unwrap_err().code, "unauthenticated");
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic abc"));
+        assert_eq!(bearer(&headers).unwrap_err().code, "invalid_token");
+        headers.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer a.b.c"),
+        );
+        assert_eq!(bearer(&headers).unwrap(), "a.b.c");
+        headers.append(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer x.y.z"),
+        );
+        assert_eq!(bearer(&headers).unwrap_err().code, "unauthenticated");
+    }
+
+    #[test]
+    fn refusals_carry_a_challenge() {
+        let err = refusal(AuthError::Expired);
+        assert_eq!(err.status, StatusCode::UNAUTHORIZED);
+        assert!(err.challenge.unwrap().contains("error=\"invalid_token\""));
+        assert_eq!(refusal(AuthError::Missing).challenge.unwrap(), REALM);
+    }
+}

@@ -1,0 +1,57 @@
+//! CORS for browser clients of the public API (tower-http's `CorsLayer`).
+//!
+//! Off unless `http.cors.allowed_origins` lists origins. Preflights allow the methods of
+//! the public API and the headers a browser upload sends (`Authorization`,
+//! `Content-Type`, the two locality headers, `Range`, `If-None-Match`); responses expose
+//! `Location`, `ETag`, `Retry-After` and the range headers. No credentials mode: the API
+//! uses bearer tokens, not cookies.
+
+use axum::http::{HeaderName, HeaderValue, Method, header};
+use tower_http::cors::{AllowOrigin, CorsLayer};
+
+use super::config::CorsConfig;
+use super::headers::{SESSION_HEADER, TENANT_HEADER};
+
+/// The layer for `config`, or `None` when CORS is off.
+pub fn layer(config: &CorsConfig) -> Option<CorsLayer> {
+    if config.allowed_origins.is_empty() {
+        return None;
+    }
+    let origins = if config.allowed_origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(
+            config
+                .allowed_origins
+                .iter()
+                .filter_map(|o| HeaderValue::from_str(o).ok()),
+        )
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(origins)
+            .allow_methods([
+                Method::GET,
+                Method::HEAD,
+                Method::POST,
+                Method::PUT,
+                Method::DELETE,
+            ])
+            .allow_headers([
+                header::AUTHORIZATION,
+                header::CONTENT_TYPE,
+                HeaderName::from_static(TENANT_HEADER),
+                HeaderName::from_static(SESSION_HEADER),
+                header::RANGE,
+                header::IF_NONE_MATCH,
+            ])
+            .expose_headers([
+                header::LOCATION,
+                header::ETAG,
+                header::RETRY_AFTER,
+                header::CONTENT_RANGE,
+                header::ACCEPT_RANGES,
+            ])
+            .max_age(config.max_age.get()),
+    )
+}

@@ -1,0 +1,253 @@
+//! The accept loop shared by every HTTP listener (public and internal): connection
+//! hygiene, optional TLS, and graceful shutdown.
+//!
+//! Each accepted connection is served by hyper's HTTP/1 connection builder with a tokio
+//! timer, so that:
+//! - a client must finish a request head within `header_read_timeout` of the moment the
+//!   server starts waiting for it (a fresh connection, or an idle keep-alive connection
+//!   between requests: hyper arms the same timer in both cases, so this is also the
+//!   keep-alive idle timeout); a slowloris client is disconnected when it runs out;
+//! - a head larger than `max_header_bytes` is refused (`431`) and the connection closed;
+//! - at most `max_connections` connections are open at once. An excess connection is
+//!   answered `503 {"error":"too_many_connections"}` with `Connection: close` (written
+//!   without waiting) and closed at once; it is counted in
+//!   `graviton_connections_refused_total{listener}`;
+//! - with TLS configured, the handshake must also finish within `header_read_timeout`.
+//!
+//! Shutdown: when `shutdown` completes the listener stops accepting, every connection is
+//! asked to finish its in-flight request and close (hyper's graceful shutdown), and the
+//! future resolves once all are closed. Dropping (aborting) the future aborts every
+//! connection task with it: connections live in a `JoinSet` owned by the loop.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// Limits applied to every connection of one listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Deadline for a complete request head (and for a TLS handshake).
+    pub header_read_timeout: Duration,
+    /// Keep connections open between requests (bounded by `header_read_timeout`).
+    pub keep_alive: bool,
+    /// Largest accepted request head (request line plus headers), in bytes.
+    pub max_header_bytes: usize,
+    /// Most connections open at once; further ones are refused.
+    pub max_connections: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(10),
+            keep_alive: true,
+            max_header_bytes: 16 * 1024,
+            max_connections: 4096,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ListenerLabels {
+    /// "public" or "internal"
+    pub listener: &'static str,
+}
+
+/// Connection metrics of every listener of the node (labelled by listener name).
+#[derive(Clone, Debug, Default)]
+pub struct ConnectionMetrics {
+    /// Connections refused because the listener was at `max_connections`.
+    pub refused: Family<ListenerLabels, Counter>,
+    /// Connections currently open.
+    pub open: Family<ListenerLabels, Gauge>,
+    /// Connections closed because the head (or TLS handshake) did not arrive in time.
+    pub header_timeouts: Family<ListenerLabels, Counter>,
+}
+
+impl ConnectionMetrics {
+    /// Register into a registry (the node's `Metrics::register_with`).
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "connections_refused",
+            "Connections refused because the listener was at its connection bound",
+            self.refused.clone(),
+        );
+        registry.register(
+            "connections_open",
+            "Connections currently open, by listener",
+            self.open.clone(),
+        );
+        registry.register(
+            "connection_header_timeouts",
+            "Connections closed because a request head or TLS handshake was too slow",
+            self.header_timeouts.clone(),
+        );
+    }
+}
+
+/// How one listener serves connections.
+#[derive(Clone)]
+pub struct ServeOptions {
+    /// Metric label of this listener.
+    pub name: &'static str,
+    pub limits: ConnectionLimits,
+    /// Serve TLS with this acceptor (rustls) instead of plaintext.
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
+    pub metrics: ConnectionMetrics,
+}
+
+impl ServeOptions {
+    /// Plaintext, default limits, private metrics.
+    pub fn plain(name: &'static str) -> Self {
+        Self {
+            name,
+            limits: ConnectionLimits::default(),
+            tls: None,
+            metrics: ConnectionMetrics::default(),
+        }
+    }
+}
+
+/// Body of the answer to a connection over the bound.
+const REFUSED_RESPONSE: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
+content-type: application/json\r\n\
+retry-after: 1\r\n\
+connection: close\r\n\
+content-length: 82\r\n\
+\r\n\
+{\"error\":\"too_many_connections\",\"message\":\"the server is at its connection limit\"}";
+
+/// Serve `router` on `listener` until `shutdown` completes (see the module doc).
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    options: ServeOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let labels = ListenerLabels {
+        listener: options.name,
+    };
+    let permits = Arc::new(Semaphore::new(options.limits.max_connections.max(1)));
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(options.limits.header_read_timeout)
+        .keep_alive(options.limits.keep_alive)
+        .max_header_size(options.limits.max_header_bytes)
+        // hyper's read buffer must hold a whole head; its floor is 8 KiB.
+        .max_buf_size(options.limits.max_header_bytes.max(8192) + 8192);
+    let builder = Arc::new(builder);
+    let stop = CancellationToken::new();
+    let mut connections = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _peer) = tokio::select! {
+            () = &mut shutdown => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(err) => {
+                    // Per-connection errors (EMFILE, ECONNABORTED) must not stop the
+                    // listener; back off briefly so a descriptor shortage is not a spin.
+                    tracing::warn!(listener = options.name, error = %err, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            options.metrics.refused.get_or_create(&labels).inc();
+            refuse(stream);
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let builder = builder.clone();
+        let router = router.clone();
+        let tls = options.tls.clone();
+        let metrics = options.metrics.clone();
+        let labels = labels.clone();
+        let stop = stop.clone();
+        let timeout = options.limits.header_read_timeout;
+        connections.spawn(async move {
+            let open = metrics.open.get_or_create(&labels).clone();
+            open.inc();
+            match tls {
+                None => serve_connection(&builder, stream, router, stop, &metrics, &labels).await,
+                Some(acceptor) => {
+                    match tokio::time::timeout(timeout, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            serve_connection(&builder, stream, router, stop, &metrics, &labels)
+                                .await
+                        }
+                        Ok(Err(err)) => {
+                            tracing::debug!(error = %err, "TLS handshake failed");
+                        }
+                        Err(_) => {
+                            metrics.header_timeouts.get_or_create(&labels).inc();
+                        }
+                    }
+                }
+            }
+            open.dec();
+            drop(permit);
+        });
+    }
+    drop(listener);
+    stop.cancel();
+    while connections.join_next().await.is_some() {}
+    Ok(())
+}
+
+/// Answer a connection over the bound without waiting on it, then close it.
+fn refuse(stream: TcpStream) {
+    // A fresh socket's send buffer takes the whole answer; if it does not, the client
+    // simply sees the connection closed.
+    let _ = stream.try_write(REFUSED_RESPONSE);
+    if let Ok(std) = stream.into_std() {
+        let _ = std.shutdown(std::net::Shutdown::Write);
+    }
+}
+
+async fn serve_connection<I>(
+    builder: &http1::Builder,
+    io: I,
+    router: Router,
+    stop: CancellationToken,
+    metrics: &ConnectionMetrics,
+    labels: &ListenerLabels,
+) where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let service = TowerToHyperService::new(router);
+    let connection = builder.serve_connection(TokioIo::new(io), service);
+    tokio::pin!(connection);
+    let result = tokio::select! {
+        result = connection.as_mut() => result,
+        () = stop.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            connection.as_mut().await
+        }
+    };
+    if let Err(err) = result {
+        if err.is_timeout() {
+            metrics.header_timeouts.get_or_create(labels).inc();
+            tracing::debug!("connection closed: request head not received in time");
+        } else {
+            tracing::debug!(error = %err, "connection ended with an error");
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! rustls configurations (aws-lc-rs provider, TLS 1.2 and 1.3) built from PEM files:
+//! - [`public_acceptor`]: server certificate of the public listener (`[http.tls]`);
+//! - [`internal_acceptor`]: the internal listener with mutual TLS: client certificates
+//!   must chain to `http.internal_tls.ca_file` (`[http.internal_tls]`);
+//! - [`internal_client_config`]: the forwarding client, presenting this node's
+//!   certificate and trusting only the same CA;
+//! - [`control_tls`]: the same pair for the ractor_cluster control plane.
+//!
+//! Errors name the file at fault, never key material.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::{self, ClientConfig, RootCertStore, ServerConfig};
+
+use super::config::{InternalTlsConfig, TlsConfig};
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::aws_lc_rs::default_provider())
+}
+
+fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{}: no PEM certificate found", path.display()));
+    }
+    Ok(certs)
+}
+
+fn key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
+    PrivateKeyDer::from_pem_file(path)
+        .map_err(|e| format!("{}: no usable private key ({e})", path.display()))
+}
+
+fn roots(path: &Path) -> Result<Arc<RootCertStore>, String> {
+    let mut roots = RootCertStore::empty();
+    for cert in certs(path)? {
+        roots
+            .add(cert)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(Arc::new(roots))
+}
+
+fn required<'a>(path: &'a Option<std::path::PathBuf>, key: &str) -> Result<&'a Path, String> {
+    path.as_deref().ok_or_else(|| format!("{key} is required"))
+}
+
+/// The public listener's acceptor (HTTP/1.1 over TLS).
+pub fn public_acceptor(config: &TlsConfig) -> Result<TlsAcceptor, String> {
+    let cert = required(&config.cert_file, "http.tls.cert_file")?;
+    let key_file = required(&config.key_file, "http.tls.key_file")?;
+    let mut server = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(certs(cert)?, key(key_file)?)
+        .map_err(|e| format!("http.tls: {e}"))?;
+    server.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(server)))
+}
+
+/// The internal listener's acceptor: a client certificate chaining to the CA is required.
+pub fn internal_acceptor(config: &InternalTlsConfig) -> Result<TlsAcceptor, String> {
+    let cert = required(&config.cert_file, "http.internal_tls.cert_file")?;
+    let key_file = required(&config.key_file, "http.internal_tls.key_file")?;
+    let ca = required(&config.ca_file, "http.internal_tls.ca_file")?;
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots(ca)?, provider())
+            .build()
+            .map_err(|e| format!("http.internal_tls.ca_file: {e}"))?;
+    let mut server = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certs(cert)?, key(key_file)?)
+        .map_err(|e| format!("http.internal_tls: {e}"))?;
+    server.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(server)))
+}
+
+/// The forwarding client's TLS: this node's certificate, trusting only the cluster CA.
+pub fn internal_client_config(config: &InternalTlsConfig) -> Result<ClientConfig, String> {
+    let cert = required(&config.cert_file, "http.internal_tls.cert_file")?;
+    let key_file = required(&config.key_file, "http.internal_tls.key_file")?;
+    let ca = required(&config.ca_file, "http.internal_tls.ca_file")?;
+    let mut client = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots(ca)?)
+        .with_client_auth_cert(certs(cert)?, key(key_file)?)
+        .map_err(|e| format!("http.internal_tls: {e}"))?;
+    client.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(client)
+}
+
+/// Mutual TLS of the ractor_cluster control plane, from `[http.internal_tls]`.
+pub fn control_tls(
+    config: &InternalTlsConfig,
+) -> Result<crate::control::cluster::ControlTls, String> {
+    let acceptor = internal_acceptor(config)?;
+    let mut server = (**acceptor.config()).clone();
+    server.alpn_protocols.clear();
+    let mut client = internal_client_config(config)?;
+    client.alpn_protocols.clear();
+    Ok(crate::control::cluster::ControlTls {
+        acceptor: TlsAcceptor::from(Arc::new(server)),
+        connector: tokio_rustls::TlsConnector::from(Arc::new(client)),
+    })
+}
