@@ -31,7 +31,7 @@ use crate::http::{AppState, internal, ops::Readiness, router};
 use crate::ids::NodeId;
 use crate::metrics::Metrics;
 use crate::placement::{Cluster, ClusterHandle};
-use crate::storage::fs::{FsBlockStore, FsManifestStore};
+use crate::storage::fs::FsManifestStore;
 use crate::storage::pg::PgManifestStore;
 use crate::storage::{BlockStore, ManifestStore};
 
@@ -106,7 +106,9 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     };
     let blocks: Arc<dyn BlockStore> = match options.blocks {
         Some(blocks) => blocks,
-        None => Arc::new(FsBlockStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?),
+        None => crate::storage::open::open_blocks(&config.storage, config.cluster.enabled)
+            .await
+            .map_err(storage_err)?,
     };
 
     let metrics = Metrics::new();
