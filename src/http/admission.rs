@@ -155,7 +155,7 @@ where
     })
 }
 
-fn require_admin(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+pub(crate) fn require_admin(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(token) = &app.config.admin.token else {
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,

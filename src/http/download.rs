@@ -23,6 +23,32 @@ use crate::cas::read::read_blob;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::storage::StoreError;
 
+/// `DELETE /v1/blobs/{key}` (admin token): removes the manifest only. Blocks are shared
+/// by every blob (and tenant) that contains them; the collector reclaims those no
+/// manifest references any more, after `storage.gc.min_age`.
+pub async fn delete_blob(
+    State(app): State<Arc<AppState>>,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    super::admission::require_admin(&app, &headers)?;
+    let key: BlobKey = key.parse().map_err(|e: crate::cas::KeyError| {
+        ApiError::bad_request("invalid_blob_key", e.to_string())
+    })?;
+    match app.manifests.delete(key).await {
+        Ok(true) => Ok(StatusCode::NO_CONTENT.into_response()),
+        Ok(false) => Err(ApiError::not_found("blob_not_found", "no blob with this key")),
+        Err(err) => {
+            tracing::error!(error = %err, "manifest delete failed");
+            Err(ApiError::unavailable(
+                "storage_unavailable",
+                "storage is temporarily unavailable",
+            )
+            .with_retry_after(std::time::Duration::from_secs(5)))
+        }
+    }
+}
+
 pub async fn get_blob(
     State(app): State<Arc<AppState>>,
     method: Method,

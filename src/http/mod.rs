@@ -53,7 +53,10 @@ pub struct AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/blobs", post(upload::post_blob))
-        .route("/v1/blobs/{key}", get(download::get_blob))
+        .route(
+            "/v1/blobs/{key}",
+            get(download::get_blob).delete(download::delete_blob),
+        )
         .route("/healthz", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))

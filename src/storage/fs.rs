@@ -276,6 +276,55 @@ impl ManifestStore for FsManifestStore {
             Ok(Some(manifest))
         }))
     }
+
+    fn delete(&self, key: BlobKey) -> StoreFuture<'_, bool> {
+        let path = self.path_of(&key);
+        let fsync = self.dirs.fsync;
+        Box::pin(blocking(move || match std::fs::remove_file(&path) {
+            Ok(()) => {
+                if fsync && let Some(parent) = path.parent() {
+                    sync_dir(parent)?;
+                }
+                Ok(true)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(StoreError::io("delete manifest", e)),
+        }))
+    }
+
+    fn for_each_block<'a>(
+        &'a self,
+        visit: &'a mut (dyn FnMut(BlockKey) + Send),
+    ) -> StoreFuture<'a, ()> {
+        let root = self.dirs.root.clone();
+        Box::pin(async move {
+            let files = blocking(move || {
+                let mut files = Vec::new();
+                let dirs = std::fs::read_dir(&root).map_err(|e| StoreError::io("list manifests", e))?;
+                for dir in dirs.flatten() {
+                    for file in std::fs::read_dir(dir.path()).into_iter().flatten().flatten() {
+                        if file.path().extension().is_some_and(|e| e == "json") {
+                            files.push(file.path());
+                        }
+                    }
+                }
+                Ok(files)
+            })
+            .await?;
+            // One manifest in memory at a time.
+            for path in files {
+                let Some(data) = blocking(move || read_optional(&path)).await? else {
+                    continue; // deleted meanwhile
+                };
+                let manifest: Manifest = serde_json::from_slice(&data)
+                    .map_err(|e| StoreError::Corrupt(format!("a manifest does not parse: {e}")))?;
+                for block in &manifest.blocks {
+                    visit(block.key);
+                }
+            }
+            Ok(())
+        })
+    }
 }
 
 #[cfg(test)]

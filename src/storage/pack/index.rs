@@ -65,6 +65,7 @@ pub struct PackRecord {
     pub id: PackId,
     pub size: u64,
     pub blocks: u32,
+    /// When sealed; for a retired pack, when it was retired.
     pub sealed_ms: u64,
     /// Retired packs hold no live block; they are deleted after the retention window.
     pub retired: bool,
@@ -385,6 +386,8 @@ impl RedbIndex {
                     .transpose()?;
                 if let Some(mut record) = record {
                     record.retired = true;
+                    // From now on `sealed_ms` counts the retention window.
+                    record.sealed_ms = super::now_ms();
                     r!("insert", packs.insert(id.0.as_slice(), record.encode().as_slice()))?;
                     retired.push(*id);
                 }

@@ -29,8 +29,8 @@ pub trait Medium: Send + Sync + std::fmt::Debug + 'static {
     /// The whole pack (verification, compaction).
     fn read_all(&self, id: &PackId) -> Result<Bytes, StoreError>;
     fn delete(&self, id: &PackId) -> Result<(), StoreError>;
-    /// Every pack the medium holds.
-    fn list(&self) -> Result<Vec<PackId>, StoreError>;
+    /// Every pack the medium holds, with its last-modified time (unix ms).
+    fn list(&self) -> Result<Vec<(PackId, u64)>, StoreError>;
     /// Short description for logs (never credentials).
     fn describe(&self) -> String;
 }
@@ -98,6 +98,16 @@ impl LocalMedium {
     }
 }
 
+/// A file's modification time in unix ms (0 if unknown).
+pub fn modified_ms(path: &Path) -> u64 {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 pub fn sync_dir(dir: &Path) -> Result<(), StoreError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
@@ -154,7 +164,7 @@ impl Medium for LocalMedium {
         }
     }
 
-    fn list(&self) -> Result<Vec<PackId>, StoreError> {
+    fn list(&self) -> Result<Vec<(PackId, u64)>, StoreError> {
         let mut out = Vec::new();
         let dirs = std::fs::read_dir(&self.root).map_err(|e| StoreError::io("list packs", e))?;
         for dir in dirs.flatten() {
@@ -165,7 +175,7 @@ impl Medium for LocalMedium {
                 let name = file.file_name();
                 let name = name.to_string_lossy();
                 if let Some(id) = name.strip_suffix(".pack").and_then(PackId::from_hex) {
-                    out.push(id);
+                    out.push((id, modified_ms(&file.path())));
                 }
             }
         }

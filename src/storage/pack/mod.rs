@@ -17,6 +17,7 @@
 //! Modules: [`format`] (pack bytes), [`index`] (redb), [`medium`] (local dir or S3),
 //! [`s3`] (the S3 medium), [`gc`] (collector, verify, migration).
 
+pub mod cli;
 pub mod format;
 pub mod gc;
 pub mod index;

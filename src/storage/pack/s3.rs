@@ -240,7 +240,7 @@ impl Medium for S3Medium {
         }
     }
 
-    fn list(&self) -> Result<Vec<PackId>, StoreError> {
+    fn list(&self) -> Result<Vec<(PackId, u64)>, StoreError> {
         let prefix = ObjectPath::from(self.prefix.as_str());
         self.runtime.block_on(async {
             let mut out = Vec::new();
@@ -253,7 +253,7 @@ impl Medium for S3Medium {
                     .and_then(|n| n.strip_suffix(".pack"))
                     .and_then(PackId::from_hex)
                 {
-                    out.push(id);
+                    out.push((id, meta.last_modified.timestamp_millis().max(0) as u64));
                 }
             }
             Ok(out)
