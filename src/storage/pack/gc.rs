@@ -298,13 +298,20 @@ pub async fn collect(
             report.purged_entries = blocking(move || store2.index().purge_quarantine(before)).await?;
             for pack in expired {
                 let store2 = store.clone();
-                blocking(move || {
+                // Claim the row first (a racing dedup commit can no longer revive it),
+                // then delete the object; a crash in between leaves an orphan object.
+                let deleted = blocking(move || {
+                    if !store2.index().claim_retired_pack(&pack.id, before)? {
+                        return Ok(false);
+                    }
                     store2.medium().delete(&pack.id)?;
-                    store2.index().forget_pack(&pack.id)
+                    Ok(true)
                 })
                 .await?;
-                report.packs_deleted += 1;
-                report.bytes_reclaimed += pack.size;
+                if deleted {
+                    report.packs_deleted += 1;
+                    report.bytes_reclaimed += pack.size;
+                }
             }
         }
     }

@@ -174,12 +174,13 @@ impl RedbIndex {
                 let mut location = match current {
                     Some(location) => location,
                     None => {
-                        // Restore from quarantine while its pack still exists.
+                        // Restore from quarantine while its pack still exists (a retired
+                        // pack is revived: it is only deleted once its row is claimed).
                         let held = r!("read", quarantine.remove(key.0.as_slice()))?
                             .map(|v| Location::decode(v.value()))
                             .transpose()?;
                         match held {
-                            Some(location) if pack_is_live(&packs, &location.pack)? => location,
+                            Some(location) if revive_pack(&mut packs, &location.pack)? => location,
                             _ => return Err(vanished(key)),
                         }
                     }
@@ -295,23 +296,47 @@ impl RedbIndex {
         Ok(out)
     }
 
-    /// Put every quarantined block back (the operator's undo within the retention window).
+    /// Put every quarantined block whose pack still exists back (the operator's undo
+    /// within the retention window). Returns how many were restored.
     pub fn restore_quarantine(&self) -> Result<u64, StoreError> {
         let held = self.quarantined()?;
         let txn = r!("begin", self.db.begin_write())?;
+        let mut restored = 0;
         {
             let mut blocks = r!("open", txn.open_table(BLOCKS))?;
             let mut quarantine = r!("open", txn.open_table(QUARANTINE))?;
-            let packs = r!("open", txn.open_table(PACKS))?;
+            let mut packs = r!("open", txn.open_table(PACKS))?;
             for (key, location, _) in &held {
-                r!("remove", quarantine.remove(key.0.as_slice()))?;
-                if pack_is_live(&packs, &location.pack)? {
+                if revive_pack(&mut packs, &location.pack)? {
+                    r!("remove", quarantine.remove(key.0.as_slice()))?;
                     r!("insert", blocks.insert(key.0.as_slice(), location.encode().as_slice()))?;
+                    restored += 1;
                 }
             }
         }
         r!("commit", txn.commit())?;
-        Ok(held.len() as u64)
+        Ok(restored)
+    }
+
+    /// Take a retired pack out of the table if it was retired before `before_ms`, so that
+    /// nothing can revive it; the caller then deletes its object. Returns whether it did.
+    pub fn claim_retired_pack(&self, id: &PackId, before_ms: u64) -> Result<bool, StoreError> {
+        let txn = r!("begin", self.db.begin_write())?;
+        let claimed = {
+            let mut packs = r!("open", txn.open_table(PACKS))?;
+            let record = r!("read", packs.get(id.0.as_slice()))?
+                .map(|v| PackRecord::decode(&id.0, v.value()))
+                .transpose()?;
+            match record {
+                Some(record) if record.retired && record.sealed_ms < before_ms => {
+                    r!("remove", packs.remove(id.0.as_slice()))?;
+                    true
+                }
+                _ => false,
+            }
+        };
+        r!("commit", txn.commit())?;
+        Ok(claimed)
     }
 
     /// Drop quarantined entries older than `before_ms` for good.
@@ -409,14 +434,24 @@ impl RedbIndex {
     }
 }
 
-fn pack_is_live(
-    packs: &impl ReadableTable<&'static [u8], &'static [u8]>,
+/// Whether the pack still exists; a retired one is made live again.
+fn revive_pack(
+    packs: &mut redb::Table<&'static [u8], &'static [u8]>,
     id: &PackId,
 ) -> Result<bool, StoreError> {
-    Ok(match r!("read", packs.get(id.0.as_slice()))? {
-        Some(v) => !PackRecord::decode(&id.0, v.value())?.retired,
-        None => false,
-    })
+    let record = r!("read", packs.get(id.0.as_slice()))?
+        .map(|v| PackRecord::decode(&id.0, v.value()))
+        .transpose()?;
+    match record {
+        Some(mut record) => {
+            if record.retired {
+                record.retired = false;
+                r!("insert", packs.insert(id.0.as_slice(), record.encode().as_slice()))?;
+            }
+            Ok(true)
+        }
+        None => Ok(false),
+    }
 }
 
 #[cfg(test)]

@@ -468,3 +468,6 @@ fn write_packs(
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod gc_tests;
