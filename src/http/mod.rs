@@ -47,6 +47,8 @@ pub struct AppState {
     pub cluster: Arc<crate::placement::ClusterHandle>,
     /// Streams uploads of remotely owned sessions to their owner (cluster mode).
     pub forwarder: Option<forward::Forwarder>,
+    /// The pack store and its collector's metrics, when blocks live in packs.
+    pub packs: Option<(crate::storage::pack::PackStore, crate::storage::pack::gc::GcMetrics)>,
 }
 
 /// The public router.
@@ -66,6 +68,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             put(admission::put_override).delete(admission::delete_override),
         )
         .route("/v1/admin/admission", get(admission::snapshot))
+        .route("/v1/admin/gc", post(download::run_gc))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             observe::record,

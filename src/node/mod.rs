@@ -104,8 +104,8 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         path: data_dir.display().to_string(),
         source,
     };
-    let blocks: Arc<dyn BlockStore> = match options.blocks {
-        Some(blocks) => blocks,
+    let (blocks, packs): (Arc<dyn BlockStore>, _) = match options.blocks {
+        Some(blocks) => (blocks, None),
         None => crate::storage::open::open_blocks(&config.storage, config.cluster.enabled)
             .await
             .map_err(storage_err)?,
@@ -118,6 +118,11 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     )
     .map_err(|e| StartError::Admission(e.to_string()))?;
     metrics.register_with(|registry| admission.metrics().register(registry));
+    let packs = packs.map(|store| {
+        let gc_metrics = crate::storage::pack::gc::GcMetrics::default();
+        metrics.register_with(|registry| gc_metrics.register(registry));
+        (store, gc_metrics)
+    });
     let node_id = NodeId(config.node.id.clone());
     let cluster_mode = config.cluster.enabled;
     let mut shared_manifests: Option<Arc<dyn ManifestStore>> = None;
@@ -212,7 +217,9 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         started_at: Instant::now(),
         cluster: cluster.clone(),
         forwarder,
+        packs,
     });
+    crate::storage::pack::gc::spawn_schedule(&state);
 
     let cluster_parts = if cluster_mode {
         Some(start_cluster_parts(&state).await?)

@@ -41,15 +41,16 @@ pub async fn open_pack_store(storage: &StorageConfig) -> Result<PackStore, Store
 pub async fn open_blocks(
     storage: &StorageConfig,
     cluster: bool,
-) -> Result<Arc<dyn BlockStore>, StoreError> {
+) -> Result<(Arc<dyn BlockStore>, Option<PackStore>), StoreError> {
     if !cluster {
-        return Ok(Arc::new(open_pack_store(storage).await?));
+        let packs = open_pack_store(storage).await?;
+        return Ok((Arc::new(packs.clone()), Some(packs)));
     }
     match storage.backend_in(true) {
-        Backend::Fs if storage.shared_mount => Ok(Arc::new(FsBlockStore::open(
-            &storage.data_dir,
-            storage.fsync,
-        )?)),
+        Backend::Fs if storage.shared_mount => Ok((
+            Arc::new(FsBlockStore::open(&storage.data_dir, storage.fsync)?),
+            None,
+        )),
         Backend::Fs => Err(StoreError::Unavailable(
             "cluster mode refuses a node-local block store; set storage.shared_mount = true \
              if data_dir is one mount shared by every node"

@@ -128,6 +128,31 @@ impl GcMetrics {
     }
 }
 
+/// Run the collector every `storage.gc.interval` (0: never) while the node runs, with
+/// purge; each run is logged and recorded in the metrics.
+pub fn spawn_schedule(app: &Arc<crate::http::AppState>) {
+    let interval = app.config.storage.gc.interval.get();
+    if interval.is_zero() || app.packs.is_none() {
+        return;
+    }
+    let app = Arc::downgrade(app);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(interval).await;
+            let Some(app) = app.upgrade() else { return };
+            let Some((store, metrics)) = &app.packs else { return };
+            let options = super::cli::gc_options(&app.config, false, true);
+            match collect(store, app.manifests.as_ref(), options, &mut Quiet).await {
+                Ok(report) => {
+                    metrics.record(&report);
+                    tracing::info!(?report, "collector run finished");
+                }
+                Err(err) => tracing::warn!(error = %err, "collector run failed"),
+            }
+        }
+    });
+}
+
 static RUNNING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 async fn mark(manifests: &dyn ManifestStore) -> Result<HashSet<BlockKey>, StoreError> {
