@@ -85,7 +85,12 @@ async fn in_process_into(
     data: &Bytes,
     open: impl FnOnce(&std::path::Path) -> Arc<dyn BlockStore>,
     fsync: bool,
-) -> (Duration, tempfile::TempDir, Arc<dyn BlockStore>, Arc<dyn ManifestStore>) {
+) -> (
+    Duration,
+    tempfile::TempDir,
+    Arc<dyn BlockStore>,
+    Arc<dyn ManifestStore>,
+) {
     let dir = tempfile::tempdir().expect("tempdir");
     let blocks = open(dir.path());
     let manifests: Arc<dyn ManifestStore> =
@@ -93,9 +98,15 @@ async fn in_process_into(
     let body = futures_util::stream::iter(frames(data));
     flush_dirty_pages();
     let started = Instant::now();
-    let report = ingest(body, limits_for(data), blocks.clone(), manifests.clone(), |_| {})
-        .await
-        .expect("ingest");
+    let report = ingest(
+        body,
+        limits_for(data),
+        blocks.clone(),
+        manifests.clone(),
+        |_| {},
+    )
+    .await
+    .expect("ingest");
     let elapsed = started.elapsed();
     assert_eq!(report.key.size, data.len() as u64);
     (elapsed, dir, blocks, manifests)
@@ -309,27 +320,72 @@ fn main() {
         None => println!("{name:<52} {:>8.1} MB/s   (baseline)", mb_per_s(bytes, d)),
     };
     let raw = best(runs, || raw_cdc_blake3(&data));
-    row("raw FastCDC + BLAKE3 (1 thread, in memory)", size, raw, None);
+    row(
+        "raw FastCDC + BLAKE3 (1 thread, in memory)",
+        size,
+        raw,
+        None,
+    );
     let ingest_discard = best(runs, || runtime.block_on(in_process_discard(&data)));
-    row("in-process ingest, blocks discarded", size, ingest_discard, Some(("raw", raw)));
+    row(
+        "in-process ingest, blocks discarded",
+        size,
+        ingest_discard,
+        Some(("raw", raw)),
+    );
     let legacy_sync = best(1, || runtime.block_on(in_process_legacy(&data, true)));
-    row("in-process ingest, file per block (fsync on)", size, legacy_sync, Some(("raw", raw)));
+    row(
+        "in-process ingest, file per block (fsync on)",
+        size,
+        legacy_sync,
+        Some(("raw", raw)),
+    );
     let packs_nosync = best(runs, || runtime.block_on(in_process_packs(&data, false)));
-    row("in-process ingest to packs (fsync off)", size, packs_nosync, Some(("raw", raw)));
+    row(
+        "in-process ingest to packs (fsync off)",
+        size,
+        packs_nosync,
+        Some(("raw", raw)),
+    );
     let packs_sync = best(runs, || runtime.block_on(in_process_packs(&data, true)));
-    row("in-process ingest to packs (fsync on, default)", size, packs_sync, Some(("raw", raw)));
+    row(
+        "in-process ingest to packs (fsync on, default)",
+        size,
+        packs_sync,
+        Some(("raw", raw)),
+    );
     let http = best(runs, || runtime.block_on(http_upload(&data, true)));
-    row("HTTP upload, one node, loopback (fsync on)", size, http, Some(("in-process", packs_sync)));
+    row(
+        "HTTP upload, one node, loopback (fsync on)",
+        size,
+        http,
+        Some(("in-process", packs_sync)),
+    );
     let (download, raw_read) = runtime.block_on(download_vs_raw(&data));
-    row("raw read of the pack files (page cache)", size, raw_read, None);
-    row("download from packs (verified, page cache)", size, download, Some(("raw read", raw_read)));
+    row(
+        "raw read of the pack files (page cache)",
+        size,
+        raw_read,
+        None,
+    );
+    row(
+        "download from packs (verified, page cache)",
+        size,
+        download,
+        Some(("raw read", raw_read)),
+    );
 
     if !quick || std::env::var("GRAVITON_BENCH_GIB").is_ok() {
         let gib = Bytes::from(random_bytes(1 << 30, 8));
         let raw = best(2, || raw_cdc_blake3(&gib));
         row("1 GiB: raw FastCDC + BLAKE3", 1 << 30, raw, None);
         let packs_sync = best(2, || runtime.block_on(in_process_packs(&gib, true)));
-        row("1 GiB: ingest to packs (fsync on, default)", 1 << 30, packs_sync, Some(("raw", raw)));
+        row(
+            "1 GiB: ingest to packs (fsync on, default)",
+            1 << 30,
+            packs_sync,
+            Some(("raw", raw)),
+        );
     }
 
     let large_gib: u64 = std::env::var("GRAVITON_BENCH_LARGE_GIB")

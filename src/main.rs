@@ -286,11 +286,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let config = Config::load(config.as_deref())?;
             let report = graviton::storage::pack::cli::run_verify(&config).await?;
             println!("{}", serde_json::to_string_pretty(&report)?);
-            Ok(if report.damaged.is_empty() && report.entries_affected == 0 {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(1)
-            })
+            Ok(
+                if report.damaged.is_empty() && report.entries_affected == 0 {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::from(1)
+                },
+            )
         }
         Command::MigrateBlocks { config } => {
             let config = Config::load(config.as_deref())?;

@@ -42,8 +42,14 @@ async fn delete_removes_the_manifest_and_gc_reclaims_only_unreferenced_packs() {
     )
     .await;
     let (a, b) = (random_bytes(3 << 20, 1), random_bytes(3 << 20, 2));
-    let key_a = upload(&node.url, a).await["key"].as_str().unwrap().to_string();
-    let key_b = upload(&node.url, b.clone()).await["key"].as_str().unwrap().to_string();
+    let key_a = upload(&node.url, a).await["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let key_b = upload(&node.url, b.clone()).await["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let blob = |key: &str| format!("{}/v1/blobs/{key}", node.url);
 
     // admin only; checked before anything else
@@ -63,7 +69,10 @@ async fn delete_removes_the_manifest_and_gc_reclaims_only_unreferenced_packs() {
         .await
         .unwrap();
     assert_eq!(response.status(), 404);
-    assert_eq!(client().get(blob(&key_a)).send().await.unwrap().status(), 404);
+    assert_eq!(
+        client().get(blob(&key_a)).send().await.unwrap().status(),
+        404
+    );
     let bad = client()
         .delete(blob("not-a-key"))
         .bearer_auth(ADMIN_TOKEN)
@@ -82,7 +91,11 @@ async fn delete_removes_the_manifest_and_gc_reclaims_only_unreferenced_packs() {
     };
     let dry: serde_json::Value = gc(true).await.unwrap().json().await.unwrap();
     assert!(dry["candidates"].as_u64().unwrap() > 0, "{dry}");
-    assert_eq!(node.block_count(), blocks_before, "a dry run changes nothing");
+    assert_eq!(
+        node.block_count(),
+        blocks_before,
+        "a dry run changes nothing"
+    );
     let first: serde_json::Value = gc(false).await.unwrap().json().await.unwrap();
     assert_eq!(first["packs_retired"], 1, "{first}");
     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -90,16 +103,31 @@ async fn delete_removes_the_manifest_and_gc_reclaims_only_unreferenced_packs() {
     assert_eq!(second["packs_deleted"], 1, "{second}");
     assert!(node.block_count() < blocks_before);
     assert!(
-        node.metrics_text().contains("graviton_gc_packs_rewritten_total")
-            && node.metrics_text().contains("graviton_gc_bytes_reclaimed_total"),
+        node.metrics_text()
+            .contains("graviton_gc_packs_rewritten_total")
+            && node
+                .metrics_text()
+                .contains("graviton_gc_bytes_reclaimed_total"),
     );
-    let body = client().get(blob(&key_b)).send().await.unwrap().bytes().await.unwrap();
+    let body = client()
+        .get(blob(&key_b))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
     assert!(body[..] == b[..], "the live blob survives byte-exact");
 }
 
 fn serve(dir: &std::path::Path, port: u16) -> Child {
     Command::new(BIN)
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--data-dir",
+        ])
         .arg(dir)
         .env("GRAVITON_STORAGE__FSYNC", "true")
         .env("GRAVITON_STORAGE__GC__MIN_AGE", "0s")
@@ -138,7 +166,10 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     let mut child = serve(dir.path(), port);
     wait_ready(&url).await;
     let acked = random_bytes(6 << 20, 3);
-    let key = upload(&url, acked.clone()).await["key"].as_str().unwrap().to_string();
+    let key = upload(&url, acked.clone()).await["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
 
     // Half of a second upload, then kill -9 while the server holds its open pack.
     let partial = random_bytes(8 << 20, 4);
@@ -153,7 +184,10 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     kill9(&mut child);
     let mut rest = Vec::new();
     let _ = stream.read_to_end(&mut rest);
-    assert!(!String::from_utf8_lossy(&rest).contains("201"), "never acknowledged");
+    assert!(
+        !String::from_utf8_lossy(&rest).contains("201"),
+        "never acknowledged"
+    );
 
     let mut child = serve(dir.path(), port);
     wait_ready(&url).await;
@@ -165,9 +199,16 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
         .bytes()
         .await
         .unwrap();
-    assert!(body[..] == acked[..], "acknowledged blob byte-exact after kill -9");
+    assert!(
+        body[..] == acked[..],
+        "acknowledged blob byte-exact after kill -9"
+    );
     let partial_key = graviton::cas::BlobKey::of(&partial).to_string();
-    let missing = client().get(format!("{url}/v1/blobs/{partial_key}")).send().await.unwrap();
+    let missing = client()
+        .get(format!("{url}/v1/blobs/{partial_key}"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(missing.status(), 404);
     // the same upload succeeds after the restart
     upload(&url, partial.clone()).await;
@@ -179,18 +220,31 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
         .env("GRAVITON_STORAGE__DATA_DIR", dir.path())
         .output()
         .unwrap();
-    assert!(verify.status.success(), "{}", String::from_utf8_lossy(&verify.stdout));
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
     let gc = Command::new(BIN)
         .args(["gc", "--purge"])
         .env("GRAVITON_STORAGE__DATA_DIR", dir.path())
         .env("GRAVITON_STORAGE__GC__MIN_AGE", "0s")
         .output()
         .unwrap();
-    assert!(gc.status.success(), "{}", String::from_utf8_lossy(&gc.stderr));
+    assert!(
+        gc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&gc.stderr)
+    );
     let report: serde_json::Value = serde_json::from_slice(&gc.stdout).unwrap();
-    assert_eq!(report["candidates"], 0, "every indexed block is referenced: {report}");
     assert_eq!(
-        std::fs::read_dir(dir.path().join("packs").join("tmp")).unwrap().count(),
+        report["candidates"], 0,
+        "every indexed block is referenced: {report}"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path().join("packs").join("tmp"))
+            .unwrap()
+            .count(),
         0,
         "the killed upload's spool file is collected"
     );

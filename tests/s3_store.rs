@@ -20,7 +20,10 @@ fn s3_config(test: &str) -> Option<S3Config> {
         var("GRAVITON_TEST_S3_ACCESS_KEY"),
         var("GRAVITON_TEST_S3_SECRET_KEY"),
     ) else {
-        support::missing_service(test, "S3 server (GRAVITON_TEST_S3_*; run scripts/services.sh)");
+        support::missing_service(
+            test,
+            "S3 server (GRAVITON_TEST_S3_*; run scripts/services.sh)",
+        );
         return None;
     };
     Some(S3Config {
@@ -65,7 +68,10 @@ async fn uploads_land_in_packs_on_s3_and_download_byte_exact() {
     let created: serde_json::Value = response.json().await.unwrap();
     let key = created["key"].as_str().unwrap().to_string();
     // nothing but the spool directory is local: the packs are in the bucket
-    assert_eq!(support::node::packed_blocks(&node.dir.path().join("packs")), 0);
+    assert_eq!(
+        support::node::packed_blocks(&node.dir.path().join("packs")),
+        0
+    );
     let medium = S3Medium::new(&s3, None).unwrap();
     // Medium calls block (they run on the blocking pool in the store)
     let packs = tokio::task::spawn_blocking(move || medium.list())
@@ -111,6 +117,10 @@ async fn the_conditional_create_probe_answers_and_secrets_stay_out_of_debug() {
     // a wrong secret is refused by the server: the probe fails, without the secret in it
     let mut wrong = s3.clone();
     wrong.secret_access_key = Some(Secret::new("not-the-secret-0123456789"));
-    let err = S3Medium::new(&wrong, None).unwrap().probe().await.unwrap_err();
+    let err = S3Medium::new(&wrong, None)
+        .unwrap()
+        .probe()
+        .await
+        .unwrap_err();
     assert!(!err.to_string().contains("not-the-secret"), "{err}");
 }

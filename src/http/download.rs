@@ -37,14 +37,16 @@ pub async fn delete_blob(
     })?;
     match app.manifests.delete(key).await {
         Ok(true) => Ok(StatusCode::NO_CONTENT.into_response()),
-        Ok(false) => Err(ApiError::not_found("blob_not_found", "no blob with this key")),
+        Ok(false) => Err(ApiError::not_found(
+            "blob_not_found",
+            "no blob with this key",
+        )),
         Err(err) => {
             tracing::error!(error = %err, "manifest delete failed");
-            Err(ApiError::unavailable(
-                "storage_unavailable",
-                "storage is temporarily unavailable",
+            Err(
+                ApiError::unavailable("storage_unavailable", "storage is temporarily unavailable")
+                    .with_retry_after(std::time::Duration::from_secs(5)),
             )
-            .with_retry_after(std::time::Duration::from_secs(5)))
         }
     }
 }
@@ -88,8 +90,10 @@ pub async fn run_gc(
         }
         Err(err) => {
             tracing::error!(error = %err, "collector run failed");
-            Err(ApiError::unavailable("storage_unavailable", "the collector run failed")
-                .with_retry_after(std::time::Duration::from_secs(30)))
+            Err(
+                ApiError::unavailable("storage_unavailable", "the collector run failed")
+                    .with_retry_after(std::time::Duration::from_secs(30)),
+            )
         }
     }
 }

@@ -48,7 +48,10 @@ pub struct AppState {
     /// Streams uploads of remotely owned sessions to their owner (cluster mode).
     pub forwarder: Option<forward::Forwarder>,
     /// The pack store and its collector's metrics, when blocks live in packs.
-    pub packs: Option<(crate::storage::pack::PackStore, crate::storage::pack::gc::GcMetrics)>,
+    pub packs: Option<(
+        crate::storage::pack::PackStore,
+        crate::storage::pack::gc::GcMetrics,
+    )>,
 }
 
 /// The public router.

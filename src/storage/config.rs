@@ -102,7 +102,10 @@ pub fn problems(
         ));
     }
     if backend == Backend::S3 && s3.bucket.trim().is_empty() {
-        out.push(Problem::new("storage.s3.bucket", "is required with backend = \"s3\""));
+        out.push(Problem::new(
+            "storage.s3.bucket",
+            "is required with backend = \"s3\"",
+        ));
     }
     if cluster && backend == Backend::Fs && !shared_mount {
         out.push(Problem::new(

@@ -155,7 +155,11 @@ impl FsBlockStore {
         let dirs =
             std::fs::read_dir(&self.dirs.root).map_err(|e| StoreError::io("list blocks", e))?;
         for dir in dirs.flatten() {
-            for file in std::fs::read_dir(dir.path()).into_iter().flatten().flatten() {
+            for file in std::fs::read_dir(dir.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
                 let mut key = [0u8; 32];
                 if hex::decode_to_slice(file.file_name().to_string_lossy().as_bytes(), &mut key)
                     .is_ok()
@@ -300,9 +304,14 @@ impl ManifestStore for FsManifestStore {
         Box::pin(async move {
             let files = blocking(move || {
                 let mut files = Vec::new();
-                let dirs = std::fs::read_dir(&root).map_err(|e| StoreError::io("list manifests", e))?;
+                let dirs =
+                    std::fs::read_dir(&root).map_err(|e| StoreError::io("list manifests", e))?;
                 for dir in dirs.flatten() {
-                    for file in std::fs::read_dir(dir.path()).into_iter().flatten().flatten() {
+                    for file in std::fs::read_dir(dir.path())
+                        .into_iter()
+                        .flatten()
+                        .flatten()
+                    {
                         if file.path().extension().is_some_and(|e| e == "json") {
                             files.push(file.path());
                         }

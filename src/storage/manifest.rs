@@ -23,7 +23,11 @@ pub trait ManifestStore: Send + Sync + 'static {
     /// `Ok(false)` if there was none.
     fn delete(&self, key: BlobKey) -> StoreFuture<'_, bool> {
         let _ = key;
-        Box::pin(async { Err(StoreError::Unavailable("this manifest store cannot delete".into())) })
+        Box::pin(async {
+            Err(StoreError::Unavailable(
+                "this manifest store cannot delete".into(),
+            ))
+        })
     }
 
     /// Call `visit` with every block key of every manifest (the collector's mark phase).
@@ -32,6 +36,10 @@ pub trait ManifestStore: Send + Sync + 'static {
         visit: &'a mut (dyn FnMut(BlockKey) + Send),
     ) -> StoreFuture<'a, ()> {
         let _ = visit;
-        Box::pin(async { Err(StoreError::Unavailable("this manifest store cannot be scanned".into())) })
+        Box::pin(async {
+            Err(StoreError::Unavailable(
+                "this manifest store cannot be scanned".into(),
+            ))
+        })
     }
 }

@@ -140,7 +140,9 @@ pub fn spawn_schedule(app: &Arc<crate::http::AppState>) {
         loop {
             tokio::time::sleep(interval).await;
             let Some(app) = app.upgrade() else { return };
-            let Some((store, metrics)) = &app.packs else { return };
+            let Some((store, metrics)) = &app.packs else {
+                return;
+            };
             let options = super::cli::gc_options(&app.config, false, true);
             match collect(store, app.manifests.as_ref(), options, &mut Quiet).await {
                 Ok(report) => {
@@ -268,7 +270,9 @@ pub async fn collect(
         }
         let store2 = store.clone();
         let ids = to_retire.clone();
-        report.packs_retired = blocking(move || store2.index().retire_packs(&ids)).await?.len() as u64;
+        report.packs_retired = blocking(move || store2.index().retire_packs(&ids))
+            .await?
+            .len() as u64;
     } else {
         report.packs_rewritten = to_compact.len() as u64;
         report.packs_retired = to_retire.len() as u64;
@@ -286,7 +290,8 @@ pub async fn collect(
         }
         // Re-read the pack table: a commit may have named it since the snapshot.
         let store2 = store.clone();
-        let known = blocking(move || Ok(store2.index().packs()?.iter().any(|p| p.id == id))).await?;
+        let known =
+            blocking(move || Ok(store2.index().packs()?.iter().any(|p| p.id == id))).await?;
         if known {
             continue;
         }
@@ -296,7 +301,11 @@ pub async fn collect(
             blocking(move || store2.medium().delete(&id)).await?;
         }
     }
-    for entry in std::fs::read_dir(store.spool_dir()).into_iter().flatten().flatten() {
+    for entry in std::fs::read_dir(store.spool_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
         if super::medium::modified_ms(&entry.path()) < cutoff {
             report.spool_files_deleted += 1;
             if !options.dry_run {
@@ -320,7 +329,8 @@ pub async fn collect(
             report.bytes_reclaimed = expired.iter().map(|p| p.size).sum();
         } else {
             let store2 = store.clone();
-            report.purged_entries = blocking(move || store2.index().purge_quarantine(before)).await?;
+            report.purged_entries =
+                blocking(move || store2.index().purge_quarantine(before)).await?;
             for pack in expired {
                 let store2 = store.clone();
                 // Claim the row first (a racing dedup commit can no longer revive it),
@@ -416,7 +426,10 @@ pub struct VerifyReport {
 
 /// Read every live pack, check its name, directory and every block hash, and check that
 /// each index entry points at a block its pack really holds.
-pub async fn verify(store: &PackStore, progress: &mut dyn Progress) -> Result<VerifyReport, StoreError> {
+pub async fn verify(
+    store: &PackStore,
+    progress: &mut dyn Progress,
+) -> Result<VerifyReport, StoreError> {
     let packs = {
         let store = store.clone();
         blocking(move || store.index().packs()).await?
@@ -449,7 +462,10 @@ pub async fn verify(store: &PackStore, progress: &mut dyn Progress) -> Result<Ve
     report.entries_affected = blocking(move || {
         let mut affected = 0;
         store2.index().for_each_block(&mut |key, at| {
-            if !good.get(&at.pack).is_some_and(|s| s.contains(&(key, at.offset))) {
+            if !good
+                .get(&at.pack)
+                .is_some_and(|s| s.contains(&(key, at.offset)))
+            {
                 affected += 1;
             }
             Ok(())
@@ -462,7 +478,10 @@ pub async fn verify(store: &PackStore, progress: &mut dyn Progress) -> Result<Ve
 
 /// Move every block of the legacy `blocks/` directory into packs, then remove the files.
 /// Safe to rerun; a block already in the index is only removed from `blocks/`.
-pub async fn migrate_blocks(store: &PackStore, progress: &mut dyn Progress) -> Result<u64, StoreError> {
+pub async fn migrate_blocks(
+    store: &PackStore,
+    progress: &mut dyn Progress,
+) -> Result<u64, StoreError> {
     let Some(legacy) = store.legacy().cloned() else {
         return Ok(0);
     };
@@ -476,7 +495,10 @@ pub async fn migrate_blocks(store: &PackStore, progress: &mut dyn Progress) -> R
         let mut session = store.begin()?;
         for (key, path) in batch {
             let path2 = path.clone();
-            let data = blocking(move || std::fs::read(&path2).map_err(|e| StoreError::io("read block file", e))).await?;
+            let data = blocking(move || {
+                std::fs::read(&path2).map_err(|e| StoreError::io("read block file", e))
+            })
+            .await?;
             if BlockKey::of(&data) != *key {
                 return Err(StoreError::Corrupt(format!(
                     "legacy block file {} does not match its name",

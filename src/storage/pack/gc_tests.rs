@@ -115,39 +115,76 @@ async fn deleted_blobs_are_collected_and_live_ones_stay_byte_exact() {
     tokio::time::sleep(Duration::from_millis(5)).await;
 
     // young blocks are kept whatever references them
-    let young = gc::collect(&f.store, f.manifests.as_ref(), options(Duration::from_secs(3600), false, true), &mut Quiet)
-        .await
-        .unwrap();
+    let young = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::from_secs(3600), false, true),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
     assert_eq!(young.candidates, 0);
     // a dry run reports and changes nothing
-    let dry = gc::collect(&f.store, f.manifests.as_ref(), options(Duration::ZERO, true, true), &mut Quiet)
-        .await
-        .unwrap();
+    let dry = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::ZERO, true, true),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
     assert!(dry.candidates > 0);
     assert_eq!(dry.packs_retired, 1);
     assert_eq!(f.store.index().quarantined().unwrap().len(), 0);
     assert_eq!(f.pack_files(), 2);
 
-    let run = gc::collect(&f.store, f.manifests.as_ref(), options(Duration::ZERO, false, false), &mut Quiet)
-        .await
-        .unwrap();
+    let run = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::ZERO, false, false),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
     assert_eq!(run.quarantined, dry.candidates);
     assert_eq!(run.packs_retired, 1);
     assert_eq!(f.pack_files(), 2, "quarantine deletes no pack");
     // restorable during the retention window (the retired pack is revived)
-    assert_eq!(f.store.index().restore_quarantine().unwrap(), run.quarantined);
-    assert_eq!(f.store.index().packs().unwrap().iter().filter(|p| p.retired).count(), 0);
-    let run = gc::collect(&f.store, f.manifests.as_ref(), options(Duration::ZERO, false, true), &mut Quiet)
-        .await
-        .unwrap();
+    assert_eq!(
+        f.store.index().restore_quarantine().unwrap(),
+        run.quarantined
+    );
+    assert_eq!(
+        f.store
+            .index()
+            .packs()
+            .unwrap()
+            .iter()
+            .filter(|p| p.retired)
+            .count(),
+        0
+    );
+    let run = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::ZERO, false, true),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
     assert!(run.quarantined > 0);
     // retention counts from retirement: this run retired the pack, the next one purges it
     assert_eq!(run.packs_deleted, 0);
     assert_eq!(f.pack_files(), 2);
     tokio::time::sleep(Duration::from_millis(5)).await;
-    let run = gc::collect(&f.store, f.manifests.as_ref(), options(Duration::ZERO, false, true), &mut Quiet)
-        .await
-        .unwrap();
+    let run = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::ZERO, false, true),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
     assert_eq!(run.packs_deleted, 1);
     assert!(run.bytes_reclaimed > 2 << 20);
     assert_eq!(f.pack_files(), 1);
@@ -167,9 +204,14 @@ async fn sparse_packs_are_rewritten_and_shared_blocks_survive() {
     let key_half = f.upload(&half).await;
     assert!(f.manifests.delete(key_whole).await.unwrap());
     tokio::time::sleep(Duration::from_millis(5)).await;
-    let run = gc::collect(&f.store, f.manifests.as_ref(), options(Duration::ZERO, false, true), &mut Quiet)
-        .await
-        .unwrap();
+    let run = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::ZERO, false, true),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
     assert_eq!(run.packs_rewritten, 1, "{run:?}");
     assert_eq!(f.download(key_half).await, half);
     // the old pack is gone; what is left verifies clean
@@ -204,7 +246,10 @@ async fn legacy_blocks_migrate_into_packs() {
     let legacy = FsBlockStore::open(dir.path(), false).unwrap();
     let blocks: Vec<Bytes> = (0..20).map(|i| Bytes::from(data(30_000, 10 + i))).collect();
     for block in &blocks {
-        legacy.put(BlockKey::of(block), block.clone()).await.unwrap();
+        legacy
+            .put(BlockKey::of(block), block.clone())
+            .await
+            .unwrap();
     }
     let store = PackStore::open_local(
         dir.path(),
@@ -218,7 +263,16 @@ async fn legacy_blocks_migrate_into_packs() {
     assert_eq!(gc::migrate_blocks(&store, &mut Quiet).await.unwrap(), 20);
     assert!(legacy.list().unwrap().is_empty());
     for block in &blocks {
-        assert_eq!(store.index().lookup(&BlockKey::of(block)).unwrap().is_some(), true);
-        assert_eq!(store.get(BlockKey::of(block)).await.unwrap().as_ref(), Some(block));
+        assert!(
+            store
+                .index()
+                .lookup(&BlockKey::of(block))
+                .unwrap()
+                .is_some()
+        );
+        assert_eq!(
+            store.get(BlockKey::of(block)).await.unwrap().as_ref(),
+            Some(block)
+        );
     }
 }

@@ -165,7 +165,10 @@ impl RedbIndex {
             let mut quarantine = r!("open", txn.open_table(QUARANTINE))?;
             let mut packs = r!("open", txn.open_table(PACKS))?;
             for pack in &batch.packs {
-                r!("insert", packs.insert(pack.id.0.as_slice(), pack.encode().as_slice()))?;
+                r!(
+                    "insert",
+                    packs.insert(pack.id.0.as_slice(), pack.encode().as_slice())
+                )?;
             }
             for key in &batch.reused {
                 let current = r!("read", blocks.get(key.0.as_slice()))?
@@ -186,7 +189,10 @@ impl RedbIndex {
                     }
                 };
                 location.last_ref_ms = batch.now_ms;
-                r!("insert", blocks.insert(key.0.as_slice(), location.encode().as_slice()))?;
+                r!(
+                    "insert",
+                    blocks.insert(key.0.as_slice(), location.encode().as_slice())
+                )?;
             }
             for (key, location) in &batch.new {
                 let existing = r!("read", blocks.get(key.0.as_slice()))?
@@ -196,7 +202,10 @@ impl RedbIndex {
                 // copy becomes dead bytes that compaction reclaims) and refresh last_ref.
                 let mut chosen = existing.unwrap_or(*location);
                 chosen.last_ref_ms = batch.now_ms;
-                r!("insert", blocks.insert(key.0.as_slice(), chosen.encode().as_slice()))?;
+                r!(
+                    "insert",
+                    blocks.insert(key.0.as_slice(), chosen.encode().as_slice())
+                )?;
                 r!("remove", quarantine.remove(key.0.as_slice()))?;
             }
         }
@@ -266,7 +275,10 @@ impl RedbIndex {
                 r!("remove", blocks.remove(key.0.as_slice()))?;
                 let mut held = location.encode().to_vec();
                 held.extend_from_slice(&now_ms.to_le_bytes());
-                r!("insert", quarantine.insert(key.0.as_slice(), held.as_slice()))?;
+                r!(
+                    "insert",
+                    quarantine.insert(key.0.as_slice(), held.as_slice())
+                )?;
                 moved += 1;
             }
         }
@@ -309,7 +321,10 @@ impl RedbIndex {
             for (key, location, _) in &held {
                 if revive_pack(&mut packs, &location.pack)? {
                     r!("remove", quarantine.remove(key.0.as_slice()))?;
-                    r!("insert", blocks.insert(key.0.as_slice(), location.encode().as_slice()))?;
+                    r!(
+                        "insert",
+                        blocks.insert(key.0.as_slice(), location.encode().as_slice())
+                    )?;
                     restored += 1;
                 }
             }
@@ -370,7 +385,10 @@ impl RedbIndex {
         {
             let mut blocks = r!("open", txn.open_table(BLOCKS))?;
             let mut packs = r!("open", txn.open_table(PACKS))?;
-            r!("insert", packs.insert(new_pack.id.0.as_slice(), new_pack.encode().as_slice()))?;
+            r!(
+                "insert",
+                packs.insert(new_pack.id.0.as_slice(), new_pack.encode().as_slice())
+            )?;
             for (key, location) in moved {
                 let Some(current) = r!("read", blocks.get(key.0.as_slice()))?
                     .map(|v| Location::decode(v.value()))
@@ -383,7 +401,10 @@ impl RedbIndex {
                 }
                 let mut next = *location;
                 next.last_ref_ms = current.last_ref_ms;
-                r!("insert", blocks.insert(key.0.as_slice(), next.encode().as_slice()))?;
+                r!(
+                    "insert",
+                    blocks.insert(key.0.as_slice(), next.encode().as_slice())
+                )?;
                 count += 1;
             }
         }
@@ -413,7 +434,10 @@ impl RedbIndex {
                     record.retired = true;
                     // From now on `sealed_ms` counts the retention window.
                     record.sealed_ms = super::now_ms();
-                    r!("insert", packs.insert(id.0.as_slice(), record.encode().as_slice()))?;
+                    r!(
+                        "insert",
+                        packs.insert(id.0.as_slice(), record.encode().as_slice())
+                    )?;
                     retired.push(*id);
                 }
             }
@@ -446,7 +470,10 @@ fn revive_pack(
         Some(mut record) => {
             if record.retired {
                 record.retired = false;
-                r!("insert", packs.insert(id.0.as_slice(), record.encode().as_slice()))?;
+                r!(
+                    "insert",
+                    packs.insert(id.0.as_slice(), record.encode().as_slice())
+                )?;
             }
             Ok(true)
         }
@@ -532,7 +559,11 @@ mod tests {
             })
             .unwrap();
         let moved = index
-            .relocate(&PackId([1; 32]), &pack(3), &[(a, loc(3, 40)), (b, loc(3, 90))])
+            .relocate(
+                &PackId([1; 32]),
+                &pack(3),
+                &[(a, loc(3, 40)), (b, loc(3, 90))],
+            )
             .unwrap();
         assert_eq!(moved, 1);
         assert_eq!(index.lookup(&a).unwrap().unwrap().pack, PackId([3; 32]));
@@ -543,6 +574,9 @@ mod tests {
                 .unwrap(),
             vec![PackId([1; 32])]
         );
-        assert_eq!(index.packs().unwrap().iter().filter(|p| p.retired).count(), 1);
+        assert_eq!(
+            index.packs().unwrap().iter().filter(|p| p.retired).count(),
+            1
+        );
     }
 }

@@ -171,7 +171,11 @@ impl Medium for LocalMedium {
             if dir.file_name() == "tmp" || !dir.path().is_dir() {
                 continue;
             }
-            for file in std::fs::read_dir(dir.path()).into_iter().flatten().flatten() {
+            for file in std::fs::read_dir(dir.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
                 let name = file.file_name();
                 let name = name.to_string_lossy();
                 if let Some(id) = name.strip_suffix(".pack").and_then(PackId::from_hex) {

@@ -360,14 +360,21 @@ impl OpenPack {
         self.len += RECORD_HEADER + data.len() as u64;
         if fsync && self.len - self.written_back >= WRITEBACK_EVERY {
             self.out.flush().map_err(io)?;
-            start_writeback(self.out.get_ref(), self.written_back, self.len - self.written_back);
+            start_writeback(
+                self.out.get_ref(),
+                self.written_back,
+                self.len - self.written_back,
+            );
             self.written_back = self.len;
         }
         Ok(())
     }
 
     /// Write the footer and publish the pack; returns its record and block locations.
-    fn seal(mut self, store: &PackStore) -> Result<(PackRecord, Vec<(BlockKey, Location)>), StoreError> {
+    fn seal(
+        mut self,
+        store: &PackStore,
+    ) -> Result<(PackRecord, Vec<(BlockKey, Location)>), StoreError> {
         let (footer, id) = format::footer(&self.entries);
         let io = |e| StoreError::io("write spool file", e);
         self.out.write_all(&footer).map_err(io)?;

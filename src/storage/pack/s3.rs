@@ -132,7 +132,11 @@ impl S3Medium {
             label: format!(
                 "S3 packs in bucket {} at {} (prefix {})",
                 config.bucket,
-                if config.endpoint.is_empty() { "AWS" } else { &config.endpoint },
+                if config.endpoint.is_empty() {
+                    "AWS"
+                } else {
+                    &config.endpoint
+                },
                 config.prefix
             ),
             trace: trace.map(TraceHook),

@@ -250,13 +250,14 @@ impl ManifestStore for PgManifestStore {
             let Ok(size) = i64::try_from(key.size) else {
                 return Ok(false);
             };
-            let deleted = sqlx::query("DELETE FROM manifests WHERE blob_hash = $1 AND blob_size = $2")
-                .bind(key.hash.as_slice())
-                .bind(size)
-                .execute(&self.pool)
-                .await
-                .map_err(|err| db_error("delete manifest", err))?
-                .rows_affected();
+            let deleted =
+                sqlx::query("DELETE FROM manifests WHERE blob_hash = $1 AND blob_size = $2")
+                    .bind(key.hash.as_slice())
+                    .bind(size)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(|err| db_error("delete manifest", err))?
+                    .rows_affected();
             Ok(deleted > 0)
         })
     }
