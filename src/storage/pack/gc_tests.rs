@@ -276,3 +276,43 @@ async fn legacy_blocks_migrate_into_packs() {
         );
     }
 }
+
+// Checks STO-3: an uploader paused (here: simply not committing) while the collector
+// removes a block it deduplicated against must fail its commit, not write a manifest
+// that names a deleted block.
+#[tokio::test]
+async fn a_paused_uploader_whose_dedup_block_was_collected_fails_its_commit() {
+    let f = Fixture::new();
+    let content = data(1 << 20, 9);
+    let key = f.upload(&content).await;
+    let manifest = f.manifests.get(key).await.unwrap().unwrap();
+    let shared = manifest.blocks[0].key;
+    let bytes = Bytes::copy_from_slice(&content[..manifest.blocks[0].size as usize]);
+
+    // the paused upload found the block stored
+    let mut session = f.store.begin().unwrap();
+    assert_eq!(
+        session.append(shared, bytes).await.unwrap(),
+        PutOutcome::Duplicate
+    );
+
+    // meanwhile the blob is deleted and collected past min_age, retention, and purge
+    assert!(f.manifests.delete(key).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    for _ in 0..2 {
+        gc::collect(
+            &f.store,
+            f.manifests.as_ref(),
+            options(Duration::ZERO, false, true),
+            &mut Quiet,
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(f.pack_files(), 0, "the pack is gone");
+
+    let err = session.commit().await.unwrap_err();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
+    assert!(!f.store.contains(shared).await.unwrap());
+}
