@@ -1,9 +1,12 @@
 //! Ingest benchmarks, printed as ratios against baselines measured in the same run.
 //!
 //! 1. raw: FastCDC cut points + BLAKE3 of every chunk over an in-memory buffer (one thread).
-//! 2. in-process ingest: the real pipeline into the filesystem stores (fsync off and on).
-//! 3. HTTP upload to an in-process node over loopback (fsync off), vs in-process ingest.
-//! 4. peak RSS of a `graviton serve` process during a small and a large upload.
+//! 2. in-process ingest: the real pipeline with blocks discarded, into the legacy
+//!    file-per-block store (fsync on), and into the pack store (fsync off and on); in the
+//!    full run also 1 GiB into the pack store with fsync on.
+//! 3. HTTP upload to an in-process node over loopback (fsync on), vs in-process ingest.
+//! 4. download from packs (verified) vs raw reads of the same pack files.
+//! 5. peak RSS of a `graviton serve` process during a small and a large upload.
 //!
 //! Run: `cargo bench --bench ingest` (add `-- --quick` for a shorter run,
 //! `GRAVITON_BENCH_LARGE_GIB=2` to set the large upload's size).
@@ -12,11 +15,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::StreamExt;
 use graviton::cas::ingest::{IngestLimits, ingest};
-use graviton::cas::{AVG_CHUNK, MAX_CHUNK, MIN_CHUNK};
+use graviton::cas::read::read_blob;
+use graviton::cas::{AVG_CHUNK, BlockKey, MAX_CHUNK, MIN_CHUNK};
 use graviton::config::Config;
 use graviton::storage::fs::{FsBlockStore, FsManifestStore};
-use graviton::storage::{BlockStore, ManifestStore};
+use graviton::storage::pack::{PackOptions, PackStore};
+use graviton::storage::{
+    BlockStore, CommitReport, ManifestStore, PutOutcome, StoreError, StoreFuture, WriteSession,
+};
 
 #[path = "../tests/support/mod.rs"]
 #[allow(unused_imports)]
@@ -56,72 +64,156 @@ fn flush_dirty_pages() {
     let _ = std::process::Command::new("sync").status();
 }
 
-async fn in_process(data: &Bytes, fsync: bool) -> Duration {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let blocks: Arc<dyn BlockStore> =
-        Arc::new(FsBlockStore::open(dir.path(), fsync).expect("blocks"));
-    let manifests: Arc<dyn ManifestStore> =
-        Arc::new(FsManifestStore::open(dir.path(), fsync).expect("manifests"));
-    let body = futures_util::stream::iter(frames(data));
-    let limits = IngestLimits {
+fn pack_options(fsync: bool) -> PackOptions {
+    PackOptions {
+        pack_size: 32 << 20,
+        fsync,
+        trace: None,
+    }
+}
+
+fn limits_for(data: &Bytes) -> IngestLimits {
+    IngestLimits {
         max_size: u64::MAX,
         declared_size: Some(data.len() as u64),
         idle_timeout: Duration::from_secs(60),
-    };
+    }
+}
+
+/// Ingest into a store opened in a fresh directory; returns the time and the directory.
+async fn in_process_into(
+    data: &Bytes,
+    open: impl FnOnce(&std::path::Path) -> Arc<dyn BlockStore>,
+    fsync: bool,
+) -> (
+    Duration,
+    tempfile::TempDir,
+    Arc<dyn BlockStore>,
+    Arc<dyn ManifestStore>,
+) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let blocks = open(dir.path());
+    let manifests: Arc<dyn ManifestStore> =
+        Arc::new(FsManifestStore::open(dir.path(), fsync).expect("manifests"));
+    let body = futures_util::stream::iter(frames(data));
     flush_dirty_pages();
     let started = Instant::now();
-    let report = ingest(body, limits, blocks, manifests, |_| {})
-        .await
-        .expect("ingest");
+    let report = ingest(
+        body,
+        limits_for(data),
+        blocks.clone(),
+        manifests.clone(),
+        |_| {},
+    )
+    .await
+    .expect("ingest");
     let elapsed = started.elapsed();
     assert_eq!(report.key.size, data.len() as u64);
-    elapsed
+    (elapsed, dir, blocks, manifests)
+}
+
+async fn in_process_packs(data: &Bytes, fsync: bool) -> Duration {
+    in_process_into(
+        data,
+        |dir| Arc::new(PackStore::open_local(dir, pack_options(fsync)).expect("packs")),
+        fsync,
+    )
+    .await
+    .0
+}
+
+async fn in_process_legacy(data: &Bytes, fsync: bool) -> Duration {
+    in_process_into(
+        data,
+        |dir| Arc::new(FsBlockStore::open(dir, fsync).expect("blocks")),
+        fsync,
+    )
+    .await
+    .0
+}
+
+/// Download the blob from packs, then read the same pack files raw (both page-cached).
+async fn download_vs_raw(data: &Bytes) -> (Duration, Duration) {
+    let (_, dir, blocks, manifests) = in_process_into(
+        data,
+        |dir| Arc::new(PackStore::open_local(dir, pack_options(false)).expect("packs")),
+        false,
+    )
+    .await;
+    let key = graviton::cas::BlobKey::of(data);
+    let manifest = Arc::new(manifests.get(key).await.expect("get").expect("manifest"));
+    let mut download = Duration::MAX;
+    let mut raw = Duration::MAX;
+    for _ in 0..3 {
+        let started = Instant::now();
+        let mut stream = Box::pin(read_blob(blocks.clone(), manifest.clone(), None));
+        let mut total = 0usize;
+        while let Some(piece) = stream.next().await {
+            total += piece.expect("block").len();
+        }
+        download = download.min(started.elapsed());
+        assert_eq!(total, data.len());
+
+        let started = Instant::now();
+        let mut total = 0usize;
+        for entry in walk(&dir.path().join("packs")) {
+            total += std::fs::read(entry).expect("read pack").len();
+        }
+        raw = raw.min(started.elapsed());
+        assert!(total >= data.len());
+    }
+    (download, raw)
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("read dir").flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else if path.extension().is_some_and(|e| e == "pack") {
+            out.push(path);
+        }
+    }
+    out
 }
 
 /// A block store that keeps nothing (isolates the pipeline from the filesystem).
 struct Discard;
+struct DiscardSession;
+
+impl WriteSession for DiscardSession {
+    fn append(&mut self, _key: BlockKey, _data: Bytes) -> StoreFuture<'_, PutOutcome> {
+        Box::pin(async { Ok(PutOutcome::Fresh) })
+    }
+    fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport> {
+        Box::pin(async { Ok(CommitReport::default()) })
+    }
+    fn abort(self: Box<Self>) -> StoreFuture<'static, ()> {
+        Box::pin(async { Ok(()) })
+    }
+}
 
 impl BlockStore for Discard {
-    fn put(
-        &self,
-        _key: graviton::cas::BlockKey,
-        _data: Bytes,
-    ) -> graviton::storage::StoreFuture<'_, graviton::storage::PutOutcome> {
-        Box::pin(async { Ok(graviton::storage::PutOutcome::Fresh) })
+    fn begin(&self) -> Result<Box<dyn WriteSession>, StoreError> {
+        Ok(Box::new(DiscardSession))
     }
-    fn get(
-        &self,
-        _key: graviton::cas::BlockKey,
-    ) -> graviton::storage::StoreFuture<'_, Option<Bytes>> {
+    fn get(&self, _key: BlockKey) -> StoreFuture<'_, Option<Bytes>> {
         Box::pin(async { Ok(None) })
     }
-    fn contains(&self, _key: graviton::cas::BlockKey) -> graviton::storage::StoreFuture<'_, bool> {
+    fn contains(&self, _key: BlockKey) -> StoreFuture<'_, bool> {
         Box::pin(async { Ok(false) })
     }
 }
 
 async fn in_process_discard(data: &Bytes) -> Duration {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let blocks: Arc<dyn BlockStore> = Arc::new(Discard);
-    let manifests: Arc<dyn ManifestStore> =
-        Arc::new(FsManifestStore::open(dir.path(), false).expect("manifests"));
-    let body = futures_util::stream::iter(frames(data));
-    let limits = IngestLimits {
-        max_size: u64::MAX,
-        declared_size: Some(data.len() as u64),
-        idle_timeout: Duration::from_secs(60),
-    };
-    let started = Instant::now();
-    ingest(body, limits, blocks, manifests, |_| {})
-        .await
-        .expect("ingest");
-    started.elapsed()
+    in_process_into(data, |_| Arc::new(Discard), false).await.0
 }
 
-async fn http_upload(data: &Bytes) -> Duration {
+async fn http_upload(data: &Bytes, fsync: bool) -> Duration {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut config = Config::for_test(dir.path());
-    config.storage.fsync = false;
+    config.storage.fsync = fsync;
     let node = graviton::node::start(config).await.expect("node");
     let client = reqwest::Client::builder()
         .no_proxy()
@@ -219,41 +311,82 @@ fn main() {
         "graviton ingest benchmark: {} MiB of random data, best of {runs}",
         size >> 20
     );
-    let raw = best(runs, || raw_cdc_blake3(&data));
-    let ingest_discard = best(runs, || runtime.block_on(in_process_discard(&data)));
-    let ingest_nosync = best(runs, || runtime.block_on(in_process(&data, false)));
-    let ingest_sync = best(1, || runtime.block_on(in_process(&data, true)));
-    let http = best(runs, || runtime.block_on(http_upload(&data)));
-
-    let row = |name: &str, d: Duration, base: Option<(&str, Duration)>| match base {
+    let row = |name: &str, bytes: usize, d: Duration, base: Option<(&str, Duration)>| match base {
         Some((base_name, b)) => println!(
-            "{name:<44} {:>8.1} MB/s   ratio vs {base_name}: {:.2}",
-            mb_per_s(size, d),
+            "{name:<52} {:>8.1} MB/s   ratio vs {base_name}: {:.2}",
+            mb_per_s(bytes, d),
             b.as_secs_f64() / d.as_secs_f64()
         ),
-        None => println!("{name:<44} {:>8.1} MB/s   (baseline)", mb_per_s(size, d)),
+        None => println!("{name:<52} {:>8.1} MB/s   (baseline)", mb_per_s(bytes, d)),
     };
-    row("raw FastCDC + BLAKE3 (1 thread, in memory)", raw, None);
+    let raw = best(runs, || raw_cdc_blake3(&data));
+    row(
+        "raw FastCDC + BLAKE3 (1 thread, in memory)",
+        size,
+        raw,
+        None,
+    );
+    let ingest_discard = best(runs, || runtime.block_on(in_process_discard(&data)));
     row(
         "in-process ingest, blocks discarded",
+        size,
         ingest_discard,
         Some(("raw", raw)),
     );
+    let legacy_sync = best(1, || runtime.block_on(in_process_legacy(&data, true)));
     row(
-        "in-process ingest to fs (fsync off)",
-        ingest_nosync,
+        "in-process ingest, file per block (fsync on)",
+        size,
+        legacy_sync,
         Some(("raw", raw)),
     );
+    let packs_nosync = best(runs, || runtime.block_on(in_process_packs(&data, false)));
     row(
-        "in-process ingest to fs (fsync on)",
-        ingest_sync,
+        "in-process ingest to packs (fsync off)",
+        size,
+        packs_nosync,
         Some(("raw", raw)),
     );
+    let packs_sync = best(runs, || runtime.block_on(in_process_packs(&data, true)));
     row(
-        "HTTP upload, one node, loopback (fsync off)",
+        "in-process ingest to packs (fsync on, default)",
+        size,
+        packs_sync,
+        Some(("raw", raw)),
+    );
+    let http = best(runs, || runtime.block_on(http_upload(&data, true)));
+    row(
+        "HTTP upload, one node, loopback (fsync on)",
+        size,
         http,
-        Some(("in-process", ingest_nosync)),
+        Some(("in-process", packs_sync)),
     );
+    let (download, raw_read) = runtime.block_on(download_vs_raw(&data));
+    row(
+        "raw read of the pack files (page cache)",
+        size,
+        raw_read,
+        None,
+    );
+    row(
+        "download from packs (verified, page cache)",
+        size,
+        download,
+        Some(("raw read", raw_read)),
+    );
+
+    if !quick || std::env::var("GRAVITON_BENCH_GIB").is_ok() {
+        let gib = Bytes::from(random_bytes(1 << 30, 8));
+        let raw = best(2, || raw_cdc_blake3(&gib));
+        row("1 GiB: raw FastCDC + BLAKE3", 1 << 30, raw, None);
+        let packs_sync = best(2, || runtime.block_on(in_process_packs(&gib, true)));
+        row(
+            "1 GiB: ingest to packs (fsync on, default)",
+            1 << 30,
+            packs_sync,
+            Some(("raw", raw)),
+        );
+    }
 
     let large_gib: u64 = std::env::var("GRAVITON_BENCH_LARGE_GIB")
         .ok()

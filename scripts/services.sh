@@ -6,6 +6,10 @@
 # 127.0.0.1:5432 and otherwise starts a private cluster on port 55432.
 # Exports GRAVITON_TEST_DATABASE_URL for the tests. Tests start their own redis-server
 # processes (one per test), so only the binary must exist.
+# Garage (an S3-compatible store) is installed with `cargo install garage --locked` unless
+# a binary is on PATH or in ~/.cargo/bin, and started as a single node (replication
+# factor 1, data and metadata fsync on) on 127.0.0.1:3900; the GRAVITON_TEST_S3_* variables
+# tell the tests where it is. Set GRAVITON_SKIP_GARAGE=1 to leave it out.
 set -euo pipefail
 
 apt_updated=0
@@ -66,4 +70,59 @@ else
   fi
   export GRAVITON_TEST_DATABASE_URL="postgres://postgres@127.0.0.1:$port/postgres"
 fi
-echo "services: redis-server=$(command -v redis-server) postgres=${GRAVITON_TEST_DATABASE_URL}" >&2
+garage_bin() {
+  if command -v garage >/dev/null 2>&1; then command -v garage; return 0; fi
+  if [ -x "$HOME/.cargo/bin/garage" ]; then echo "$HOME/.cargo/bin/garage"; return 0; fi
+  return 1
+}
+
+s3_port=3900
+if [ "${GRAVITON_SKIP_GARAGE:-0}" != 1 ]; then
+  if ! garage_bin >/dev/null; then
+    echo "installing garage (cargo install garage --locked; about 15 minutes)" >&2
+    cargo install garage --locked >&2
+  fi
+  gbin="$(garage_bin)"
+  gdir="${GRAVITON_GARAGE_DIR:-/tmp/graviton-garage}"
+  export GRAVITON_TEST_S3_ENDPOINT="http://127.0.0.1:$s3_port"
+  export GRAVITON_TEST_S3_BUCKET="graviton-test"
+  export GRAVITON_TEST_S3_REGION="garage"
+  export GRAVITON_TEST_S3_ACCESS_KEY="GKgravitontest0001"
+  export GRAVITON_TEST_S3_SECRET_KEY="graviton-test-secret-key-0123456789abcdef"
+  export GRAVITON_GARAGE_BIN="$gbin"
+  export GRAVITON_GARAGE_CONFIG="$gdir/garage.toml"
+  if ! (exec 3<>"/dev/tcp/127.0.0.1/$s3_port") 2>/dev/null; then
+    echo "starting garage single node on 127.0.0.1:$s3_port ($gdir)" >&2
+    mkdir -p "$gdir"
+    if [ ! -f "$gdir/garage.toml" ]; then
+      cat >"$gdir/garage.toml" <<EOT
+metadata_dir = "$gdir/meta"
+data_dir = "$gdir/data"
+db_engine = "sqlite"
+replication_factor = 1
+metadata_fsync = true
+data_fsync = true
+rpc_bind_addr = "127.0.0.1:3901"
+rpc_public_addr = "127.0.0.1:3901"
+rpc_secret = "$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+
+[s3_api]
+api_bind_addr = "127.0.0.1:$s3_port"
+s3_region = "garage"
+
+[admin]
+api_bind_addr = "127.0.0.1:3903"
+EOT
+    fi
+    GARAGE_DEFAULT_ACCESS_KEY="$GRAVITON_TEST_S3_ACCESS_KEY" \
+    GARAGE_DEFAULT_SECRET_KEY="$GRAVITON_TEST_S3_SECRET_KEY" \
+    GARAGE_DEFAULT_BUCKET="$GRAVITON_TEST_S3_BUCKET" \
+      nohup "$gbin" -c "$gdir/garage.toml" server --single-node --default-access-key --default-bucket \
+      >"$gdir/log" 2>&1 &
+    for _ in $(seq 1 100); do
+      if (exec 3<>"/dev/tcp/127.0.0.1/$s3_port") 2>/dev/null; then break; fi
+      sleep 0.2
+    done
+  fi
+fi
+echo "services: redis-server=$(command -v redis-server) postgres=${GRAVITON_TEST_DATABASE_URL} s3=${GRAVITON_TEST_S3_ENDPOINT:-none}" >&2

@@ -77,6 +77,30 @@ enum Command {
         #[arg(long, requires = "tenant")]
         session: Option<String>,
     },
+    /// Collect unreferenced blocks of a stopped single node (see docs/storage.md).
+    Gc {
+        #[arg(long, env = "GRAVITON_CONFIG")]
+        config: Option<PathBuf>,
+        /// Report what would be collected; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Also delete quarantined entries and retired packs past storage.gc.retention.
+        #[arg(long)]
+        purge: bool,
+        /// Put every quarantined block back instead of collecting.
+        #[arg(long, conflicts_with_all = ["dry_run", "purge"])]
+        restore: bool,
+    },
+    /// Check every pack (name, directory, block hashes) and the index; exit 1 on damage.
+    Verify {
+        #[arg(long, env = "GRAVITON_CONFIG")]
+        config: Option<PathBuf>,
+    },
+    /// Move blocks of the old file-per-block layout (`blocks/`) into packs.
+    MigrateBlocks {
+        #[arg(long, env = "GRAVITON_CONFIG")]
+        config: Option<PathBuf>,
+    },
     /// Download a blob by key, verifying its content.
     Get {
         key: String,
@@ -250,6 +274,36 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 eprintln!("error: no node {node} in the cluster");
                 Ok(ExitCode::from(2))
             }
+        }
+        Command::Gc {
+            config,
+            dry_run,
+            purge,
+            restore,
+        } => {
+            let config = Config::load(config.as_deref())?;
+            let report =
+                graviton::storage::pack::cli::run_gc(&config, dry_run, purge, restore).await?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Verify { config } => {
+            let config = Config::load(config.as_deref())?;
+            let report = graviton::storage::pack::cli::run_verify(&config).await?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(
+                if report.damaged.is_empty() && report.entries_affected == 0 {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::from(1)
+                },
+            )
+        }
+        Command::MigrateBlocks { config } => {
+            let config = Config::load(config.as_deref())?;
+            let moved = graviton::storage::pack::cli::run_migrate(&config).await?;
+            println!("moved {moved} blocks into packs");
+            Ok(ExitCode::SUCCESS)
         }
         Command::CheckConfig { config } => match Config::load(Some(&config)) {
             Ok(_) => {

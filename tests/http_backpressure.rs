@@ -11,27 +11,50 @@ use bytes::Bytes;
 use graviton::cas::BlockKey;
 use graviton::config::HumanDuration;
 use graviton::node::{NodeOptions, ShutdownOutcome};
-use graviton::storage::fs::FsBlockStore;
-use graviton::storage::{BlockStore, PutOutcome, StoreFuture};
+use graviton::storage::pack::{PackOptions, PackStore};
+use graviton::storage::{
+    BlockStore, CommitReport, PutOutcome, StoreError, StoreFuture, WriteSession,
+};
 use support::node::{TestNode, random_bytes};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::watch;
 
-/// A filesystem block store whose writes wait while the gate is closed.
+/// A pack store whose block appends wait while the gate is closed.
 struct GatedStore {
-    inner: FsBlockStore,
+    inner: PackStore,
     open: watch::Receiver<bool>,
-    puts: AtomicU64,
+    puts: Arc<AtomicU64>,
+}
+
+struct GatedSession {
+    inner: Box<dyn WriteSession>,
+    open: watch::Receiver<bool>,
+    puts: Arc<AtomicU64>,
+}
+
+impl WriteSession for GatedSession {
+    fn append(&mut self, key: BlockKey, data: Bytes) -> StoreFuture<'_, PutOutcome> {
+        Box::pin(async move {
+            let _ = self.open.wait_for(|o| *o).await;
+            self.puts.fetch_add(1, Ordering::SeqCst);
+            self.inner.append(key, data).await
+        })
+    }
+    fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport> {
+        self.inner.commit()
+    }
+    fn abort(self: Box<Self>) -> StoreFuture<'static, ()> {
+        self.inner.abort()
+    }
 }
 
 impl BlockStore for GatedStore {
-    fn put(&self, key: BlockKey, data: Bytes) -> StoreFuture<'_, PutOutcome> {
-        Box::pin(async move {
-            let mut open = self.open.clone();
-            let _ = open.wait_for(|o| *o).await;
-            self.puts.fetch_add(1, Ordering::SeqCst);
-            self.inner.put(key, data).await
-        })
+    fn begin(&self) -> Result<Box<dyn WriteSession>, StoreError> {
+        Ok(Box::new(GatedSession {
+            inner: self.inner.begin()?,
+            open: self.open.clone(),
+            puts: self.puts.clone(),
+        }))
     }
     fn get(&self, key: BlockKey) -> StoreFuture<'_, Option<Bytes>> {
         self.inner.get(key)
@@ -89,9 +112,17 @@ async fn stopped_block_store_back_pressures_the_client() {
     let dir = tempfile::tempdir().unwrap();
     let (gate, open) = watch::channel(false);
     let store = Arc::new(GatedStore {
-        inner: FsBlockStore::open(dir.path(), false).unwrap(),
+        inner: PackStore::open_local(
+            dir.path(),
+            PackOptions {
+                pack_size: 32 << 20,
+                fsync: false,
+                trace: None,
+            },
+        )
+        .unwrap(),
         open,
-        puts: AtomicU64::new(0),
+        puts: Arc::new(AtomicU64::new(0)),
     });
     let node = TestNode::start_with(
         |_| {},

@@ -1,31 +1,36 @@
 //! The streaming ingest pipeline: body -> chunks -> blocks -> manifest.
 //!
 //! ```text
-//!  body frames --(bounded queue)--> chunk thread ---------(bounded queue)--> block writes
-//!  (async: counts bytes, enforces   (blocking pool: FastCDC cut,            (async, a few in
-//!   limits, BLAKE3 of the whole,     BLAKE3 of each block)                   flight, ordered)
-//!   batches frames)
+//!  body frames --(bounded queue)--> chunk thread ---------(bounded queue)--> write session
+//!  (async: counts bytes, enforces   (blocking pool: FastCDC cut,            (appends in order;
+//!   limits, BLAKE3 of the whole,     BLAKE3 of each block)                   the pack store
+//!   batches frames)                                                          writes on its own
+//!                                                                            thread)
 //! ```
 //! Every stage is bounded, so memory per upload stays a few MiB whatever the blob size,
 //! and a slow or stopped block store stops the reading of the request body (back-pressure
 //! reaches the client through TCP). CPU-heavy work runs on the blocking pool, never on the
 //! async workers.
 //!
-//! The manifest is written only after every block is stored and the byte count matches
-//! the declared length, so a failed, truncated or cancelled upload never makes a blob
-//! visible. Dropping the future cancels the pipeline.
+//! The blocks go through one [`WriteSession`](crate::storage::WriteSession) per upload.
+//! The session is committed (blocks durable, index committed, deduplicated blocks
+//! confirmed) only after the byte count matches the declared length, and the manifest is
+//! written only after the commit, so a failed, truncated or cancelled upload never makes
+//! a blob visible. Dropping the future cancels the pipeline and aborts the session.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use futures_util::{Stream, StreamExt, TryStreamExt};
+use futures_util::{Stream, StreamExt};
 use tokio::sync::mpsc;
 
 use super::chunker::StreamChunker;
 use super::keys::{BlobKey, BlockKey};
 use super::manifest::{BlockRef, Manifest};
-use crate::storage::{BlockStore, CreateOutcome, ManifestStore, PutOutcome, StoreError};
+use crate::storage::{
+    BlockStore, CreateOutcome, ManifestStore, PutOutcome, StoreError, WriteSession,
+};
 
 /// Frame batches queued between the reader and the chunker.
 const FRAME_QUEUE: usize = 4;
@@ -33,8 +38,6 @@ const FRAME_QUEUE: usize = 4;
 const BATCH_BYTES: usize = 256 * 1024;
 /// Chunks queued between the chunker and the block writes.
 const CHUNK_QUEUE: usize = 8;
-/// Block writes in flight at once per upload.
-const STORE_CONCURRENCY: usize = 8;
 
 /// Limits checked while the body streams.
 #[derive(Debug, Clone, Copy)]
@@ -98,8 +101,9 @@ where
     let (chunk_tx, chunk_rx) = mpsc::channel::<(BlockKey, Bytes)>(CHUNK_QUEUE);
     let chunking = tokio::task::spawn_blocking(move || chunk_blocks(frame_rx, chunk_tx));
 
+    let mut session = blocks.begin()?;
     let feed = feed_frames(body, limits, frame_tx, &mut on_bytes);
-    let store = store_blocks(chunk_rx, blocks);
+    let store = store_blocks(chunk_rx, session.as_mut());
     let ((received, whole_hash), stored) = futures_util::try_join!(feed, store)?;
 
     chunking
@@ -117,6 +121,8 @@ where
         hash: whole_hash,
         size: received,
     };
+    // Blocks durable and indexed (dedup hits confirmed) before the manifest names them.
+    session.commit().await?;
     let blocks_total = stored.refs.len();
     let manifest = Manifest::new(key, stored.refs, unix_millis());
     let outcome = manifests.create(&manifest).await?;
@@ -233,38 +239,26 @@ struct Stored {
     fresh_bytes: u64,
 }
 
-/// Write blocks, a few at a time, keeping their order.
+/// Append blocks to the upload's session, in order.
 async fn store_blocks(
-    chunks: mpsc::Receiver<(BlockKey, Bytes)>,
-    blocks: Arc<dyn BlockStore>,
+    mut chunks: mpsc::Receiver<(BlockKey, Bytes)>,
+    session: &mut dyn WriteSession,
 ) -> Result<Stored, IngestError> {
     let mut stored = Stored {
         refs: Vec::new(),
         fresh: 0,
         fresh_bytes: 0,
     };
-    let mut writes = tokio_stream_from(chunks)
-        .map(|(key, data)| {
-            let blocks = blocks.clone();
-            async move {
-                let size = data.len() as u32;
-                let outcome = blocks.put(key, data).await?;
-                Ok::<_, StoreError>((BlockRef { key, size }, outcome))
-            }
-        })
-        .buffered(STORE_CONCURRENCY);
-    while let Some((block, outcome)) = writes.try_next().await? {
+    while let Some((key, data)) = chunks.recv().await {
+        let size = data.len() as u32;
+        let outcome = session.append(key, data).await?;
         if outcome == PutOutcome::Fresh {
             stored.fresh += 1;
-            stored.fresh_bytes += u64::from(block.size);
+            stored.fresh_bytes += u64::from(size);
         }
-        stored.refs.push(block);
+        stored.refs.push(BlockRef { key, size });
     }
-    Ok(stored)
-}
-
-fn tokio_stream_from<T: Send + 'static>(mut rx: mpsc::Receiver<T>) -> impl Stream<Item = T> {
-    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+    Ok::<_, StoreError>(stored).map_err(IngestError::from)
 }
 
 fn unix_millis() -> u64 {
@@ -277,11 +271,17 @@ fn unix_millis() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::fs::{FsBlockStore, FsManifestStore};
+    use crate::storage::fs::FsManifestStore;
+    use crate::storage::pack::{PackOptions, PackStore};
 
     fn stores(dir: &std::path::Path) -> (Arc<dyn BlockStore>, Arc<dyn ManifestStore>) {
+        let options = PackOptions {
+            pack_size: 1 << 20,
+            fsync: false,
+            trace: None,
+        };
         (
-            Arc::new(FsBlockStore::open(dir, false).unwrap()),
+            Arc::new(PackStore::open_local(dir, options).unwrap()),
             Arc::new(FsManifestStore::open(dir, false).unwrap()),
         )
     }

@@ -70,14 +70,22 @@ impl Default for NodeConfig {
     }
 }
 
-/// `[storage]`: the embedded filesystem block and manifest stores.
+/// `[storage]`: the block store (packs, index) and the embedded manifest store.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StorageConfig {
-    /// Root of `blocks/` and `manifests/`.
+    /// Root of `packs/`, `index.redb` and `manifests/` (and the legacy `blocks/`).
     pub data_dir: PathBuf,
-    /// `fsync` each new block and manifest (and their directories) before acknowledging.
+    /// Sync pack data, the index and manifests before acknowledging an upload.
     pub fsync: bool,
+    /// `fs` or `s3`; unset: `fs` on one node, `s3` in cluster mode.
+    pub backend: Option<crate::storage::config::Backend>,
+    /// Seal a pack at this size.
+    pub pack_size: ByteSize,
+    /// Cluster mode with `backend = "fs"`: the operator declares `data_dir` one shared mount.
+    pub shared_mount: bool,
+    pub s3: crate::storage::config::S3Config,
+    pub gc: crate::storage::config::GcConfig,
 }
 
 impl Default for StorageConfig {
@@ -85,7 +93,21 @@ impl Default for StorageConfig {
         Self {
             data_dir: PathBuf::from(DATA_DIR_DEFAULT),
             fsync: true,
+            backend: None,
+            pack_size: crate::storage::config::default_pack_size(),
+            shared_mount: false,
+            s3: Default::default(),
+            gc: Default::default(),
         }
+    }
+}
+
+impl StorageConfig {
+    /// The backend in force (`s3` by default in cluster mode).
+    pub fn backend_in(&self, cluster: bool) -> crate::storage::config::Backend {
+        use crate::storage::config::Backend;
+        self.backend
+            .unwrap_or(if cluster { Backend::S3 } else { Backend::Fs })
     }
 }
 
@@ -258,6 +280,13 @@ impl Config {
         if self.storage.data_dir.as_os_str().is_empty() {
             problems.push(Problem::new("storage.data_dir", "must not be empty"));
         }
+        problems.extend(crate::storage::config::problems(
+            self.storage.backend_in(self.cluster.enabled),
+            self.storage.pack_size,
+            &self.storage.s3,
+            self.cluster.enabled,
+            self.storage.shared_mount,
+        ));
         if self.sessions.max_hot == 0 {
             problems.push(Problem::new("sessions.max_hot", "must be at least 1"));
         }

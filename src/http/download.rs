@@ -23,6 +23,81 @@ use crate::cas::read::read_blob;
 use crate::metrics::{Metrics, OutcomeLabels};
 use crate::storage::StoreError;
 
+/// `DELETE /v1/blobs/{key}` (admin token): removes the manifest only. Blocks are shared
+/// by every blob (and tenant) that contains them; the collector reclaims those no
+/// manifest references any more, after `storage.gc.min_age`.
+pub async fn delete_blob(
+    State(app): State<Arc<AppState>>,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    super::admission::require_admin(&app, &headers)?;
+    let key: BlobKey = key.parse().map_err(|e: crate::cas::KeyError| {
+        ApiError::bad_request("invalid_blob_key", e.to_string())
+    })?;
+    match app.manifests.delete(key).await {
+        Ok(true) => Ok(StatusCode::NO_CONTENT.into_response()),
+        Ok(false) => Err(ApiError::not_found(
+            "blob_not_found",
+            "no blob with this key",
+        )),
+        Err(err) => {
+            tracing::error!(error = %err, "manifest delete failed");
+            Err(
+                ApiError::unavailable("storage_unavailable", "storage is temporarily unavailable")
+                    .with_retry_after(std::time::Duration::from_secs(5)),
+            )
+        }
+    }
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub struct GcQuery {
+    #[serde(default)]
+    dry_run: bool,
+    #[serde(default)]
+    purge: bool,
+}
+
+/// `POST /v1/admin/gc?dry_run=&purge=` (admin token): one collector run on this node.
+pub async fn run_gc(
+    State(app): State<Arc<AppState>>,
+    axum::extract::Query(query): axum::extract::Query<GcQuery>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    super::admission::require_admin(&app, &headers)?;
+    let Some((store, metrics)) = &app.packs else {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "gc_unsupported",
+            "this node does not keep blocks in packs",
+        ));
+    };
+    let options = crate::storage::pack::cli::gc_options(&app.config, query.dry_run, query.purge);
+    match crate::storage::pack::gc::collect(
+        store,
+        app.manifests.as_ref(),
+        options,
+        &mut crate::storage::pack::gc::Quiet,
+    )
+    .await
+    {
+        Ok(report) => {
+            if !report.dry_run {
+                metrics.record(&report);
+            }
+            Ok(axum::Json(report).into_response())
+        }
+        Err(err) => {
+            tracing::error!(error = %err, "collector run failed");
+            Err(
+                ApiError::unavailable("storage_unavailable", "the collector run failed")
+                    .with_retry_after(std::time::Duration::from_secs(30)),
+            )
+        }
+    }
+}
+
 pub async fn get_blob(
     State(app): State<Arc<AppState>>,
     method: Method,

@@ -60,6 +60,11 @@ pub struct AppState {
     /// Bearer-token verification; `None` when `auth.enabled = false`.
     pub auth: Option<Arc<crate::auth::Authenticator>>,
     pub edge: EdgeMetrics,
+    /// The pack store and its collector's metrics, when blocks live in packs.
+    pub packs: Option<(
+        crate::storage::pack::PackStore,
+        crate::storage::pack::gc::GcMetrics,
+    )>,
 }
 
 /// Metrics of the edge: connections of every listener and refused tokens.
@@ -113,7 +118,10 @@ pub fn router(state: Arc<AppState>) -> Router {
     let cors = cors::layer(&state.config.http.cors);
     let router = Router::new()
         .route("/v1/blobs", post(upload::post_blob))
-        .route("/v1/blobs/{key}", get(download::get_blob))
+        .route(
+            "/v1/blobs/{key}",
+            get(download::get_blob).delete(download::delete_blob),
+        )
         .route("/healthz", get(ops::healthz))
         .route("/readyz", get(ops::readyz))
         .route("/metrics", get(ops::metrics))
@@ -124,6 +132,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/v1/admin/admission", get(admission::snapshot))
         .route("/v1/admin/nodes/{node}/drain", post(ops::drain))
+        .route("/v1/admin/gc", post(download::run_gc))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             observe::record,

@@ -31,7 +31,7 @@ use crate::http::{AppState, internal, ops::Readiness};
 use crate::ids::NodeId;
 use crate::metrics::Metrics;
 use crate::placement::{Cluster, ClusterHandle};
-use crate::storage::fs::{FsBlockStore, FsManifestStore};
+use crate::storage::fs::FsManifestStore;
 use crate::storage::pg::PgManifestStore;
 use crate::storage::{BlockStore, ManifestStore};
 
@@ -108,9 +108,11 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         path: data_dir.display().to_string(),
         source,
     };
-    let blocks: Arc<dyn BlockStore> = match options.blocks {
-        Some(blocks) => blocks,
-        None => Arc::new(FsBlockStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?),
+    let (blocks, packs): (Arc<dyn BlockStore>, _) = match options.blocks {
+        Some(blocks) => (blocks, None),
+        None => crate::storage::open::open_blocks(&config.storage, config.cluster.enabled)
+            .await
+            .map_err(storage_err)?,
     };
 
     let metrics = Metrics::new();
@@ -120,6 +122,11 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     )
     .map_err(|e| StartError::Admission(e.to_string()))?;
     metrics.register_with(|registry| admission.metrics().register(registry));
+    let packs = packs.map(|store| {
+        let gc_metrics = crate::storage::pack::gc::GcMetrics::default();
+        metrics.register_with(|registry| gc_metrics.register(registry));
+        (store, gc_metrics)
+    });
     let node_id = NodeId(config.node.id.clone());
     let cluster_mode = config.cluster.enabled;
     let mut shared_manifests: Option<Arc<dyn ManifestStore>> = None;
@@ -239,7 +246,9 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         forwarder,
         auth,
         edge,
+        packs,
     });
+    crate::storage::pack::gc::spawn_schedule(&state);
 
     let cluster_parts = if cluster_mode {
         Some(start_cluster_parts(&state).await?)

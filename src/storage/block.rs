@@ -1,28 +1,53 @@
-//! The block store contract.
+//! The block store contract: blocks are written through a write session per upload.
+//!
+//! An upload `begin`s a session, `append`s its blocks in order, and `commit`s. Nothing
+//! appended is promised to be readable before `commit` returns `Ok`; after it, every
+//! appended block (new or deduplicated) is durable and readable, and a deduplicated block
+//! was confirmed inside the commit (never trusted from an earlier lookup). Dropping a
+//! session, or `abort`, discards what it wrote.
 
 use bytes::Bytes;
 
 use super::StoreFuture;
 use crate::cas::BlockKey;
 
-/// Whether a `put` wrote new bytes.
+/// Whether an `append` will store new bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PutOutcome {
-    /// The block was not stored before and now is.
+    /// The block was not stored before; this session stores it.
     Fresh,
-    /// The block already existed; nothing was written.
+    /// The block is stored already (confirmed again at commit); nothing is written.
     Duplicate,
 }
 
-/// Stores blocks by content key. Implementations must make a block visible only when it
-/// is complete (no reader ever sees a partial block) and must never rewrite an existing one.
+/// What a commit made durable.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommitReport {
+    /// Packs (or files) sealed by this session.
+    pub packs: usize,
+    pub fresh_bytes: u64,
+}
+
+/// Stores blocks by content key.
 pub trait BlockStore: Send + Sync + 'static {
-    /// Store `data` under `key` (the caller guarantees `key == BLAKE3(data)`).
-    fn put(&self, key: BlockKey, data: Bytes) -> StoreFuture<'_, PutOutcome>;
+    /// Start writing the blocks of one upload.
+    fn begin(&self) -> Result<Box<dyn WriteSession>, super::StoreError>;
 
     /// The block's bytes, or `None` if absent. Callers verify the hash.
     fn get(&self, key: BlockKey) -> StoreFuture<'_, Option<Bytes>>;
 
     /// Whether the block exists.
     fn contains(&self, key: BlockKey) -> StoreFuture<'_, bool>;
+}
+
+/// The blocks of one upload, made durable together.
+pub trait WriteSession: Send {
+    /// Add a block (the caller guarantees `key == BLAKE3(data)`).
+    fn append(&mut self, key: BlockKey, data: Bytes) -> StoreFuture<'_, PutOutcome>;
+
+    /// Make every appended block durable and visible (see the module docs).
+    fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport>;
+
+    /// Discard what this session wrote.
+    fn abort(self: Box<Self>) -> StoreFuture<'static, ()>;
 }

@@ -1,8 +1,10 @@
-//! Filesystem block and manifest stores (the embedded default).
+//! Filesystem manifest store (the embedded default) and the file-per-block store of
+//! earlier versions (still read as a fallback by the pack store, and the source of
+//! `graviton migrate-blocks`).
 //!
 //! Layout under the data directory:
 //! ```text
-//! blocks/<first 2 hex>/<64 hex>                 one file per block
+//! blocks/<first 2 hex>/<64 hex>                 one file per block (legacy)
 //! manifests/<first 2 hex>/<64 hex>-<size>.json  one file per blob
 //! tmp/                                          in-flight writes
 //! ```
@@ -20,7 +22,10 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::{BlockStore, CreateOutcome, ManifestStore, PutOutcome, StoreError, StoreFuture};
+use super::{
+    BlockStore, CommitReport, CreateOutcome, ManifestStore, PutOutcome, StoreError, StoreFuture,
+    WriteSession,
+};
 use crate::cas::{BlobKey, BlockKey, Manifest};
 
 /// Shared directory handling of both stores.
@@ -130,8 +135,9 @@ impl FsBlockStore {
     }
 }
 
-impl BlockStore for FsBlockStore {
-    fn put(&self, key: BlockKey, data: Bytes) -> StoreFuture<'_, PutOutcome> {
+impl FsBlockStore {
+    /// Store one block as its own file (each put is durable on its own with fsync on).
+    pub fn put(&self, key: BlockKey, data: Bytes) -> StoreFuture<'_, PutOutcome> {
         let path = self.path_of(&key);
         let dirs = self.dirs.clone();
         Box::pin(blocking(move || {
@@ -140,6 +146,69 @@ impl BlockStore for FsBlockStore {
             } else {
                 PutOutcome::Duplicate
             })
+        }))
+    }
+
+    /// Every block file (key and path), for migration.
+    pub fn list(&self) -> Result<Vec<(BlockKey, PathBuf)>, StoreError> {
+        let mut out = Vec::new();
+        let dirs =
+            std::fs::read_dir(&self.dirs.root).map_err(|e| StoreError::io("list blocks", e))?;
+        for dir in dirs.flatten() {
+            for file in std::fs::read_dir(dir.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let mut key = [0u8; 32];
+                if hex::decode_to_slice(file.file_name().to_string_lossy().as_bytes(), &mut key)
+                    .is_ok()
+                {
+                    out.push((BlockKey(key), file.path()));
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A session that stores each block as it arrives (the file-per-block store).
+struct FsSession {
+    store: FsBlockStore,
+    fresh_bytes: u64,
+}
+
+impl WriteSession for FsSession {
+    fn append(&mut self, key: BlockKey, data: Bytes) -> StoreFuture<'_, PutOutcome> {
+        Box::pin(async move {
+            let len = data.len() as u64;
+            let outcome = self.store.put(key, data).await?;
+            if outcome == PutOutcome::Fresh {
+                self.fresh_bytes += len;
+            }
+            Ok(outcome)
+        })
+    }
+
+    fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport> {
+        Box::pin(async move {
+            Ok(CommitReport {
+                packs: 0,
+                fresh_bytes: self.fresh_bytes,
+            })
+        })
+    }
+
+    fn abort(self: Box<Self>) -> StoreFuture<'static, ()> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+impl BlockStore for FsBlockStore {
+    fn begin(&self) -> Result<Box<dyn WriteSession>, StoreError> {
+        Ok(Box::new(FsSession {
+            store: self.clone(),
+            fresh_bytes: 0,
         }))
     }
 
@@ -210,6 +279,60 @@ impl ManifestStore for FsManifestStore {
                 .map_err(|e| StoreError::Corrupt(format!("manifest of {key}: {e}")))?;
             Ok(Some(manifest))
         }))
+    }
+
+    fn delete(&self, key: BlobKey) -> StoreFuture<'_, bool> {
+        let path = self.path_of(&key);
+        let fsync = self.dirs.fsync;
+        Box::pin(blocking(move || match std::fs::remove_file(&path) {
+            Ok(()) => {
+                if fsync && let Some(parent) = path.parent() {
+                    sync_dir(parent)?;
+                }
+                Ok(true)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(StoreError::io("delete manifest", e)),
+        }))
+    }
+
+    fn for_each_block<'a>(
+        &'a self,
+        visit: &'a mut (dyn FnMut(BlockKey) + Send),
+    ) -> StoreFuture<'a, ()> {
+        let root = self.dirs.root.clone();
+        Box::pin(async move {
+            let files = blocking(move || {
+                let mut files = Vec::new();
+                let dirs =
+                    std::fs::read_dir(&root).map_err(|e| StoreError::io("list manifests", e))?;
+                for dir in dirs.flatten() {
+                    for file in std::fs::read_dir(dir.path())
+                        .into_iter()
+                        .flatten()
+                        .flatten()
+                    {
+                        if file.path().extension().is_some_and(|e| e == "json") {
+                            files.push(file.path());
+                        }
+                    }
+                }
+                Ok(files)
+            })
+            .await?;
+            // One manifest in memory at a time.
+            for path in files {
+                let Some(data) = blocking(move || read_optional(&path)).await? else {
+                    continue; // deleted meanwhile
+                };
+                let manifest: Manifest = serde_json::from_slice(&data)
+                    .map_err(|e| StoreError::Corrupt(format!("a manifest does not parse: {e}")))?;
+                for block in &manifest.blocks {
+                    visit(block.key);
+                }
+            }
+            Ok(())
+        })
     }
 }
 

@@ -1,8 +1,10 @@
 //! Storage adapters. They translate between domain types and a medium and hold no policy.
 //!
-//! - [`block`]: the [`BlockStore`] trait (put once, get, contains).
-//! - [`manifest`]: the [`ManifestStore`] trait (create once, get).
-//! - [`fs`]: filesystem implementations of both, the embedded default.
+//! - [`block`]: the [`BlockStore`] trait (write sessions: append, commit, abort; get).
+//! - [`manifest`]: the [`ManifestStore`] trait (create once, get, delete, scan).
+//! - [`pack`]: the pack-based block store (default), its redb index, local and S3
+//!   media, the collector, `verify` and the migration from the legacy layout.
+//! - [`fs`]: the filesystem manifest store and the legacy file-per-block store.
 //! - [`pg`]: PostgreSQL: the placement store (nodes, shard assignments, manager term) and
 //!   the manifest store shared by every node of a cluster.
 //! - [`redis`]: the admission coordinator (cluster leases, quotas, decision events).
@@ -11,12 +13,15 @@
 //! by network stores (PostgreSQL manifests, S3 blocks) without touching the callers.
 
 pub mod block;
+pub mod config;
 pub mod fs;
 pub mod manifest;
+pub mod open;
+pub mod pack;
 pub mod pg;
 pub mod redis;
 
-pub use block::{BlockStore, PutOutcome};
+pub use block::{BlockStore, CommitReport, PutOutcome, WriteSession};
 pub use manifest::{CreateOutcome, ManifestStore};
 
 /// A storage failure. Messages name the operation, never secrets.

@@ -54,6 +54,8 @@ shutdown_grace = "5s"
 [storage]
 data_dir = "{data}"
 fsync = false
+backend = "fs"
+shared_mount = true
 
 [cluster]
 enabled = true

@@ -49,13 +49,38 @@ impl TestNode {
         count_files(&self.dir.path().join("manifests"))
     }
 
+    /// Blocks on disk: the entries of every sealed pack (read from each pack's trailer)
+    /// plus any file of the legacy file-per-block layout.
     pub fn block_count(&self) -> usize {
-        count_files(&self.dir.path().join("blocks"))
+        packed_blocks(&self.dir.path().join("packs")) + count_files(&self.dir.path().join("blocks"))
     }
 
     pub async fn shutdown(&mut self) -> graviton::node::ShutdownOutcome {
         self.node.take().expect("running").shutdown().await
     }
+}
+
+/// Sum of the block counts in the trailers of the `.pack` files under `dir`.
+pub fn packed_blocks(dir: &std::path::Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| {
+            let path = e.path();
+            if path.is_dir() {
+                packed_blocks(&path)
+            } else if path.extension().is_some_and(|x| x == "pack") {
+                let bytes = std::fs::read(&path).expect("read pack");
+                let tail = &bytes[bytes.len() - 8..];
+                assert_eq!(&tail[4..], b"GVPK", "pack trailer of {}", path.display());
+                u32::from_le_bytes(tail[..4].try_into().unwrap()) as usize
+            } else {
+                0
+            }
+        })
+        .sum()
 }
 
 pub fn count_files(dir: &std::path::Path) -> usize {

@@ -244,6 +244,46 @@ impl ManifestStore for PgManifestStore {
             row.map(|row| decode(&key, &row)).transpose()
         })
     }
+
+    fn delete(&self, key: BlobKey) -> StoreFuture<'_, bool> {
+        Box::pin(async move {
+            let Ok(size) = i64::try_from(key.size) else {
+                return Ok(false);
+            };
+            let deleted =
+                sqlx::query("DELETE FROM manifests WHERE blob_hash = $1 AND blob_size = $2")
+                    .bind(key.hash.as_slice())
+                    .bind(size)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(|err| db_error("delete manifest", err))?
+                    .rows_affected();
+            Ok(deleted > 0)
+        })
+    }
+
+    fn for_each_block<'a>(
+        &'a self,
+        visit: &'a mut (dyn FnMut(BlockKey) + Send),
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            use futures_util::TryStreamExt;
+            let mut rows = sqlx::query("SELECT block_keys FROM manifests").fetch(&self.pool);
+            while let Some(row) = rows
+                .try_next()
+                .await
+                .map_err(|err| db_error("scan manifests", err))?
+            {
+                let keys: Vec<u8> = row
+                    .try_get("block_keys")
+                    .map_err(|e| StoreError::Corrupt(format!("manifest row: {e}")))?;
+                for raw in keys.chunks_exact(32) {
+                    visit(BlockKey(raw.try_into().expect("32 bytes")));
+                }
+            }
+            Ok(())
+        })
+    }
 }
 
 #[cfg(test)]

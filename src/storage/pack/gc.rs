@@ -1,0 +1,519 @@
+//! The collector (mark and sweep with a minimum age, quarantine, purge, compaction),
+//! `verify`, and the migration from the file-per-block layout.
+//!
+//! One run, in order (STO-6):
+//! 1. **mark**: every block key of every manifest;
+//! 2. **select**: index entries not marked whose last reference (write or dedup commit)
+//!    is older than `min_age` before the run started, so in-flight uploads are never
+//!    selected;
+//! 3. **mark again** right before changing anything, and drop re-marked candidates;
+//! 4. **quarantine**: move the candidates' entries to the quarantine table, re-checking
+//!    their last reference inside that transaction (a dedup commit that raced the run
+//!    wins, and a dedup commit after it restores the entry while the pack lives);
+//! 5. **compact**: packs whose live bytes fall below `compact_below` of their size are
+//!    rewritten (live blocks copied to a new pack, published, then the index relocated);
+//!    packs with no live entry are **retired** (checked inside one write transaction);
+//! 6. **orphans**: packs on the medium that no index row names, and spool files, older
+//!    than `min_age` (crash leftovers) are deleted;
+//! 7. **purge** (explicit, `--purge`, or on the schedule): quarantined entries and
+//!    retired packs older than `retention` are removed for good.
+//!
+//! One collector per data directory: the redb file is opened by one process only, and
+//! within a process runs are serialised by a mutex. Memory: the mark set holds 32 bytes
+//! per live block plus the table overhead (about 80 MB per million blocks).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
+
+use super::format::{self, PackId};
+use super::index::{Location, PackRecord};
+use super::{PackStore, now_ms};
+use crate::cas::BlockKey;
+use crate::storage::{BlockStore, ManifestStore, StoreError};
+
+/// How a run behaves.
+#[derive(Debug, Clone, Copy)]
+pub struct GcOptions {
+    pub min_age: Duration,
+    pub retention: Duration,
+    pub compact_below: f64,
+    /// Report what would happen; change nothing.
+    pub dry_run: bool,
+    /// Also purge what the retention window allows.
+    pub purge: bool,
+}
+
+/// What a run did (or, dry, would do).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct GcReport {
+    pub dry_run: bool,
+    pub live_blocks: u64,
+    pub candidates: u64,
+    pub quarantined: u64,
+    pub quarantined_bytes: u64,
+    pub packs_rewritten: u64,
+    pub packs_retired: u64,
+    pub orphan_packs_deleted: u64,
+    pub spool_files_deleted: u64,
+    pub purged_entries: u64,
+    pub packs_deleted: u64,
+    /// Pack bytes deleted from the medium (purged retired packs and orphans).
+    pub bytes_reclaimed: u64,
+    pub duration_ms: u64,
+}
+
+/// Progress callbacks (the CLI draws a bar).
+pub trait Progress: Send {
+    fn phase(&mut self, name: &'static str, total: u64);
+    fn advance(&mut self, n: u64);
+}
+
+/// No progress output.
+pub struct Quiet;
+
+impl Progress for Quiet {
+    fn phase(&mut self, _: &'static str, _: u64) {}
+    fn advance(&mut self, _: u64) {}
+}
+
+/// The collector's metrics.
+#[derive(Clone)]
+pub struct GcMetrics {
+    pub bytes_reclaimed: Counter,
+    pub packs_rewritten: Counter,
+    pub runs: Counter,
+    pub duration: Histogram,
+}
+
+impl Default for GcMetrics {
+    fn default() -> Self {
+        Self {
+            bytes_reclaimed: Counter::default(),
+            packs_rewritten: Counter::default(),
+            runs: Counter::default(),
+            duration: Histogram::new([0.1, 1.0, 10.0, 60.0, 600.0, 3600.0]),
+        }
+    }
+}
+
+impl GcMetrics {
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "graviton_gc_bytes_reclaimed",
+            "Pack bytes deleted by the collector",
+            self.bytes_reclaimed.clone(),
+        );
+        registry.register(
+            "graviton_gc_packs_rewritten",
+            "Sparse packs rewritten by compaction",
+            self.packs_rewritten.clone(),
+        );
+        registry.register("graviton_gc_runs", "Collector runs", self.runs.clone());
+        registry.register(
+            "graviton_gc_duration_seconds",
+            "Duration of collector runs",
+            self.duration.clone(),
+        );
+    }
+
+    pub fn record(&self, report: &GcReport) {
+        self.bytes_reclaimed.inc_by(report.bytes_reclaimed);
+        self.packs_rewritten.inc_by(report.packs_rewritten);
+        self.runs.inc();
+        self.duration.observe(report.duration_ms as f64 / 1000.0);
+    }
+}
+
+/// Run the collector every `storage.gc.interval` (0: never) while the node runs, with
+/// purge; each run is logged and recorded in the metrics.
+pub fn spawn_schedule(app: &Arc<crate::http::AppState>) {
+    let interval = app.config.storage.gc.interval.get();
+    if interval.is_zero() || app.packs.is_none() {
+        return;
+    }
+    let app = Arc::downgrade(app);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(interval).await;
+            let Some(app) = app.upgrade() else { return };
+            let Some((store, metrics)) = &app.packs else {
+                return;
+            };
+            let options = super::cli::gc_options(&app.config, false, true);
+            match collect(store, app.manifests.as_ref(), options, &mut Quiet).await {
+                Ok(report) => {
+                    metrics.record(&report);
+                    tracing::info!(?report, "collector run finished");
+                }
+                Err(err) => tracing::warn!(error = %err, "collector run failed"),
+            }
+        }
+    });
+}
+
+static RUNNING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn mark(manifests: &dyn ManifestStore) -> Result<HashSet<BlockKey>, StoreError> {
+    let mut live = HashSet::new();
+    manifests
+        .for_each_block(&mut |key| {
+            live.insert(key);
+        })
+        .await?;
+    Ok(live)
+}
+
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, StoreError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("collector task failed: {e}")))?
+}
+
+/// One collector run over `store` with the manifests of `manifests`.
+pub async fn collect(
+    store: &PackStore,
+    manifests: &dyn ManifestStore,
+    options: GcOptions,
+    progress: &mut dyn Progress,
+) -> Result<GcReport, StoreError> {
+    let _one_at_a_time = RUNNING.lock().await;
+    let started = Instant::now();
+    let start_ms = now_ms();
+    let cutoff = start_ms.saturating_sub(options.min_age.as_millis() as u64);
+    let mut report = GcReport {
+        dry_run: options.dry_run,
+        ..Default::default()
+    };
+
+    // 1. mark
+    progress.phase("mark", 0);
+    let live = mark(manifests).await?;
+    report.live_blocks = live.len() as u64;
+
+    // 2. select
+    let index_len = {
+        let store = store.clone();
+        blocking(move || store.index().block_count()).await?
+    };
+    progress.phase("select", index_len);
+    let (mut candidates, per_pack) = {
+        let store = store.clone();
+        let live = Arc::new(live);
+        let live_for_scan = live.clone();
+        blocking(move || {
+            let mut candidates = Vec::new();
+            let mut per_pack: HashMap<PackId, u64> = HashMap::new();
+            store.index().for_each_block(&mut |key, at: Location| {
+                if !live_for_scan.contains(&key) && at.last_ref_ms < cutoff {
+                    candidates.push((key, at));
+                } else {
+                    *per_pack.entry(at.pack).or_default() +=
+                        u64::from(at.len) + format::RECORD_HEADER;
+                }
+                Ok(())
+            })?;
+            Ok((candidates, per_pack))
+        })
+        .await?
+    };
+    progress.advance(index_len);
+
+    // 3. mark again, just before changing anything
+    progress.phase("mark again", 0);
+    let live_again = mark(manifests).await?;
+    candidates.retain(|(key, _)| !live_again.contains(key));
+    drop(live_again);
+    report.candidates = candidates.len() as u64;
+    report.quarantined_bytes = candidates.iter().map(|(_, at)| u64::from(at.len)).sum();
+
+    let packs = {
+        let store = store.clone();
+        blocking(move || store.index().packs()).await?
+    };
+    let record_of: HashMap<PackId, PackRecord> = packs.iter().map(|p| (p.id, *p)).collect();
+
+    // 4. quarantine
+    if !options.dry_run && !candidates.is_empty() {
+        progress.phase("quarantine", candidates.len() as u64);
+        let keys: Vec<BlockKey> = candidates.iter().map(|(k, _)| *k).collect();
+        let store2 = store.clone();
+        report.quarantined =
+            blocking(move || store2.index().quarantine(&keys, cutoff, now_ms())).await?;
+        progress.advance(report.candidates);
+    }
+
+    // 5. compact sparse packs, retire empty ones (only packs older than the cutoff)
+    let mut to_retire = Vec::new();
+    let mut to_compact = Vec::new();
+    for pack in packs.iter().filter(|p| !p.retired && p.sealed_ms < cutoff) {
+        let live_bytes = per_pack.get(&pack.id).copied().unwrap_or(0);
+        if live_bytes == 0 {
+            to_retire.push(pack.id);
+        } else if (live_bytes as f64) < options.compact_below * pack.size as f64 {
+            to_compact.push(pack.id);
+        }
+    }
+    if !options.dry_run {
+        progress.phase("compact", to_compact.len() as u64);
+        for id in &to_compact {
+            if compact_pack(store, id).await? {
+                report.packs_rewritten += 1;
+                to_retire.push(*id);
+            }
+            progress.advance(1);
+        }
+        let store2 = store.clone();
+        let ids = to_retire.clone();
+        report.packs_retired = blocking(move || store2.index().retire_packs(&ids))
+            .await?
+            .len() as u64;
+    } else {
+        report.packs_rewritten = to_compact.len() as u64;
+        report.packs_retired = to_retire.len() as u64;
+    }
+
+    // 6. orphans: packs no index row names, and spool files, older than the cutoff
+    progress.phase("orphans", 0);
+    let listed = {
+        let store = store.clone();
+        blocking(move || store.medium().list()).await?
+    };
+    for (id, modified) in listed {
+        if record_of.contains_key(&id) || modified >= cutoff {
+            continue;
+        }
+        // Re-read the pack table: a commit may have named it since the snapshot.
+        let store2 = store.clone();
+        let known =
+            blocking(move || Ok(store2.index().packs()?.iter().any(|p| p.id == id))).await?;
+        if known {
+            continue;
+        }
+        report.orphan_packs_deleted += 1;
+        if !options.dry_run {
+            let store2 = store.clone();
+            blocking(move || store2.medium().delete(&id)).await?;
+        }
+    }
+    for entry in std::fs::read_dir(store.spool_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if super::medium::modified_ms(&entry.path()) < cutoff {
+            report.spool_files_deleted += 1;
+            if !options.dry_run {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+
+    // 7. purge
+    if options.purge {
+        progress.phase("purge", 0);
+        let before = start_ms.saturating_sub(options.retention.as_millis() as u64);
+        let store2 = store.clone();
+        let packs = blocking(move || store2.index().packs()).await?;
+        let expired: Vec<PackRecord> = packs
+            .into_iter()
+            .filter(|p| p.retired && p.sealed_ms < before)
+            .collect();
+        if options.dry_run {
+            report.packs_deleted = expired.len() as u64;
+            report.bytes_reclaimed = expired.iter().map(|p| p.size).sum();
+        } else {
+            let store2 = store.clone();
+            report.purged_entries =
+                blocking(move || store2.index().purge_quarantine(before)).await?;
+            for pack in expired {
+                let store2 = store.clone();
+                // Claim the row first (a racing dedup commit can no longer revive it),
+                // then delete the object; a crash in between leaves an orphan object.
+                let deleted = blocking(move || {
+                    if !store2.index().claim_retired_pack(&pack.id, before)? {
+                        return Ok(false);
+                    }
+                    store2.medium().delete(&pack.id)?;
+                    Ok(true)
+                })
+                .await?;
+                if deleted {
+                    report.packs_deleted += 1;
+                    report.bytes_reclaimed += pack.size;
+                }
+            }
+        }
+    }
+    report.duration_ms = started.elapsed().as_millis() as u64;
+    Ok(report)
+}
+
+/// Copy the live blocks of `id` into a new pack and point the index at it. Returns
+/// whether the pack was rewritten.
+async fn compact_pack(store: &PackStore, id: &PackId) -> Result<bool, StoreError> {
+    let store = store.clone();
+    let id = *id;
+    blocking(move || {
+        let bytes = store.medium().read_all(&id)?;
+        let entries = format::verify_pack(&bytes, &id)
+            .map_err(|e| StoreError::Corrupt(format!("pack {id}: {e}")))?;
+        let mut live = Vec::new();
+        for entry in &entries {
+            if let Some(at) = store.index().lookup(&entry.key)?
+                && at.pack == id
+            {
+                let start = entry.offset as usize;
+                live.push((entry.key, &bytes[start..start + entry.len as usize]));
+            }
+        }
+        if live.is_empty() {
+            return Ok(false);
+        }
+        let (encoded, new_entries, new_id) = format::encode(&live);
+        let spool = store
+            .spool_dir()
+            .join(format!("{}.spool", uuid::Uuid::new_v4().simple()));
+        std::fs::write(&spool, &encoded).map_err(|e| StoreError::io("write spool file", e))?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&spool)
+            .map_err(|e| StoreError::io("open spool file", e))?;
+        store.medium().publish(file, &spool, &new_id)?;
+        let record = PackRecord {
+            id: new_id,
+            size: encoded.len() as u64,
+            blocks: new_entries.len() as u32,
+            sealed_ms: now_ms(),
+            retired: false,
+        };
+        let moved: Vec<(BlockKey, Location)> = new_entries
+            .iter()
+            .map(|e| {
+                (
+                    e.key,
+                    Location {
+                        pack: new_id,
+                        offset: e.offset,
+                        len: e.len,
+                        last_ref_ms: 0,
+                    },
+                )
+            })
+            .collect();
+        store.index().relocate(&id, &record, &moved)?;
+        Ok(true)
+    })
+    .await
+}
+
+/// Damage found by [`verify`].
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct VerifyReport {
+    pub packs_checked: u64,
+    pub blocks_checked: u64,
+    /// `pack: problem` lines.
+    pub damaged: Vec<String>,
+    /// Index entries pointing at a missing or damaged pack.
+    pub entries_affected: u64,
+}
+
+/// Read every live pack, check its name, directory and every block hash, and check that
+/// each index entry points at a block its pack really holds.
+pub async fn verify(
+    store: &PackStore,
+    progress: &mut dyn Progress,
+) -> Result<VerifyReport, StoreError> {
+    let packs = {
+        let store = store.clone();
+        blocking(move || store.index().packs()).await?
+    };
+    let live: Vec<PackRecord> = packs.into_iter().filter(|p| !p.retired).collect();
+    progress.phase("verify", live.len() as u64);
+    let mut report = VerifyReport::default();
+    let mut good: HashMap<PackId, HashSet<(BlockKey, u64)>> = HashMap::new();
+    for pack in live {
+        let store2 = store.clone();
+        let checked = blocking(move || {
+            Ok(store2
+                .medium()
+                .read_all(&pack.id)
+                .map(|bytes| format::verify_pack(&bytes, &pack.id)))
+        })
+        .await?;
+        report.packs_checked += 1;
+        match checked {
+            Ok(Ok(entries)) => {
+                report.blocks_checked += entries.len() as u64;
+                good.insert(pack.id, entries.iter().map(|e| (e.key, e.offset)).collect());
+            }
+            Ok(Err(problem)) => report.damaged.push(format!("{}: {problem}", pack.id)),
+            Err(err) => report.damaged.push(format!("{}: {err}", pack.id)),
+        }
+        progress.advance(1);
+    }
+    let store2 = store.clone();
+    report.entries_affected = blocking(move || {
+        let mut affected = 0;
+        store2.index().for_each_block(&mut |key, at| {
+            if !good
+                .get(&at.pack)
+                .is_some_and(|s| s.contains(&(key, at.offset)))
+            {
+                affected += 1;
+            }
+            Ok(())
+        })?;
+        Ok(affected)
+    })
+    .await?;
+    Ok(report)
+}
+
+/// Move every block of the legacy `blocks/` directory into packs, then remove the files.
+/// Safe to rerun; a block already in the index is only removed from `blocks/`.
+pub async fn migrate_blocks(
+    store: &PackStore,
+    progress: &mut dyn Progress,
+) -> Result<u64, StoreError> {
+    let Some(legacy) = store.legacy().cloned() else {
+        return Ok(0);
+    };
+    let files = {
+        let legacy = legacy.clone();
+        blocking(move || legacy.list()).await?
+    };
+    progress.phase("migrate", files.len() as u64);
+    let mut moved = 0;
+    for batch in files.chunks(4096) {
+        let mut session = store.begin()?;
+        for (key, path) in batch {
+            let path2 = path.clone();
+            let data = blocking(move || {
+                std::fs::read(&path2).map_err(|e| StoreError::io("read block file", e))
+            })
+            .await?;
+            if BlockKey::of(&data) != *key {
+                return Err(StoreError::Corrupt(format!(
+                    "legacy block file {} does not match its name",
+                    path.display()
+                )));
+            }
+            session.append(*key, bytes::Bytes::from(data)).await?;
+        }
+        session.commit().await?;
+        // Only after the commit made the packs and index durable.
+        for (_, path) in batch {
+            let _ = std::fs::remove_file(path);
+            moved += 1;
+        }
+        progress.advance(batch.len() as u64);
+    }
+    Ok(moved)
+}

@@ -1,0 +1,318 @@
+//! Collector, verify and migration on a real directory.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+
+use super::gc::{self, GcOptions, Quiet};
+use super::*;
+use crate::cas::ingest::{IngestLimits, ingest};
+use crate::cas::read::read_blob;
+use crate::cas::{BlobKey, Manifest};
+use crate::storage::ManifestStore;
+use crate::storage::fs::FsManifestStore;
+
+fn data(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed + 1;
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) as u8
+        })
+        .collect()
+}
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    store: PackStore,
+    manifests: Arc<FsManifestStore>,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let store = PackStore::open_local(
+            dir.path(),
+            PackOptions {
+                pack_size: 32 << 20,
+                fsync: false,
+                trace: None,
+            },
+        )
+        .unwrap();
+        let manifests = Arc::new(FsManifestStore::open(dir.path(), false).unwrap());
+        Self {
+            dir,
+            store,
+            manifests,
+        }
+    }
+
+    async fn upload(&self, content: &[u8]) -> BlobKey {
+        let pieces: Vec<Result<Bytes, std::io::Error>> = content
+            .chunks(100_000)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
+        let limits = IngestLimits {
+            max_size: 1 << 30,
+            declared_size: None,
+            idle_timeout: Duration::from_secs(5),
+        };
+        ingest(
+            futures_util::stream::iter(pieces),
+            limits,
+            Arc::new(self.store.clone()),
+            self.manifests.clone(),
+            |_| {},
+        )
+        .await
+        .unwrap()
+        .key
+    }
+
+    async fn download(&self, key: BlobKey) -> Vec<u8> {
+        let manifest: Manifest = self.manifests.get(key).await.unwrap().unwrap();
+        let mut stream = Box::pin(read_blob(
+            Arc::new(self.store.clone()),
+            Arc::new(manifest),
+            None,
+        ));
+        let mut out = Vec::new();
+        while let Some(piece) = stream.next().await {
+            out.extend_from_slice(&piece.unwrap());
+        }
+        out
+    }
+
+    fn pack_files(&self) -> usize {
+        self.store.medium().list().unwrap().len()
+    }
+}
+
+fn options(min_age: Duration, dry_run: bool, purge: bool) -> GcOptions {
+    GcOptions {
+        min_age,
+        retention: Duration::ZERO,
+        compact_below: 0.9,
+        dry_run,
+        purge,
+    }
+}
+
+// Checks STO-6.
+#[tokio::test]
+async fn deleted_blobs_are_collected_and_live_ones_stay_byte_exact() {
+    let f = Fixture::new();
+    let (a, b) = (data(2 << 20, 1), data(2 << 20, 2));
+    let key_a = f.upload(&a).await;
+    let key_b = f.upload(&b).await;
+    assert_eq!(f.pack_files(), 2);
+    assert!(f.manifests.delete(key_a).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(5)).await;
+
+    // young blocks are kept whatever references them
+    let young = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::from_secs(3600), false, true),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
+    assert_eq!(young.candidates, 0);
+    // a dry run reports and changes nothing
+    let dry = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::ZERO, true, true),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
+    assert!(dry.candidates > 0);
+    assert_eq!(dry.packs_retired, 1);
+    assert_eq!(f.store.index().quarantined().unwrap().len(), 0);
+    assert_eq!(f.pack_files(), 2);
+
+    let run = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::ZERO, false, false),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
+    assert_eq!(run.quarantined, dry.candidates);
+    assert_eq!(run.packs_retired, 1);
+    assert_eq!(f.pack_files(), 2, "quarantine deletes no pack");
+    // restorable during the retention window (the retired pack is revived)
+    assert_eq!(
+        f.store.index().restore_quarantine().unwrap(),
+        run.quarantined
+    );
+    assert_eq!(
+        f.store
+            .index()
+            .packs()
+            .unwrap()
+            .iter()
+            .filter(|p| p.retired)
+            .count(),
+        0
+    );
+    let run = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::ZERO, false, true),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
+    assert!(run.quarantined > 0);
+    // retention counts from retirement: this run retired the pack, the next one purges it
+    assert_eq!(run.packs_deleted, 0);
+    assert_eq!(f.pack_files(), 2);
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let run = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::ZERO, false, true),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
+    assert_eq!(run.packs_deleted, 1);
+    assert!(run.bytes_reclaimed > 2 << 20);
+    assert_eq!(f.pack_files(), 1);
+    assert_eq!(f.download(key_b).await, b);
+    // uploading the collected content again stores it afresh
+    let again = f.upload(&a).await;
+    assert_eq!(f.download(again).await, a);
+}
+
+#[tokio::test]
+async fn sparse_packs_are_rewritten_and_shared_blocks_survive() {
+    let f = Fixture::new();
+    let whole = data(4 << 20, 3);
+    let key_whole = f.upload(&whole).await;
+    // the first half shares most of its blocks with the first upload's pack
+    let half = whole[..2 << 20].to_vec();
+    let key_half = f.upload(&half).await;
+    assert!(f.manifests.delete(key_whole).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let run = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::ZERO, false, true),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
+    assert_eq!(run.packs_rewritten, 1, "{run:?}");
+    assert_eq!(f.download(key_half).await, half);
+    // the old pack is gone; what is left verifies clean
+    let verified = gc::verify(&f.store, &mut Quiet).await.unwrap();
+    assert!(verified.damaged.is_empty(), "{verified:?}");
+    assert_eq!(verified.entries_affected, 0);
+}
+
+// Checks STO-4.
+#[tokio::test]
+async fn verify_reports_a_damaged_pack() {
+    let f = Fixture::new();
+    f.upload(&data(1 << 20, 4)).await;
+    let clean = gc::verify(&f.store, &mut Quiet).await.unwrap();
+    assert_eq!(clean.packs_checked, 1);
+    assert!(clean.damaged.is_empty());
+    let pack = f.store.index().packs().unwrap()[0].id;
+    let local = medium::LocalMedium::open(&f.dir.path().join("packs"), false, None).unwrap();
+    let path = local.path_of(&pack);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[100] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let damaged = gc::verify(&f.store, &mut Quiet).await.unwrap();
+    assert_eq!(damaged.damaged.len(), 1, "{damaged:?}");
+    assert!(damaged.entries_affected > 0);
+}
+
+// Checks STO-5.
+#[tokio::test]
+async fn legacy_blocks_migrate_into_packs() {
+    let dir = tempfile::tempdir().unwrap();
+    let legacy = FsBlockStore::open(dir.path(), false).unwrap();
+    let blocks: Vec<Bytes> = (0..20).map(|i| Bytes::from(data(30_000, 10 + i))).collect();
+    for block in &blocks {
+        legacy
+            .put(BlockKey::of(block), block.clone())
+            .await
+            .unwrap();
+    }
+    let store = PackStore::open_local(
+        dir.path(),
+        PackOptions {
+            pack_size: 32 << 20,
+            fsync: false,
+            trace: None,
+        },
+    )
+    .unwrap();
+    assert_eq!(gc::migrate_blocks(&store, &mut Quiet).await.unwrap(), 20);
+    assert!(legacy.list().unwrap().is_empty());
+    for block in &blocks {
+        assert!(
+            store
+                .index()
+                .lookup(&BlockKey::of(block))
+                .unwrap()
+                .is_some()
+        );
+        assert_eq!(
+            store.get(BlockKey::of(block)).await.unwrap().as_ref(),
+            Some(block)
+        );
+    }
+}
+
+// Checks STO-3: an uploader paused (here: simply not committing) while the collector
+// removes a block it deduplicated against must fail its commit, not write a manifest
+// that names a deleted block.
+#[tokio::test]
+async fn a_paused_uploader_whose_dedup_block_was_collected_fails_its_commit() {
+    let f = Fixture::new();
+    let content = data(1 << 20, 9);
+    let key = f.upload(&content).await;
+    let manifest = f.manifests.get(key).await.unwrap().unwrap();
+    let shared = manifest.blocks[0].key;
+    let bytes = Bytes::copy_from_slice(&content[..manifest.blocks[0].size as usize]);
+
+    // the paused upload found the block stored
+    let mut session = f.store.begin().unwrap();
+    assert_eq!(
+        session.append(shared, bytes).await.unwrap(),
+        PutOutcome::Duplicate
+    );
+
+    // meanwhile the blob is deleted and collected past min_age, retention, and purge
+    assert!(f.manifests.delete(key).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    for _ in 0..2 {
+        gc::collect(
+            &f.store,
+            f.manifests.as_ref(),
+            options(Duration::ZERO, false, true),
+            &mut Quiet,
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(f.pack_files(), 0, "the pack is gone");
+
+    let err = session.commit().await.unwrap_err();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
+    assert!(!f.store.contains(shared).await.unwrap());
+}

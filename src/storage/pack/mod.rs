@@ -1,0 +1,480 @@
+//! The pack-based block store (the default): blocks of an upload are appended to pack
+//! files of `pack_size` bytes, an index maps each block to `(pack, offset, length)`, and
+//! one commit per upload makes it all durable.
+//!
+//! ```text
+//! upload ──append──> session ──channel──> writer thread: spool file, roll at pack_size
+//!                     │ dedup lookup                     seal = footer + medium.publish
+//!                     └──commit──> join writer ──> index: one transaction (new entries,
+//!                                                  pack rows, reused blocks confirmed)
+//! ```
+//! Durability order of one upload (STO-1): every pack of the session is published by the
+//! medium (local: fdatasync, rename, directory fsync; S3: one PUT) before the index
+//! transaction commits, and the caller writes the manifest only after `commit` returns.
+//! There is no sync per block. A crash before the index commit leaves an unindexed pack
+//! (collected after the grace period); after it, a retry deduplicates against it.
+//!
+//! Modules: [`format`] (pack bytes), [`index`] (redb), [`medium`] (local dir or S3),
+//! [`s3`] (the S3 medium), [`gc`] (collector, verify, migration).
+
+pub mod cli;
+pub mod format;
+pub mod gc;
+pub mod index;
+pub mod medium;
+pub mod s3;
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+use self::format::{Entry, RECORD_HEADER};
+use self::index::{CommitBatch, Location, PackRecord, RedbIndex};
+use self::medium::{Medium, SyncTrace};
+use super::fs::FsBlockStore;
+use super::{BlockStore, CommitReport, PutOutcome, StoreError, StoreFuture, WriteSession};
+use crate::cas::BlockKey;
+
+/// Blocks queued between an upload and its pack writer.
+const WRITER_QUEUE: usize = 16;
+/// With fsync on, start write-back of a spool file every this many bytes, so the seal's
+/// fdatasync has little left to do.
+const WRITEBACK_EVERY: u64 = 8 << 20;
+
+/// How a pack store is built.
+#[derive(Clone)]
+pub struct PackOptions {
+    /// Seal a pack once it reaches this many bytes.
+    pub pack_size: u64,
+    pub fsync: bool,
+    /// Called with each durability step (tests).
+    pub trace: Option<SyncTrace>,
+}
+
+impl std::fmt::Debug for PackOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackOptions")
+            .field("pack_size", &self.pack_size)
+            .field("fsync", &self.fsync)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    index: RedbIndex,
+    medium: Arc<dyn Medium>,
+    spool: PathBuf,
+    options: PackOptions,
+    /// The file-per-block directory of older versions, read as a fallback.
+    legacy: Option<FsBlockStore>,
+}
+
+/// Packs on a medium, indexed in redb under `<data_dir>/index.redb`.
+#[derive(Clone)]
+pub struct PackStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for PackStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackStore")
+            .field("medium", &self.inner.medium.describe())
+            .field("options", &self.inner.options)
+            .finish()
+    }
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl PackStore {
+    /// Local packs under `<data_dir>/packs`.
+    pub fn open_local(data_dir: &Path, options: PackOptions) -> Result<Self, StoreError> {
+        let medium = medium::LocalMedium::open(
+            &data_dir.join("packs"),
+            options.fsync,
+            options.trace.clone(),
+        )?;
+        Self::open(data_dir, Arc::new(medium), options)
+    }
+
+    /// Packs on `medium`; the index and spool files under `data_dir`.
+    pub fn open(
+        data_dir: &Path,
+        medium: Arc<dyn Medium>,
+        options: PackOptions,
+    ) -> Result<Self, StoreError> {
+        let spool = data_dir.join("packs").join("tmp");
+        std::fs::create_dir_all(&spool).map_err(|e| StoreError::io("create spool directory", e))?;
+        let index = RedbIndex::open(&data_dir.join("index.redb"))?;
+        let legacy = if data_dir.join("blocks").is_dir() {
+            Some(FsBlockStore::open(data_dir, options.fsync)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                index,
+                medium,
+                spool,
+                options,
+                legacy,
+            }),
+        })
+    }
+
+    pub fn index(&self) -> &RedbIndex {
+        &self.inner.index
+    }
+
+    pub fn medium(&self) -> &Arc<dyn Medium> {
+        &self.inner.medium
+    }
+
+    pub fn spool_dir(&self) -> &Path {
+        &self.inner.spool
+    }
+
+    pub fn legacy(&self) -> Option<&FsBlockStore> {
+        self.inner.legacy.as_ref()
+    }
+
+    fn note(&self, step: &'static str) {
+        if let Some(trace) = &self.inner.options.trace {
+            trace(step);
+        }
+    }
+}
+
+async fn blocking<T, F>(work: F) -> Result<T, StoreError>
+where
+    F: FnOnce() -> Result<T, StoreError> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("storage task failed: {e}")))?
+}
+
+impl BlockStore for PackStore {
+    fn begin(&self) -> Result<Box<dyn WriteSession>, StoreError> {
+        Ok(Box::new(PackSession {
+            store: self.clone(),
+            seen: HashSet::new(),
+            reused: Vec::new(),
+            writer: None,
+            aborted: Arc::new(AtomicBool::new(false)),
+            fresh_bytes: 0,
+        }))
+    }
+
+    fn get(&self, key: BlockKey) -> StoreFuture<'_, Option<Bytes>> {
+        let store = self.clone();
+        Box::pin(async move {
+            let found = blocking({
+                let store = store.clone();
+                move || match store.inner.index.lookup(&key)? {
+                    Some(at) => store
+                        .inner
+                        .medium
+                        .read(&at.pack, at.offset, u64::from(at.len))
+                        .map(Some),
+                    None => Ok(None),
+                }
+            })
+            .await?;
+            match (found, &store.inner.legacy) {
+                (Some(data), _) => Ok(Some(data)),
+                (None, Some(legacy)) => legacy.get(key).await,
+                (None, None) => Ok(None),
+            }
+        })
+    }
+
+    fn contains(&self, key: BlockKey) -> StoreFuture<'_, bool> {
+        let store = self.clone();
+        Box::pin(async move {
+            let indexed = blocking({
+                let store = store.clone();
+                move || Ok(store.inner.index.lookup(&key)?.is_some())
+            })
+            .await?;
+            match (indexed, &store.inner.legacy) {
+                (true, _) => Ok(true),
+                (false, Some(legacy)) => legacy.contains(key).await,
+                (false, None) => Ok(false),
+            }
+        })
+    }
+}
+
+/// What a session's pack writer produced.
+#[derive(Default)]
+struct Written {
+    packs: Vec<PackRecord>,
+    new: Vec<(BlockKey, Location)>,
+}
+
+struct Writer {
+    tx: mpsc::Sender<(BlockKey, Bytes)>,
+    done: tokio::task::JoinHandle<Result<Written, StoreError>>,
+}
+
+struct PackSession {
+    store: PackStore,
+    /// Blocks of this session already handled (written or found stored).
+    seen: HashSet<BlockKey>,
+    reused: Vec<BlockKey>,
+    writer: Option<Writer>,
+    aborted: Arc<AtomicBool>,
+    fresh_bytes: u64,
+}
+
+impl PackSession {
+    fn start_writer(&mut self) -> &mut Writer {
+        self.writer.get_or_insert_with(|| {
+            let (tx, rx) = mpsc::channel(WRITER_QUEUE);
+            let store = self.store.clone();
+            let aborted = self.aborted.clone();
+            let done = tokio::task::spawn_blocking(move || write_packs(store, rx, aborted));
+            Writer { tx, done }
+        })
+    }
+}
+
+impl Drop for PackSession {
+    fn drop(&mut self) {
+        // A session dropped before `commit` finished is an abort: the writer sees the flag
+        // when its queue closes and removes its spool file instead of sealing it.
+        self.aborted.store(true, Ordering::SeqCst);
+    }
+}
+
+impl WriteSession for PackSession {
+    fn append(&mut self, key: BlockKey, data: Bytes) -> StoreFuture<'_, PutOutcome> {
+        Box::pin(async move {
+            if !self.seen.insert(key) {
+                return Ok(PutOutcome::Duplicate);
+            }
+            // A read transaction on a page-cached B-tree: microseconds, so it runs here.
+            if self.store.inner.index.lookup(&key)?.is_some() {
+                self.reused.push(key);
+                return Ok(PutOutcome::Duplicate);
+            }
+            self.fresh_bytes += data.len() as u64;
+            let writer = self.start_writer();
+            if writer.tx.send((key, data)).await.is_err() {
+                // The writer stopped: its error explains why.
+                let writer = self.writer.take().expect("writer present");
+                return Err(match writer.done.await {
+                    Ok(Err(err)) => err,
+                    _ => StoreError::Unavailable("pack writer stopped".into()),
+                });
+            }
+            Ok(PutOutcome::Fresh)
+        })
+    }
+
+    fn commit(mut self: Box<Self>) -> StoreFuture<'static, CommitReport> {
+        Box::pin(async move {
+            let written = match self.writer.take() {
+                Some(Writer { tx, done }) => {
+                    drop(tx);
+                    done.await
+                        .map_err(|e| StoreError::Unavailable(format!("pack writer: {e}")))??
+                }
+                None => Written::default(),
+            };
+            let report = CommitReport {
+                packs: written.packs.len(),
+                fresh_bytes: self.fresh_bytes,
+            };
+            let batch = CommitBatch {
+                packs: written.packs,
+                new: written.new,
+                reused: std::mem::take(&mut self.reused),
+                now_ms: now_ms(),
+            };
+            if batch.packs.is_empty() && batch.new.is_empty() && batch.reused.is_empty() {
+                return Ok(report);
+            }
+            let store = self.store.clone();
+            blocking(move || store.inner.index.commit(&batch)).await?;
+            self.store.note("index committed");
+            Ok(report)
+        })
+    }
+
+    fn abort(self: Box<Self>) -> StoreFuture<'static, ()> {
+        Box::pin(async move {
+            self.aborted.store(true, Ordering::SeqCst);
+            drop(self);
+            Ok(())
+        })
+    }
+}
+
+/// A spool file being filled.
+struct OpenPack {
+    out: BufWriter<File>,
+    path: PathBuf,
+    len: u64,
+    written_back: u64,
+    entries: Vec<Entry>,
+}
+
+impl OpenPack {
+    fn create(dir: &Path) -> Result<Self, StoreError> {
+        let path = dir.join(format!("{}.spool", uuid::Uuid::new_v4().simple()));
+        let file = File::create(&path).map_err(|e| StoreError::io("create spool file", e))?;
+        Ok(Self {
+            out: BufWriter::with_capacity(1 << 20, file),
+            path,
+            len: 0,
+            written_back: 0,
+            entries: Vec::new(),
+        })
+    }
+
+    fn append(&mut self, key: BlockKey, data: &[u8], fsync: bool) -> Result<(), StoreError> {
+        let header = format::record_header(&key, data.len() as u32);
+        let io = |e| StoreError::io("write spool file", e);
+        self.out.write_all(&header).map_err(io)?;
+        self.out.write_all(data).map_err(io)?;
+        self.entries.push(Entry {
+            key,
+            offset: self.len + RECORD_HEADER,
+            len: data.len() as u32,
+        });
+        self.len += RECORD_HEADER + data.len() as u64;
+        if fsync && self.len - self.written_back >= WRITEBACK_EVERY {
+            self.out.flush().map_err(io)?;
+            start_writeback(
+                self.out.get_ref(),
+                self.written_back,
+                self.len - self.written_back,
+            );
+            self.written_back = self.len;
+        }
+        Ok(())
+    }
+
+    /// Write the footer and publish the pack; returns its record and block locations.
+    fn seal(
+        mut self,
+        store: &PackStore,
+    ) -> Result<(PackRecord, Vec<(BlockKey, Location)>), StoreError> {
+        let (footer, id) = format::footer(&self.entries);
+        let io = |e| StoreError::io("write spool file", e);
+        self.out.write_all(&footer).map_err(io)?;
+        let file = self.out.into_inner().map_err(|e| io(e.into_error()))?;
+        let size = self.len + footer.len() as u64;
+        if let Err(err) = store.inner.medium.publish(file, &self.path, &id) {
+            let _ = std::fs::remove_file(&self.path);
+            return Err(err);
+        }
+        let record = PackRecord {
+            id,
+            size,
+            blocks: self.entries.len() as u32,
+            sealed_ms: now_ms(),
+            retired: false,
+        };
+        let locations = self
+            .entries
+            .iter()
+            .map(|e| {
+                (
+                    e.key,
+                    Location {
+                        pack: id,
+                        offset: e.offset,
+                        len: e.len,
+                        last_ref_ms: 0,
+                    },
+                )
+            })
+            .collect();
+        Ok((record, locations))
+    }
+
+    fn discard(self) {
+        let path = self.path.clone();
+        drop(self);
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// Ask the kernel to start writing a range back now (no wait): Linux only, best effort.
+fn start_writeback(file: &File, offset: u64, len: u64) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a valid open descriptor and a plain range; the call only schedules I/O.
+        unsafe {
+            libc::sync_file_range(
+                file.as_raw_fd(),
+                offset as libc::off64_t,
+                len as libc::off64_t,
+                libc::SYNC_FILE_RANGE_WRITE,
+            );
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (file, offset, len);
+}
+
+/// The writer thread of one session.
+fn write_packs(
+    store: PackStore,
+    mut rx: mpsc::Receiver<(BlockKey, Bytes)>,
+    aborted: Arc<AtomicBool>,
+) -> Result<Written, StoreError> {
+    let mut written = Written::default();
+    let mut open: Option<OpenPack> = None;
+    let fsync = store.inner.options.fsync;
+    let result = (|| {
+        while let Some((key, data)) = rx.blocking_recv() {
+            let pack = match &mut open {
+                Some(pack) => pack,
+                None => open.insert(OpenPack::create(&store.inner.spool)?),
+            };
+            pack.append(key, &data, fsync)?;
+            if pack.len >= store.inner.options.pack_size {
+                let (record, locations) = open.take().expect("open pack").seal(&store)?;
+                written.packs.push(record);
+                written.new.extend(locations);
+            }
+        }
+        if aborted.load(Ordering::SeqCst) {
+            return Err(StoreError::Unavailable("upload aborted".into()));
+        }
+        if let Some(pack) = open.take() {
+            let (record, locations) = pack.seal(&store)?;
+            written.packs.push(record);
+            written.new.extend(locations);
+        }
+        Ok(())
+    })();
+    if let Some(pack) = open.take() {
+        pack.discard();
+    }
+    result.map(|()| written)
+}
+
+#[cfg(test)]
+mod tests;
+
+#[cfg(test)]
+mod gc_tests;

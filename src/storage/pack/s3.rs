@@ -1,0 +1,270 @@
+//! Packs in an S3-compatible bucket through `object_store`'s `AmazonS3`.
+//!
+//! One PUT per sealed pack (no multipart: packs are 16-64 MiB), ranged GETs for blocks.
+//! Throttling (503 SlowDown), other 5xx and timeouts are retried by `object_store` with
+//! exponential backoff and jitter, bounded by `max_retries` and `request_timeout`; what is
+//! still failing surfaces as [`StoreError::Unavailable`], which uploads answer with 503 and
+//! `Retry-After`. At start the medium probes whether the server honours a conditional
+//! create (`If-None-Match: *`) by creating one probe key twice; when it does, packs are
+//! created conditionally, otherwise they are plain PUTs, which is still safe because a
+//! pack's name fixes its bytes (see `format`). Credentials never appear in `Debug`, logs
+//! or errors.
+
+use std::fs::File;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::path::Path as ObjectPath;
+use object_store::{
+    BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
+    RetryConfig,
+};
+use tokio::runtime::Handle;
+
+use super::format::PackId;
+use super::medium::{Medium, SyncTrace, TraceHook};
+use crate::config::Secret;
+use crate::storage::StoreError;
+use crate::storage::config::S3Config;
+
+pub struct S3Medium {
+    store: Arc<AmazonS3>,
+    prefix: String,
+    runtime: Handle,
+    conditional: AtomicBool,
+    label: String,
+    trace: Option<TraceHook>,
+}
+
+impl std::fmt::Debug for S3Medium {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.label)
+    }
+}
+
+/// Credentials resolved from the config, a secret file, or the environment.
+fn credentials(config: &S3Config) -> Result<(String, Secret), StoreError> {
+    let mut key_id = config.access_key_id.clone();
+    let mut secret = config.secret_access_key.clone();
+    if let Some(path) = &config.credentials_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| StoreError::io("read storage.s3.credentials_file", e))?;
+        for line in text.lines() {
+            if let Some((name, value)) = line.split_once('=') {
+                match name.trim() {
+                    "access_key_id" if key_id.is_empty() => key_id = value.trim().to_string(),
+                    "secret_access_key" if secret.is_none() => {
+                        secret = Some(Secret::new(value.trim()))
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    if key_id.is_empty() {
+        key_id = std::env::var("AWS_ACCESS_KEY_ID").unwrap_or_default();
+    }
+    if secret.is_none() {
+        secret = std::env::var("AWS_SECRET_ACCESS_KEY").ok().map(Secret::new);
+    }
+    match (key_id.is_empty(), secret) {
+        (false, Some(secret)) => Ok((key_id, secret)),
+        _ => Err(StoreError::Unavailable(
+            "S3 credentials missing: set storage.s3.access_key_id/secret_access_key, \
+             storage.s3.credentials_file, or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+                .into(),
+        )),
+    }
+}
+
+fn s3_err(op: &'static str) -> impl Fn(object_store::Error) -> StoreError {
+    move |e| match e {
+        object_store::Error::NotFound { .. } => StoreError::Corrupt(format!("{op}: pack missing")),
+        // object_store errors carry the URL and status, never the signing secret.
+        other => StoreError::Unavailable(format!("{op}: {other}")),
+    }
+}
+
+impl S3Medium {
+    /// Connect (no request yet); call [`S3Medium::probe`] before use.
+    pub fn new(config: &S3Config, trace: Option<SyncTrace>) -> Result<Self, StoreError> {
+        let (key_id, secret) = credentials(config)?;
+        let timeout = config.request_timeout.get();
+        let mut builder = AmazonS3Builder::new()
+            .with_bucket_name(&config.bucket)
+            .with_region(&config.region)
+            .with_access_key_id(key_id)
+            .with_secret_access_key(secret.expose())
+            .with_virtual_hosted_style_request(!config.path_style)
+            .with_retry(RetryConfig {
+                backoff: BackoffConfig {
+                    init_backoff: Duration::from_millis(100),
+                    max_backoff: Duration::from_secs(5),
+                    base: 2.0,
+                },
+                max_retries: config.max_retries,
+                retry_timeout: timeout,
+            })
+            .with_client_options(
+                ClientOptions::new()
+                    .with_timeout(timeout)
+                    .with_connect_timeout(Duration::from_secs(5))
+                    .with_allow_http(true),
+            );
+        if !config.endpoint.is_empty() {
+            builder = builder.with_endpoint(&config.endpoint);
+        }
+        let store = builder
+            .build()
+            .map_err(|e| StoreError::Unavailable(format!("configure S3 client: {e}")))?;
+        let runtime = Handle::try_current()
+            .map_err(|_| StoreError::Unavailable("S3 medium needs a tokio runtime".into()))?;
+        Ok(Self {
+            store: Arc::new(store),
+            prefix: config.prefix.trim_matches('/').to_string(),
+            runtime,
+            conditional: AtomicBool::new(false),
+            label: format!(
+                "S3 packs in bucket {} at {} (prefix {})",
+                config.bucket,
+                if config.endpoint.is_empty() {
+                    "AWS"
+                } else {
+                    &config.endpoint
+                },
+                config.prefix
+            ),
+            trace: trace.map(TraceHook),
+        })
+    }
+
+    fn path(&self, id: &PackId) -> ObjectPath {
+        let hex = id.to_hex();
+        ObjectPath::from(format!("{}/{}/{hex}.pack", self.prefix, &hex[..2]))
+    }
+
+    /// Check the bucket answers and whether it honours `If-None-Match: *`.
+    pub async fn probe(&self) -> Result<bool, StoreError> {
+        let key = ObjectPath::from(format!(
+            "{}/probe/{}",
+            self.prefix,
+            uuid::Uuid::new_v4().simple()
+        ));
+        let create = || PutOptions {
+            mode: PutMode::Create,
+            ..Default::default()
+        };
+        let first = self
+            .store
+            .put_opts(&key, PutPayload::from_static(b"probe"), create())
+            .await;
+        let honoured = match first {
+            Ok(_) => matches!(
+                self.store
+                    .put_opts(&key, PutPayload::from_static(b"probe"), create())
+                    .await,
+                Err(object_store::Error::AlreadyExists { .. })
+                    | Err(object_store::Error::Precondition { .. })
+            ),
+            // A server that rejects the header outright: no conditional creates.
+            Err(object_store::Error::NotImplemented { .. }) => false,
+            Err(e) => return Err(s3_err("probe the S3 bucket")(e)),
+        };
+        let _ = self.store.delete(&key).await;
+        self.conditional.store(honoured, Ordering::SeqCst);
+        Ok(honoured)
+    }
+
+    pub fn conditional_create(&self) -> bool {
+        self.conditional.load(Ordering::SeqCst)
+    }
+
+    /// One PUT of `data` as pack `id` (used by publish and compaction).
+    pub fn put_pack(&self, id: &PackId, data: Bytes) -> Result<(), StoreError> {
+        let path = self.path(id);
+        let mode = if self.conditional_create() {
+            PutMode::Create
+        } else {
+            PutMode::Overwrite
+        };
+        let result = self.runtime.block_on(self.store.put_opts(
+            &path,
+            PutPayload::from_bytes(data),
+            PutOptions {
+                mode,
+                ..Default::default()
+            },
+        ));
+        match result {
+            Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => Ok(()),
+            Err(e) => Err(s3_err("store pack on S3")(e)),
+        }
+    }
+}
+
+impl Medium for S3Medium {
+    fn publish(&self, spool: File, spool_path: &Path, id: &PackId) -> Result<(), StoreError> {
+        drop(spool);
+        let data = std::fs::read(spool_path).map_err(|e| StoreError::io("read spool file", e))?;
+        let result = self.put_pack(id, Bytes::from(data));
+        let _ = std::fs::remove_file(spool_path);
+        result?;
+        if let Some(trace) = &self.trace {
+            (trace.0)("pack stored on S3");
+        }
+        Ok(())
+    }
+
+    fn read(&self, id: &PackId, offset: u64, len: u64) -> Result<Bytes, StoreError> {
+        let data = self
+            .runtime
+            .block_on(self.store.get_range(&self.path(id), offset..offset + len))
+            .map_err(s3_err("read pack range from S3"))?;
+        if data.len() as u64 != len {
+            return Err(StoreError::Corrupt(format!("pack {id} is truncated")));
+        }
+        Ok(data)
+    }
+
+    fn read_all(&self, id: &PackId) -> Result<Bytes, StoreError> {
+        self.runtime
+            .block_on(async { self.store.get(&self.path(id)).await?.bytes().await })
+            .map_err(s3_err("read pack from S3"))
+    }
+
+    fn delete(&self, id: &PackId) -> Result<(), StoreError> {
+        match self.runtime.block_on(self.store.delete(&self.path(id))) {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(s3_err("delete pack on S3")(e)),
+        }
+    }
+
+    fn list(&self) -> Result<Vec<(PackId, u64)>, StoreError> {
+        let prefix = ObjectPath::from(self.prefix.as_str());
+        self.runtime.block_on(async {
+            let mut out = Vec::new();
+            let mut listing = self.store.list(Some(&prefix));
+            while let Some(meta) = listing.next().await {
+                let meta = meta.map_err(s3_err("list packs on S3"))?;
+                if let Some(id) = meta
+                    .location
+                    .filename()
+                    .and_then(|n| n.strip_suffix(".pack"))
+                    .and_then(PackId::from_hex)
+                {
+                    out.push((id, meta.last_modified.timestamp_millis().max(0) as u64));
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.label.clone()
+    }
+}
