@@ -165,7 +165,9 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         let options = ForwardOptions::from_config(&config.control).ok_or_else(|| {
             StartError::Control("control.internal_token is required in cluster mode".into())
         })?;
-        Some(Forwarder::new(options).map_err(|e| StartError::Control(e.to_string()))?)
+        let forwarder = Forwarder::new(options).map_err(|e| StartError::Control(e.to_string()))?;
+        // The owner admits in the pre-flight: let it wait as long as admission may.
+        Some(forwarder.with_admission_wait(config.admission.acquisition_timeout.get()))
     } else {
         None
     };

@@ -26,6 +26,19 @@ impl NodeProcess {
         shard_count: u32,
         data_dir: &Path,
     ) -> Self {
+        Self::start_with(dir, id, database_url, shard_count, data_dir, "")
+    }
+
+    /// Like [`NodeProcess::start`], with `extra` TOML appended to the config (e.g. an
+    /// `[admission.redis]` section).
+    pub fn start_with(
+        dir: &Path,
+        id: &str,
+        database_url: &str,
+        shard_count: u32,
+        data_dir: &Path,
+        extra: &str,
+    ) -> Self {
         let (public, internal, control) =
             (super::free_port(), super::free_port(), super::free_port());
         let config = dir.join(format!("{id}.toml"));
@@ -57,6 +70,8 @@ lock_ping_interval = "100ms"
 internal_listen = "127.0.0.1:{internal}"
 control_listen = "127.0.0.1:{control}"
 internal_token = "{TOKEN}"
+
+{extra}
 "#,
                 data = data_dir.display()
             ),
