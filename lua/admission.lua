@@ -26,6 +26,7 @@ end
 
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local now_s = string.format('%d', now)
 
 local function split(s)
   local out = {}
@@ -218,7 +219,7 @@ end
 -- Append one decision event; o is the occupancy after the transition.
 local function event(kind, lease, token, tenant, backend, bytes, operation, outcome, version, o)
   redis.call('XADD', K_EVENTS, 'MAXLEN', '~', max_events, '*',
-    'schema', 'graviton-admission-event-v1', 'kind', kind, 'at_ms', fmt(now),
+    'schema', 'graviton-admission-event-v1', 'kind', kind, 'at_ms', now_s,
     'lease', lease, 'fencing_token', token, 'tenant', tenant, 'backend', backend,
     'bytes', bytes, 'operation', operation, 'outcome', outcome,
     'policy_version', fmt(version),
@@ -446,8 +447,12 @@ local function release()
 end
 
 -- Give up a wait (or an acquire whose reply was lost): forget the waiter, drop a lease the
--- id may hold, and record timed_out when `dim` names the blocking dimension.
-local function abandon_one(id, tenant, backend, bytes, operation, dim)
+-- id may hold, and record `kind` (timed_out, or abandoned when the caller went away while
+-- it waited) when `dim` names the blocking dimension.
+local function abandon_one(id, tenant, backend, bytes, operation, dim, kind)
+  if kind ~= 'abandoned' then
+    kind = 'timed_out'
+  end
   forget_waiter(id)
   local released = 0
   if drop_lease(id, 'completed', 'abandoned') then
@@ -455,15 +460,16 @@ local function abandon_one(id, tenant, backend, bytes, operation, dim)
   end
   if dim ~= '-' then
     local _, v = load_counts(tenant, backend)
-    event('timed_out', id, '-', tenant, backend, bytes, operation, dim, policy_version(),
+    event(kind, id, '-', tenant, backend, bytes, operation, dim, policy_version(),
       occupancy(tenant, backend, v))
   end
   return { 'ABANDONED', fmt(released) }
 end
 
--- ARGV: 4 lease id, 5 tenant, 6 backend, 7 bytes, 8 operation, 9 dimension or '-'.
+-- ARGV: 4 lease id, 5 tenant, 6 backend, 7 bytes, 8 operation, 9 dimension or '-',
+-- 10 event kind (timed_out, the default, or abandoned).
 local function abandon()
-  return abandon_one(ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9])
+  return abandon_one(ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
 end
 
 -- ARGV: 4 tenant hash or '-', 5 backend hash or '-'.
@@ -509,7 +515,7 @@ end
 -- Append a client-side decision. ARGV: 4 kind, 5 lease, 6 tenant, 7 backend, 8 bytes,
 -- 9 operation, 10 outcome.
 local function append_event()
-  local kinds = { admitted = 1, queued = 1, timed_out = 1, completed = 1, expired = 1, policy_changed = 1 }
+  local kinds = { admitted = 1, queued = 1, timed_out = 1, abandoned = 1, completed = 1, expired = 1, policy_changed = 1 }
   if not kinds[ARGV[4]] then
     return { 'PROTOCOL', 'unknown_event_kind' }
   end
@@ -549,7 +555,7 @@ end
 -- ARGV: 4 item count, 5..11 the acquire defaults and timings (as acquire's 8..13 and 15),
 -- then per item: 'A', lease id, tenant, backend, bytes, operation, first; or
 -- 'R', lease id, fencing token, outcome; or 'X' (abandon), lease id, tenant, backend,
--- bytes, operation, dimension or '-'. Reply: one reply array per item, in order.
+-- bytes, operation, dimension or '-', event kind. Reply: one reply array per item, in order.
 local function batch()
   local n = tonumber(ARGV[4])
   if not n or n < 1 then
@@ -570,8 +576,8 @@ local function batch()
       replies[k] = release_one(ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
       i = i + 4
     elseif kind == 'X' then
-      replies[k] = abandon_one(ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6])
-      i = i + 7
+      replies[k] = abandon_one(ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7])
+      i = i + 8
     else
       return { 'PROTOCOL', 'invalid_batch_item' }
     end

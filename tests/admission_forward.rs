@@ -111,7 +111,11 @@ async fn a_forwarded_upload_takes_one_lease_and_owner_refusals_reach_the_client(
         }
     })
     .await;
-    assert!(converged, "cluster did not converge:\n{}", nodes[0].log_text());
+    assert!(
+        converged,
+        "cluster did not converge:\n{}",
+        nodes[0].log_text()
+    );
     let status = graviton::placement::cluster_status(&db_url).await.unwrap();
     // A session owned by node-b, sent to node-a.
     let owned_by_b = || loop {
@@ -144,6 +148,18 @@ async fn a_forwarded_upload_takes_one_lease_and_owner_refusals_reach_the_client(
     assert_eq!(response.status(), 201);
     let body: serde_json::Value = response.json().await.unwrap();
     assert_eq!(body["owner"], "node-b", "ingested by the owner");
+    // The owner releases the lease just after it answered: wait for `completed`.
+    let released = support::wait_until(Duration::from_secs(10), || {
+        let coordinator = coordinator.clone();
+        async move {
+            tenant_events(&coordinator, &key.tenant)
+                .await
+                .iter()
+                .any(|e| e["kind"] == "completed")
+        }
+    })
+    .await;
+    assert!(released, "the lease was released");
     let events = tenant_events(&coordinator, &key.tenant).await;
     assert_eq!(
         kinds(&events),

@@ -46,8 +46,8 @@ use crate::config::Secret;
 use crate::http::ApiError;
 use crate::http::headers::parse_digits;
 use crate::http::internal::{
-    CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, INTERNAL_TOKEN_HEADER, SHARD_EPOCH_HEADER,
-    ERROR_CODE_HEADER, RESERVATION_HEADER, SHARD_HEADER, ingest_path,
+    CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, ERROR_CODE_HEADER, INTERNAL_TOKEN_HEADER,
+    RESERVATION_HEADER, SHARD_EPOCH_HEADER, SHARD_HEADER, ingest_path,
 };
 use crate::ids::{NodeId, SessionKey};
 
@@ -656,7 +656,10 @@ mod tests {
         assert!(relayed_refusal(StatusCode::CONFLICT, &headers).is_none());
         headers.insert(ERROR_CODE_HEADER, HeaderValue::from_static("made_up"));
         assert!(relayed_refusal(StatusCode::SERVICE_UNAVAILABLE, &headers).is_none());
-        headers.insert(ERROR_CODE_HEADER, HeaderValue::from_static("quota_exceeded"));
+        headers.insert(
+            ERROR_CODE_HEADER,
+            HeaderValue::from_static("quota_exceeded"),
+        );
         headers.remove(header::RETRY_AFTER);
         let error = relayed_refusal(StatusCode::TOO_MANY_REQUESTS, &headers).unwrap();
         assert_eq!((error.code, error.retry_after), ("quota_exceeded", None));

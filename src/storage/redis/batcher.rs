@@ -23,9 +23,10 @@ use crate::admission::Error;
 
 /// Most items in one script call.
 pub const MAX_BATCH: usize = 64;
-/// Batch calls outstanding at once. One keeps the items in queue order on the wire (an
-/// abandon never overtakes the acquire it cancels).
-pub const IN_FLIGHT: usize = 1;
+/// Batch calls outstanding at once. A batch that carries an abandon waits until every
+/// earlier call has finished, so an abandon never overtakes the acquire it cancels
+/// (releases need no such care: one is only sent after its acquire was answered).
+pub const IN_FLIGHT: usize = 2;
 
 /// One queued operation, already encoded as script arguments.
 #[derive(Debug, Clone)]
@@ -52,6 +53,8 @@ pub enum BatchItem {
         bytes: u64,
         operation: &'static str,
         dimension: &'static str,
+        /// `timed_out` or `abandoned` (the caller went away while waiting).
+        kind: &'static str,
     },
 }
 
@@ -99,7 +102,7 @@ impl Batcher {
 async fn run(context: Arc<BatchContext>, mut rx: mpsc::UnboundedReceiver<Job>) {
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     loop {
-        let Ok(slot) = slots.clone().acquire_owned().await else {
+        let Ok(mut slot) = slots.clone().acquire_many_owned(1).await else {
             return;
         };
         let Some(first) = rx.recv().await else {
@@ -111,6 +114,16 @@ async fn run(context: Arc<BatchContext>, mut rx: mpsc::UnboundedReceiver<Job>) {
                 Ok(job) => jobs.push(job),
                 Err(_) => break,
             }
+        }
+        if jobs
+            .iter()
+            .any(|j| matches!(j.item, BatchItem::Abandon { .. }))
+        {
+            // Drain: wait until the other calls in flight have been answered.
+            let Ok(rest) = slots.clone().acquire_many_owned(IN_FLIGHT as u32 - 1).await else {
+                return;
+            };
+            slot.merge(rest);
         }
         let context = context.clone();
         tokio::spawn(async move {
@@ -165,6 +178,7 @@ fn invocation(context: &BatchContext, jobs: &[Job]) -> redis::ScriptInvocation<'
                 bytes,
                 operation,
                 dimension,
+                kind,
             } => {
                 inv.arg("X")
                     .arg(lease_id)
@@ -172,7 +186,8 @@ fn invocation(context: &BatchContext, jobs: &[Job]) -> redis::ScriptInvocation<'
                     .arg(backend)
                     .arg(*bytes)
                     .arg(*operation)
-                    .arg(*dimension);
+                    .arg(*dimension)
+                    .arg(*kind);
             }
         }
     }

@@ -258,6 +258,7 @@ impl RedisCoordinator {
             request: request.clone(),
             dimension: None,
             armed: true,
+            disconnected: true,
         };
         let retry_interval = self.inner.config.retry_interval.get();
         // Set once any reply arrived: a deadline that passes before that is an unreachable
@@ -308,6 +309,8 @@ impl RedisCoordinator {
             }
             Err(_) => Err(Error::TimedOut("cluster lease")),
         };
+        // Reaching this point means the wait ended here, not by the caller dropping it.
+        guard.disconnected = false;
         if matches!(result, Ok(_) | Err(Error::NeverFits(_))) {
             guard.armed = false;
         }
@@ -321,6 +324,17 @@ impl RedisCoordinator {
         request: &LeaseRequest,
         dimension: Option<Dimension>,
     ) -> Result<bool, Error> {
+        self.abandon_as(request, dimension, false).await
+    }
+
+    /// [`RedisCoordinator::abandon`], recording `abandoned` instead of `timed_out` when
+    /// `disconnected` (the caller dropped the wait: e.g. the client went away).
+    pub async fn abandon_as(
+        &self,
+        request: &LeaseRequest,
+        dimension: Option<Dimension>,
+        disconnected: bool,
+    ) -> Result<bool, Error> {
         let item = BatchItem::Abandon {
             lease_id: request.lease_id.clone(),
             tenant: self.tenant_hash(request.tenant.as_ref()),
@@ -328,6 +342,11 @@ impl RedisCoordinator {
             bytes: request.footprint.bytes(),
             operation: request.operation.as_str(),
             dimension: dimension.map_or("-", Dimension::as_str),
+            kind: if disconnected {
+                "abandoned"
+            } else {
+                "timed_out"
+            },
         };
         let reply = self.batcher().submit(item).await?;
         Ok(reply::parse_count(&reply, "ABANDONED")? == 1)
@@ -513,6 +532,8 @@ struct AbandonOnDrop {
     request: LeaseRequest,
     dimension: Option<Dimension>,
     armed: bool,
+    /// Still set when the acquire future was dropped mid-wait (the caller went away).
+    disconnected: bool,
 }
 
 impl Drop for AbandonOnDrop {
@@ -525,9 +546,12 @@ impl Drop for AbandonOnDrop {
         };
         let coordinator = self.coordinator.clone();
         let request = self.request.clone();
-        let dimension = self.dimension;
+        let (dimension, disconnected) = (self.dimension, self.disconnected);
         runtime.spawn(async move {
-            if let Err(err) = coordinator.abandon(&request, dimension).await {
+            if let Err(err) = coordinator
+                .abandon_as(&request, dimension, disconnected)
+                .await
+            {
                 tracing::debug!(error = %err, "abandoning a cluster admission attempt failed; the lease expires by TTL");
             }
         });
