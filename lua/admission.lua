@@ -526,11 +526,11 @@ local function append_event()
 end
 
 -- Charge a traffic quota in fixed windows of Redis time. KEYS[9] = traffic key.
--- ARGV: 4 kind, 5 amount, 6 limit, 7 window ms.
+-- ARGV: 4 kind, 5 amount (0 = only check that the window is not spent), 6 limit, 7 window ms.
 local function charge()
   local key = KEYS[9]
   local amount, lim, window_ms = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-  if not key or not amount or amount <= 0 or not lim or not window_ms or window_ms <= 0 then
+  if not key or not amount or amount < 0 or not lim or not window_ms or window_ms <= 0 then
     return { 'PROTOCOL', 'invalid_charge' }
   end
   local window = math.floor(now / window_ms)
@@ -539,12 +539,16 @@ local function charge()
   if stored[1] and tonumber(stored[1]) == window then
     current = tonumber(stored[2]) or 0
   end
-  if current + amount > lim then
+  -- amount 0 is a peek: refused when the window is already spent, never written.
+  if current + amount > lim or (amount == 0 and current >= lim) then
     local retry = (window + 1) * window_ms - now
     if retry < 1 then
       retry = 1
     end
     return { 'QUOTA', fmt(lim), fmt(retry) }
+  end
+  if amount == 0 then
+    return { 'CHARGED', fmt(current) }
   end
   redis.call('HSET', key, 'window', fmt(window), 'count', fmt(current + amount))
   redis.call('PEXPIRE', key, fmt(2 * window_ms))

@@ -318,6 +318,12 @@ impl Admission {
         Ok(())
     }
 
+    /// Refuse (429 with `Retry-After`) when the tenant's egress window is already spent,
+    /// before a download sends its head. Charges nothing.
+    pub async fn check_egress(&self, tenant: &TenantId) -> Result<(), Error> {
+        self.charge(tenant, QuotaKind::Egress, 0).await
+    }
+
     async fn charge(&self, tenant: &TenantId, kind: QuotaKind, amount: u64) -> Result<(), Error> {
         let Some(cluster) = &self.inner.cluster else {
             return Ok(());
