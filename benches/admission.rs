@@ -92,6 +92,25 @@ fn redis_cpu(port: u16) -> f64 {
         .sum()
 }
 
+/// (`EVALSHA` calls, total µs inside them) so far, from `INFO commandstats`.
+fn evalsha_stats(port: u16) -> (f64, f64) {
+    let text = cli(port, &["INFO", "commandstats"]);
+    let Some(line) = text.lines().find(|l| l.starts_with("cmdstat_evalsha:")) else {
+        return (0.0, 0.0);
+    };
+    let field = |name: &str| {
+        line.split([':', ',', '\r'])
+            .find_map(|kv| {
+                kv.strip_prefix(name)?
+                    .strip_prefix('=')?
+                    .parse::<f64>()
+                    .ok()
+            })
+            .unwrap_or(0.0)
+    };
+    (field("calls"), field("usec"))
+}
+
 fn baseline(port: u16, ops: usize) -> f64 {
     let sha = cli(port, &["SCRIPT", "LOAD", "return 1"])
         .trim()
@@ -200,6 +219,55 @@ async fn coordinator_run(
     }
 }
 
+async fn unbatched_run(
+    coordinator: RedisCoordinator,
+    tenants: Arc<Vec<TenantId>>,
+    ops: usize,
+) -> Run {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for client in 0..CLIENTS {
+        let coordinator = coordinator.clone();
+        let tenants = tenants.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(ops / CLIENTS);
+            for i in 0..ops / CLIENTS {
+                let request = LeaseRequest {
+                    lease_id: uuid::Uuid::new_v4().to_string(),
+                    tenant: Some(tenants[(client + i) % tenants.len()]),
+                    backend: "fs".into(),
+                    footprint: Footprint::new(16 << 20).unwrap(),
+                    operation: Operation::Upload,
+                };
+                let t = Instant::now();
+                let reply = coordinator
+                    .try_acquire_unbatched(&request, true)
+                    .await
+                    .expect("acquire");
+                latencies.push(t.elapsed());
+                let AcquireReply::Admitted { token, .. } = reply else {
+                    panic!("rejected: {reply:?}")
+                };
+                coordinator
+                    .release_unbatched(&request.lease_id, &token, Outcome::Completed)
+                    .await
+                    .expect("release");
+            }
+            latencies
+        }));
+    }
+    let mut latencies = Vec::new();
+    for task in tasks {
+        latencies.extend(task.await.unwrap());
+    }
+    let elapsed = started.elapsed();
+    latencies.sort();
+    Run {
+        per_second: latencies.len() as f64 / elapsed.as_secs_f64(),
+        latencies,
+    }
+}
+
 async fn facade_run(admission: Admission, tenants: Arc<Vec<TenantId>>, ops: usize) -> Run {
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -237,15 +305,22 @@ async fn facade_run(admission: Admission, tenants: Arc<Vec<TenantId>>, ops: usiz
     }
 }
 
-fn report(name: &str, run: &Run, baseline: f64, cpu: f64) {
+fn report(name: &str, run: &Run, baseline: f64, cpu: f64, calls: (f64, f64)) {
+    let n = run.latencies.len() as f64;
     println!(
-        "{name}: {:.0} admissions/s, ratio to baseline {:.2}, acquire p50 {:.3} ms, p99 {:.3} ms, redis CPU {:.1} us/admission",
+        "{name}: {:.0} admissions/s, ratio to baseline {:.2}, acquire p50 {:.3} ms, p99 {:.3} ms, redis CPU {:.1} us/admission, {:.2} script calls/admission, {:.1} us script time/admission",
         run.per_second,
         run.per_second / baseline,
         percentile(&run.latencies, 0.50).as_secs_f64() * 1e3,
         percentile(&run.latencies, 0.99).as_secs_f64() * 1e3,
-        cpu / run.latencies.len() as f64 * 1e6,
+        cpu / n * 1e6,
+        calls.0 / n,
+        calls.1 / n,
     );
+}
+
+fn delta(before: (f64, f64), after: (f64, f64)) -> (f64, f64) {
+    (after.0 - before.0, after.1 - before.1)
 }
 
 fn main() {
@@ -278,22 +353,34 @@ fn main() {
         // Warm up (script load, connection).
         coordinator_run(coordinator.clone(), tenants.clone(), CLIENTS * 20).await;
 
-        let cpu = redis_cpu(server.port);
-        let run = coordinator_run(coordinator.clone(), tenants.clone(), ops).await;
+        let (cpu, calls) = (redis_cpu(server.port), evalsha_stats(server.port));
+        let run = unbatched_run(coordinator.clone(), tenants.clone(), ops / 2).await;
         report(
-            "coordinator acquire+release",
+            "coordinator acquire+release, one script call each (unbatched)",
             &run,
             base,
             redis_cpu(server.port) - cpu,
+            delta(calls, evalsha_stats(server.port)),
         );
 
-        let cpu = redis_cpu(server.port);
-        let run = facade_run(admission.clone(), tenants.clone(), ops / 4).await;
+        let (cpu, calls) = (redis_cpu(server.port), evalsha_stats(server.port));
+        let run = coordinator_run(coordinator.clone(), tenants.clone(), ops).await;
+        report(
+            "coordinator acquire+release (batched)",
+            &run,
+            base,
+            redis_cpu(server.port) - cpu,
+            delta(calls, evalsha_stats(server.port)),
+        );
+
+        let (cpu, calls) = (redis_cpu(server.port), evalsha_stats(server.port));
+        let run = facade_run(admission.clone(), tenants.clone(), ops).await;
         report(
             "Admission::admit+finish (local + lease + holder actor)",
             &run,
             base,
             redis_cpu(server.port) - cpu,
+            delta(calls, evalsha_stats(server.port)),
         );
         let snap = coordinator.snapshot(None, None).await.unwrap();
         assert_eq!(snap.occupancy.service_transfers, 0, "every lease released");

@@ -26,6 +26,7 @@ end
 
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local now_s = string.format('%d', now)
 
 local function split(s)
   local out = {}
@@ -34,6 +35,18 @@ local function split(s)
   end
   return out
 end
+
+-- Write-back caches: one script call (one op, or a batch of many) reads each counter,
+-- lease and expiry at most once and writes everything back once in flush(), with one
+-- HSET/HDEL per hash and one ZADD/ZREM for the expiry set. Events are appended at once
+-- (in order), from the cached occupancy. The script runs atomically, so the caches are
+-- exact.
+local counts, counts_dirty = {}, {}
+local lease_cache, lease_dirty = {}, {}
+local exp_cache, exp_dirty = {}, {}
+local fence_value, fence_dirty = nil, false
+local policy_cache = {}
+local waiters_known_empty = nil
 
 -- Counter field names of one (tenant, backend) scope.
 local function fields_for(tenant, backend)
@@ -48,19 +61,26 @@ local function fields_for(tenant, backend)
   return names
 end
 
--- Read the scope's counters with one HMGET: returns the names and a name -> value map.
+-- The scope's counters: names and the shared name -> value map (loaded with at most
+-- one HMGET of the fields not cached yet).
 local function load_counts(tenant, backend)
   local names = fields_for(tenant, backend)
-  local raw = redis.call('HMGET', K_COUNTS, unpack(names))
-  local v = {}
+  local missing = {}
   for i = 1, #names do
-    v[names[i]] = tonumber(raw[i]) or 0
+    if counts[names[i]] == nil then
+      missing[#missing + 1] = names[i]
+    end
   end
-  return names, v
+  if #missing > 0 then
+    local raw = redis.call('HMGET', K_COUNTS, unpack(missing))
+    for i = 1, #missing do
+      counts[missing[i]] = tonumber(raw[i]) or 0
+    end
+  end
+  return names, counts
 end
 
--- Add sign * (bytes, 1 transfer) to every counter of the scope and write them back with
--- one HSET; counters at or below zero are deleted (clamped at zero).
+-- Add sign * (bytes, 1 transfer) to every counter of the scope (clamped at zero).
 local function apply(tenant, backend, names, v, bytes, sign)
   v['s:b'] = v['s:b'] + sign * bytes
   v['s:c'] = v['s:c'] + sign
@@ -73,13 +93,58 @@ local function apply(tenant, backend, names, v, bytes, sign)
     local bc = 'b:' .. backend .. ':c'
     v[bc] = v[bc] + sign
   end
-  local set, del = {}, {}
   for _, name in ipairs(names) do
-    if v[name] > 0 then
-      set[#set + 1] = name
-      set[#set + 1] = fmt(v[name])
-    else
+    if v[name] < 0 then
       v[name] = 0
+    end
+    counts_dirty[name] = true
+  end
+end
+
+local function get_lease(id)
+  local raw = lease_cache[id]
+  if raw == nil then
+    raw = redis.call('HGET', K_LEASES, id) or false
+    lease_cache[id] = raw
+  end
+  return raw
+end
+
+local function set_lease(id, raw)
+  lease_cache[id] = raw
+  lease_dirty[id] = true
+end
+
+local function get_expiry(id)
+  local score = exp_cache[id]
+  if score == nil then
+    score = tonumber(redis.call('ZSCORE', K_EXP, id)) or false
+    exp_cache[id] = score
+  end
+  return score
+end
+
+local function set_expiry(id, score)
+  exp_cache[id] = score
+  exp_dirty[id] = true
+end
+
+local function next_token()
+  if fence_value == nil then
+    fence_value = tonumber(redis.call('GET', K_FENCE)) or 0
+  end
+  fence_value = fence_value + 1
+  fence_dirty = true
+  return fence_value
+end
+
+local function flush()
+  local set, del = {}, {}
+  for name in pairs(counts_dirty) do
+    if counts[name] > 0 then
+      set[#set + 1] = name
+      set[#set + 1] = fmt(counts[name])
+    else
       del[#del + 1] = name
     end
   end
@@ -88,6 +153,39 @@ local function apply(tenant, backend, names, v, bytes, sign)
   end
   if #del > 0 then
     redis.call('HDEL', K_COUNTS, unpack(del))
+  end
+  set, del = {}, {}
+  for id in pairs(lease_dirty) do
+    if lease_cache[id] then
+      set[#set + 1] = id
+      set[#set + 1] = lease_cache[id]
+    else
+      del[#del + 1] = id
+    end
+  end
+  if #set > 0 then
+    redis.call('HSET', K_LEASES, unpack(set))
+  end
+  if #del > 0 then
+    redis.call('HDEL', K_LEASES, unpack(del))
+  end
+  set, del = {}, {}
+  for id in pairs(exp_dirty) do
+    if exp_cache[id] then
+      set[#set + 1] = fmt(exp_cache[id])
+      set[#set + 1] = id
+    else
+      del[#del + 1] = id
+    end
+  end
+  if #set > 0 then
+    redis.call('ZADD', K_EXP, unpack(set))
+  end
+  if #del > 0 then
+    redis.call('ZREM', K_EXP, unpack(del))
+  end
+  if fence_dirty then
+    redis.call('SET', K_FENCE, fmt(fence_value))
   end
 end
 
@@ -104,14 +202,24 @@ local function occupancy(tenant, backend, v)
   return { fmt(v['s:b']), fmt(v['s:c']), tb, tc, bc }
 end
 
+-- Policy hash fields (cached for the call).
+local function policy_field(name)
+  local value = policy_cache[name]
+  if value == nil then
+    value = tonumber(redis.call('HGET', K_POLICY, name)) or false
+    policy_cache[name] = value
+  end
+  return value
+end
+
 local function policy_version()
-  return tonumber(redis.call('HGET', K_POLICY, 'version')) or 0
+  return policy_field('version') or 0
 end
 
 -- Append one decision event; o is the occupancy after the transition.
 local function event(kind, lease, token, tenant, backend, bytes, operation, outcome, version, o)
   redis.call('XADD', K_EVENTS, 'MAXLEN', '~', max_events, '*',
-    'schema', 'graviton-admission-event-v1', 'kind', kind, 'at_ms', fmt(now),
+    'schema', 'graviton-admission-event-v1', 'kind', kind, 'at_ms', now_s,
     'lease', lease, 'fencing_token', token, 'tenant', tenant, 'backend', backend,
     'bytes', bytes, 'operation', operation, 'outcome', outcome,
     'policy_version', fmt(version),
@@ -121,8 +229,10 @@ end
 
 -- Remove a lease and give back everything it reserved. Returns false if absent.
 local function drop_lease(id, kind, outcome)
-  local raw = redis.call('HGET', K_LEASES, id)
-  redis.call('ZREM', K_EXP, id)
+  local raw = get_lease(id)
+  if get_expiry(id) then
+    set_expiry(id, false)
+  end
   if not raw then
     return false
   end
@@ -130,8 +240,9 @@ local function drop_lease(id, kind, outcome)
   local tenant, backend = r[2], r[3]
   local names, v = load_counts(tenant, backend)
   apply(tenant, backend, names, v, tonumber(r[4]), -1)
-  redis.call('HDEL', K_LEASES, id)
-  event(kind, id, r[1], tenant, backend, r[4], r[6], outcome, policy_version(), occupancy(tenant, backend, v))
+  set_lease(id, false)
+  event(kind, id, r[1], tenant, backend, r[4], r[6], outcome, tonumber(r[7]) or policy_version(),
+    occupancy(tenant, backend, v))
   return true
 end
 
@@ -147,7 +258,17 @@ local function reap(batch)
   return #ids
 end
 
+local function waiters_empty()
+  if waiters_known_empty == nil then
+    waiters_known_empty = redis.call('ZCARD', K_WAITERS) == 0
+  end
+  return waiters_known_empty
+end
+
 local function forget_waiter(id)
+  if waiters_empty() then
+    return
+  end
   if redis.call('ZREM', K_WAITERS, id) == 1 then
     redis.call('HDEL', K_WAITING, id)
   end
@@ -155,6 +276,9 @@ end
 
 -- The oldest waiter that polled within waiter_ttl, pruning dead ones (bounded).
 local function head_waiter(waiter_ttl)
+  if waiters_empty() then
+    return nil, 0
+  end
   for _ = 1, 16 do
     local h = redis.call('ZRANGE', K_WAITERS, 0, 0)
     if #h == 0 then
@@ -172,40 +296,36 @@ local function head_waiter(waiter_ttl)
   return nil, 0
 end
 
--- ARGV: 4 lease id, 5 tenant hash or '-', 6 backend hash, 7 bytes, 8..12 default limits
--- (service bytes, service transfers, tenant bytes, tenant transfers, backend transfers),
--- 13 ttl ms, 14 operation, 15 waiter ttl ms, 16 first attempt ('1'/'0').
-local function acquire()
-  local id, tenant, backend = ARGV[4], ARGV[5], ARGV[6]
-  local bytes, ttl = tonumber(ARGV[7]), tonumber(ARGV[13])
-  local operation, waiter_ttl, first = ARGV[14], tonumber(ARGV[15]), ARGV[16] == '1'
+-- One acquire. a = { id, tenant, backend, bytes, operation, first }, d = { svc_b, svc_c,
+-- ten_b, ten_c, back_c, ttl, waiter_ttl } (the caller's defaults and timings).
+local function acquire_one(a, d)
+  local id, tenant, backend = a[1], a[2], a[3]
+  local bytes, operation, first = tonumber(a[4]), a[5], a[6] == '1'
+  local ttl, waiter_ttl = tonumber(d[6]), tonumber(d[7])
   if not bytes or bytes <= 0 or not ttl or ttl <= 0 or not waiter_ttl then
     return { 'PROTOCOL', 'invalid_acquire' }
   end
-  reap(reap_limit)
 
   -- Idempotent retry: the same lease id answers with the lease it already holds.
-  local existing = redis.call('HGET', K_LEASES, id)
+  local existing = get_lease(id)
   if existing then
-    local score = redis.call('ZSCORE', K_EXP, id)
-    if score and tonumber(score) > now then
+    local score = get_expiry(id)
+    if score and score > now then
       local r = split(existing)
       local _, v = load_counts(r[2], r[3])
       local o = occupancy(r[2], r[3], v)
-      return { 'ADMITTED', r[1], fmt(tonumber(score)), r[7], o[1], o[2], o[3], o[4], o[5] }
+      return { 'ADMITTED', r[1], fmt(score), r[7], o[1], o[2], o[3], o[4], o[5] }
     end
     drop_lease(id, 'expired', 'lease_expired')
   end
 
   -- Live overrides win over the defaults the caller passed.
-  local p = redis.call('HMGET', K_POLICY, 'version', 'svc:b', 'svc:c',
-    't:' .. tenant .. ':b', 't:' .. tenant .. ':c', 'b:' .. backend .. ':c')
-  local version = tonumber(p[1]) or 0
-  local svc_b = tonumber(p[2]) or tonumber(ARGV[8])
-  local svc_c = tonumber(p[3]) or tonumber(ARGV[9])
-  local ten_b = tonumber(p[4]) or tonumber(ARGV[10])
-  local ten_c = tonumber(p[5]) or tonumber(ARGV[11])
-  local back_c = tonumber(p[6]) or tonumber(ARGV[12])
+  local version = policy_version()
+  local svc_b = policy_field('svc:b') or tonumber(d[1])
+  local svc_c = policy_field('svc:c') or tonumber(d[2])
+  local ten_b = policy_field('t:' .. tenant .. ':b') or tonumber(d[3])
+  local ten_c = policy_field('t:' .. tenant .. ':c') or tonumber(d[4])
+  local back_c = policy_field('b:' .. backend .. ':c') or tonumber(d[5])
 
   -- A footprint above a ceiling can never be admitted: say so at once.
   local never = nil
@@ -251,6 +371,7 @@ local function acquire()
     if dim == 'service_bytes' or dim == 'service_transfers' then
       redis.call('ZADD', K_WAITERS, 'NX', fmt(now), id)
       redis.call('HSET', K_WAITING, id, fmt(bytes) .. '|' .. fmt(now))
+      waiters_known_empty = false
     else
       forget_waiter(id)
     end
@@ -264,15 +385,36 @@ local function acquire()
   if head == id or not first then
     forget_waiter(id)
   end
-  local token = redis.call('INCR', K_FENCE)
+  local token = next_token()
   local expires = now + ttl
   apply(tenant, backend, names, v, bytes, 1)
-  redis.call('HSET', K_LEASES, id,
-    table.concat({ fmt(token), tenant, backend, fmt(bytes), fmt(now), operation, fmt(version) }, '|'))
-  redis.call('ZADD', K_EXP, fmt(expires), id)
+  set_lease(id, table.concat({ fmt(token), tenant, backend, fmt(bytes), fmt(now), operation, fmt(version) }, '|'))
+  set_expiry(id, expires)
   local o = occupancy(tenant, backend, v)
   event('admitted', id, fmt(token), tenant, backend, fmt(bytes), operation, 'admitted', version, o)
   return { 'ADMITTED', fmt(token), fmt(expires), fmt(version), o[1], o[2], o[3], o[4], o[5] }
+end
+
+-- ARGV: 4 lease id, 5 tenant hash or '-', 6 backend hash, 7 bytes, 8..12 default limits
+-- (service bytes, service transfers, tenant bytes, tenant transfers, backend transfers),
+-- 13 ttl ms, 14 operation, 15 waiter ttl ms, 16 first attempt ('1'/'0').
+local function acquire()
+  reap(reap_limit)
+  return acquire_one({ ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[14], ARGV[16] },
+    { ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[15] })
+end
+
+-- One release: lease id, fencing token, outcome (completed, failed, interrupted).
+local function release_one(id, token, outcome)
+  local raw = get_lease(id)
+  if not raw then
+    return { 'MISSING' }
+  end
+  if split(raw)[1] ~= token then
+    return { 'STALE' }
+  end
+  drop_lease(id, 'completed', outcome)
+  return { 'RELEASED' }
 end
 
 -- ARGV: 4 lease id, 5 fencing token, 6 ttl ms.
@@ -281,53 +423,53 @@ local function renew()
   if not ttl or ttl <= 0 then
     return { 'PROTOCOL', 'invalid_renew' }
   end
-  local raw = redis.call('HGET', K_LEASES, id)
+  local raw = get_lease(id)
   if not raw then
     return { 'LOST' }
   end
   if split(raw)[1] ~= token then
     return { 'STALE' }
   end
-  local score = redis.call('ZSCORE', K_EXP, id)
-  if (not score) or tonumber(score) <= now then
+  local score = get_expiry(id)
+  if (not score) or score <= now then
     -- Past expiry but not reaped yet: never resurrect it.
     drop_lease(id, 'expired', 'lease_expired')
     return { 'EXPIRED' }
   end
   local expires = now + ttl
-  redis.call('ZADD', K_EXP, 'XX', fmt(expires), id)
+  set_expiry(id, expires)
   return { 'RENEWED', fmt(expires) }
 end
 
 -- ARGV: 4 lease id, 5 fencing token, 6 outcome (completed, failed, interrupted).
 local function release()
-  local raw = redis.call('HGET', K_LEASES, ARGV[4])
-  if not raw then
-    return { 'MISSING' }
-  end
-  if split(raw)[1] ~= ARGV[5] then
-    return { 'STALE' }
-  end
-  drop_lease(ARGV[4], 'completed', ARGV[6])
-  return { 'RELEASED' }
+  return release_one(ARGV[4], ARGV[5], ARGV[6])
 end
 
 -- Give up a wait (or an acquire whose reply was lost): forget the waiter, drop a lease the
--- id may hold, and record timed_out when ARGV[9] names the blocking dimension.
--- ARGV: 4 lease id, 5 tenant, 6 backend, 7 bytes, 8 operation, 9 dimension or '-'.
-local function abandon()
-  local id = ARGV[4]
+-- id may hold, and record `kind` (timed_out, or abandoned when the caller went away while
+-- it waited) when `dim` names the blocking dimension.
+local function abandon_one(id, tenant, backend, bytes, operation, dim, kind)
+  if kind ~= 'abandoned' then
+    kind = 'timed_out'
+  end
   forget_waiter(id)
   local released = 0
   if drop_lease(id, 'completed', 'abandoned') then
     released = 1
   end
-  if ARGV[9] ~= '-' then
-    local _, v = load_counts(ARGV[5], ARGV[6])
-    event('timed_out', id, '-', ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], policy_version(),
-      occupancy(ARGV[5], ARGV[6], v))
+  if dim ~= '-' then
+    local _, v = load_counts(tenant, backend)
+    event(kind, id, '-', tenant, backend, bytes, operation, dim, policy_version(),
+      occupancy(tenant, backend, v))
   end
   return { 'ABANDONED', fmt(released) }
+end
+
+-- ARGV: 4 lease id, 5 tenant, 6 backend, 7 bytes, 8 operation, 9 dimension or '-',
+-- 10 event kind (timed_out, the default, or abandoned).
+local function abandon()
+  return abandon_one(ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
 end
 
 -- ARGV: 4 tenant hash or '-', 5 backend hash or '-'.
@@ -373,7 +515,7 @@ end
 -- Append a client-side decision. ARGV: 4 kind, 5 lease, 6 tenant, 7 backend, 8 bytes,
 -- 9 operation, 10 outcome.
 local function append_event()
-  local kinds = { admitted = 1, queued = 1, timed_out = 1, completed = 1, expired = 1, policy_changed = 1 }
+  local kinds = { admitted = 1, queued = 1, timed_out = 1, abandoned = 1, completed = 1, expired = 1, policy_changed = 1 }
   if not kinds[ARGV[4]] then
     return { 'PROTOCOL', 'unknown_event_kind' }
   end
@@ -384,11 +526,11 @@ local function append_event()
 end
 
 -- Charge a traffic quota in fixed windows of Redis time. KEYS[9] = traffic key.
--- ARGV: 4 kind, 5 amount, 6 limit, 7 window ms.
+-- ARGV: 4 kind, 5 amount (0 = only check that the window is not spent), 6 limit, 7 window ms.
 local function charge()
   local key = KEYS[9]
   local amount, lim, window_ms = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-  if not key or not amount or amount <= 0 or not lim or not window_ms or window_ms <= 0 then
+  if not key or not amount or amount < 0 or not lim or not window_ms or window_ms <= 0 then
     return { 'PROTOCOL', 'invalid_charge' }
   end
   local window = math.floor(now / window_ms)
@@ -397,20 +539,59 @@ local function charge()
   if stored[1] and tonumber(stored[1]) == window then
     current = tonumber(stored[2]) or 0
   end
-  if current + amount > lim then
+  -- amount 0 is a peek: refused when the window is already spent, never written.
+  if current + amount > lim or (amount == 0 and current >= lim) then
     local retry = (window + 1) * window_ms - now
     if retry < 1 then
       retry = 1
     end
     return { 'QUOTA', fmt(lim), fmt(retry) }
   end
+  if amount == 0 then
+    return { 'CHARGED', fmt(current) }
+  end
   redis.call('HSET', key, 'window', fmt(window), 'count', fmt(current + amount))
   redis.call('PEXPIRE', key, fmt(2 * window_ms))
   return { 'CHARGED', fmt(current + amount) }
 end
 
+-- Many acquires and releases of one node in one call (coalesced by the client).
+-- ARGV: 4 item count, 5..11 the acquire defaults and timings (as acquire's 8..13 and 15),
+-- then per item: 'A', lease id, tenant, backend, bytes, operation, first; or
+-- 'R', lease id, fencing token, outcome; or 'X' (abandon), lease id, tenant, backend,
+-- bytes, operation, dimension or '-', event kind. Reply: one reply array per item, in order.
+local function batch()
+  local n = tonumber(ARGV[4])
+  if not n or n < 1 then
+    return { 'PROTOCOL', 'invalid_batch' }
+  end
+  local d = { ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11] }
+  local replies, i, reaped = {}, 12, false
+  for k = 1, n do
+    local kind = ARGV[i]
+    if kind == 'A' then
+      if not reaped then
+        reap(reap_limit)
+        reaped = true
+      end
+      replies[k] = acquire_one({ ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6] }, d)
+      i = i + 7
+    elseif kind == 'R' then
+      replies[k] = release_one(ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
+      i = i + 4
+    elseif kind == 'X' then
+      replies[k] = abandon_one(ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7])
+      i = i + 8
+    else
+      return { 'PROTOCOL', 'invalid_batch_item' }
+    end
+  end
+  return replies
+end
+
 local ops = {
   acquire = acquire,
+  batch = batch,
   renew = renew,
   release = release,
   abandon = abandon,
@@ -427,4 +608,6 @@ local handler = ops[op]
 if not handler then
   return { 'PROTOCOL', 'unknown_op' }
 end
-return handler()
+local result = handler()
+flush()
+return result

@@ -133,7 +133,7 @@ async fn local_mode_admits_without_redis() {
     assert!(snap.cluster.is_none());
     assert_eq!(
         snap.local.process_bytes_capacity - snap.local.process_bytes_available,
-        17 << 20
+        Footprint::for_operation(Operation::Upload, 4 << 20).bytes()
     );
     permit.finish(Outcome::Completed).await;
     let snap = admission.snapshot(None, None).await.unwrap();

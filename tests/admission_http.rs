@@ -327,3 +327,65 @@ async fn embedded_default_admits_without_redis_and_has_no_overrides() {
         "{metrics}"
     );
 }
+
+// Checks ADM-5.
+#[tokio::test]
+async fn a_spent_egress_window_is_429_with_retry_after_before_the_head() {
+    let Some(server) = RedisServer::start("a_spent_egress_window_is_429_before_the_head") else {
+        return;
+    };
+    let cell = format!("egress-{}", support::unique_suffix());
+    let node = TestNode::start_with(
+        with_redis(server.url(), {
+            let cell = cell.clone();
+            move |r| {
+                r.tenant_egress_per_hour = ByteSize::kib(512);
+                r.cell = cell;
+            }
+        }),
+        NodeOptions::default(),
+    )
+    .await;
+    let response = client()
+        .post(format!("{}/v1/blobs", node.url))
+        .body(random_bytes(64 << 10, 3))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    let key = response.json::<serde_json::Value>().await.unwrap()["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // Spend the tenant's whole window from another client of the same cell.
+    let tenant = TenantId::new_random();
+    let coordinator = graviton::storage::redis::RedisCoordinator::connect(&RedisAdmissionConfig {
+        url: server.url(),
+        cell,
+        tenant_egress_per_hour: ByteSize::kib(512),
+        ..RedisAdmissionConfig::default()
+    })
+    .unwrap();
+    coordinator
+        .charge(&tenant, graviton::admission::QuotaKind::Egress, 512 * 1024)
+        .await
+        .unwrap();
+    let response = client()
+        .get(format!("{}/v1/blobs/{key}", node.url))
+        .header("x-graviton-tenant-id", tenant.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 429);
+    assert!(response.headers().contains_key("retry-after"));
+    assert_eq!(error_code(response).await, "quota_exceeded");
+    // Another tenant still downloads the blob.
+    let other = client()
+        .get(format!("{}/v1/blobs/{key}", node.url))
+        .header("x-graviton-tenant-id", TenantId::new_random().to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 200);
+    assert_eq!(other.bytes().await.unwrap().len(), 64 << 10);
+}

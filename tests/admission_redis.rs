@@ -381,7 +381,7 @@ async fn lease_renews_past_its_ttl_and_is_released_on_cancellation() {
         return;
     };
     let cfg = edit(config(&server.url(), &cell()), |r| {
-        r.lease_ttl = HumanDuration::secs(1);
+        r.lease_ttl = HumanDuration::secs(2);
         r.renew_interval = HumanDuration::millis(250);
     });
     let p1 = provider(&cfg);
@@ -396,12 +396,12 @@ async fn lease_renews_past_its_ttl_and_is_released_on_cancellation() {
             drop(permit);
         })
     };
-    tokio::time::sleep(Duration::from_millis(1600)).await;
+    tokio::time::sleep(Duration::from_millis(2600)).await;
     p1.coordinator().unwrap().reap().await.unwrap();
     let snap = snapshot(&p1, Some(&tenant)).await;
     assert_eq!(
         snap.occupancy.service_transfers, 1,
-        "renewed beyond the original 1s TTL"
+        "renewed beyond the original 2s TTL"
     );
     transfer.abort();
     assert!(transfer.await.unwrap_err().is_cancelled());
@@ -445,7 +445,7 @@ async fn abandoned_lease_is_reaped_by_server_time_restoring_every_counter() {
         return;
     };
     let cfg = edit(config(&server.url(), &cell()), |r| {
-        r.lease_ttl = HumanDuration::secs(1);
+        r.lease_ttl = HumanDuration::secs(2);
         r.renew_interval = HumanDuration::millis(300);
     });
     let p1 = provider(&cfg);
@@ -465,7 +465,7 @@ async fn abandoned_lease_is_reaped_by_server_time_restoring_every_counter() {
         ),
         (8 * MIB, Some(1))
     );
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    tokio::time::sleep(Duration::from_millis(2200)).await;
     let snap = snapshot(&p1, Some(&tenant)).await;
     assert_eq!(snap.occupancy.service_bytes, 0);
     assert_eq!(snap.occupancy.service_transfers, 0);
@@ -498,7 +498,7 @@ async fn fencing_loss_is_reported_by_the_holder() {
         return;
     };
     let cfg = edit(config(&server.url(), &cell()), |r| {
-        r.lease_ttl = HumanDuration::secs(1);
+        r.lease_ttl = HumanDuration::secs(2);
         r.renew_interval = HumanDuration::millis(200);
     });
     let (p1, p2) = (provider(&cfg), provider(&cfg));
@@ -649,7 +649,7 @@ async fn renew_refuses_a_lease_past_expiry_that_was_not_reaped() {
         return;
     };
     let cfg = edit(config(&server.url(), &cell()), |r| {
-        r.lease_ttl = HumanDuration::secs(1);
+        r.lease_ttl = HumanDuration::secs(2);
         r.renew_interval = HumanDuration::millis(300);
     });
     let p1 = provider(&cfg);
@@ -660,7 +660,7 @@ async fn renew_refuses_a_lease_past_expiry_that_was_not_reaped() {
     else {
         panic!("not admitted");
     };
-    tokio::time::sleep(Duration::from_millis(1150)).await;
+    tokio::time::sleep(Duration::from_millis(2150)).await;
     // No call has reaped yet (renew does not reap); the record still exists but is overdue.
     assert_eq!(
         coordinator.renew(&request.lease_id, &token).await.unwrap(),
@@ -723,7 +723,7 @@ async fn redis_outage_fails_closed_releases_local_permits_and_recovers() {
         return;
     };
     let cfg = edit(config(&server.url(), &cell()), |r| {
-        r.lease_ttl = HumanDuration::secs(1);
+        r.lease_ttl = HumanDuration::secs(2);
         r.renew_interval = HumanDuration::millis(300);
         r.wait = HumanDuration::secs(2);
     });

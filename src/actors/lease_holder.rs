@@ -6,6 +6,10 @@
 //! * A renewal that fails transiently (Redis down, timeout) is retried every
 //!   `retry_interval` until `now + renew_interval` reaches the safe deadline; the lease is
 //!   then declared lost, at least one renewal interval before the server could expire it.
+//! * The *loss deadline* is `safe deadline - renew_interval`, on the local monotonic
+//!   clock. Every renew call is raced against it: a call still hanging then (Redis paused
+//!   or partitioned, the client retrying) is a loss at that instant, not when the call
+//!   finally returns.
 //! * A definitive answer (`LOST`, `STALE`, `EXPIRED`) is a loss at once: the lease was
 //!   released, reaped, or belongs to another token.
 //! * On loss: the loss hook runs (a metric), a warning is logged with the lease id and
@@ -173,12 +177,19 @@ impl Actor for LeaseHolder {
         }
         let timing = state.args.timing;
         let sent = Instant::now();
-        match state
+        // The loss deadline, on this process's monotonic clock: one renew interval before
+        // the safe deadline. A renew call that has not answered by then (Redis paused,
+        // partitioned, retrying) is a loss now, however long the call would still take.
+        let loss_deadline = state.safe_deadline - timing.renew_interval;
+        let renew = state
             .args
             .backend
-            .renew(&state.args.lease_id, &state.args.token)
-            .await
-        {
+            .renew(&state.args.lease_id, &state.args.token);
+        let Ok(reply) = tokio::time::timeout_at(loss_deadline, renew).await else {
+            Self::declare_loss(state, "renewal did not answer before the loss deadline");
+            return Ok(());
+        };
+        match reply {
             Ok(RenewReply::Renewed { .. }) => {
                 state.safe_deadline = sent + timing.ttl;
                 Self::schedule(&myself, timing.renew_interval);

@@ -262,6 +262,13 @@ impl RedisAdmissionConfig {
                 "admission.redis.renew_interval",
                 "three renewal intervals must fit in admission.redis.lease_ttl (unsafe lease timing)",
             ));
+        } else if renew.saturating_mul(2) + crate::storage::redis::coordinator::CALL_TIMEOUT > ttl {
+            // The holder renews after one interval and declares loss one interval before
+            // the TTL ends: one whole renew attempt (its call timeout) must fit between.
+            problems.push(Problem::new(
+                "admission.redis.lease_ttl",
+                "must be at least two renewal intervals plus the 1s renew call timeout (unsafe lease timing)",
+            ));
         }
         if self.wait.get().is_zero() {
             problems.push(Problem::new(
@@ -278,6 +285,11 @@ impl RedisAdmissionConfig {
             problems.push(Problem::new(
                 "admission.redis.retry_interval",
                 "must not exceed admission.redis.wait",
+            ));
+        } else if self.retry_interval.get() >= renew {
+            problems.push(Problem::new(
+                "admission.redis.retry_interval",
+                "must be shorter than admission.redis.renew_interval (a failed renewal is retried before the loss deadline)",
             ));
         }
         bytes_in_range(
@@ -489,6 +501,18 @@ mod tests {
             r.renew_interval = HumanDuration::millis(1001);
         });
         assert_eq!(keys(&config), ["admission.redis.renew_interval"]);
+        // 3 x 800ms fits in 2.5s, but 2 x 800ms + the 1s renew call timeout does not.
+        let config = with_redis(|r| {
+            r.lease_ttl = HumanDuration::millis(2500);
+            r.renew_interval = HumanDuration::millis(800);
+        });
+        assert_eq!(keys(&config), ["admission.redis.lease_ttl"]);
+        let config = with_redis(|r| {
+            r.lease_ttl = HumanDuration::secs(30);
+            r.renew_interval = HumanDuration::secs(1);
+            r.retry_interval = HumanDuration::secs(1);
+        });
+        assert_eq!(keys(&config), ["admission.redis.retry_interval"]);
         let ok = with_redis(|r| {
             r.lease_ttl = HumanDuration::secs(3);
             r.renew_interval = HumanDuration::secs(1);

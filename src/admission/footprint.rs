@@ -2,12 +2,14 @@
 //!
 //! A footprint is an upper bound on the bytes a transfer can hold in memory at once. It is
 //! reserved before the first byte is read, so it must be derived from configuration, not
-//! from the request body. The formulas, with `C` the largest chunk the chunker emits:
+//! from the request body. The pipelines export their own bounds, computed from their queue
+//! depths, and this module only adds fixed socket overhead, so the figure lives in one
+//! place. With `C` the largest chunk the chunker emits:
 //!
 //! | operation | footprint | why |
 //! |---|---|---|
-//! | upload | `4 * C + 1 MiB` | one chunk being cut, one being hashed, two in flight to the block store, plus socket read buffers |
-//! | download | `3 * C` | three blocks of ordered output (one sending, one read ahead, one being fetched) |
+//! | upload | `cas::ingest::memory_bound(C) + 1 MiB` | frame batches, chunker buffer, queued chunks and block writes in flight (see `cas::ingest`), plus socket read buffers |
+//! | download | `cas::read::memory_bound(C)` | blocks read ahead, the block being sent, one in the body writer (see `cas::read`) |
 //! | forwarded upload | `2 MiB` | the forwarder only relays body frames; two 1 MiB frame windows in flight |
 //!
 //! Each is rounded up to whole KiB (the local budget's unit).
@@ -74,12 +76,28 @@ impl Footprint {
     pub fn for_operation(operation: Operation, max_chunk: u64) -> Self {
         let chunk = max_chunk.max(1);
         let bytes = match operation {
-            Operation::Upload => chunk.saturating_mul(4).saturating_add(MIB),
-            Operation::Download => chunk.saturating_mul(3),
+            Operation::Upload => upload_bound(chunk).saturating_add(MIB),
+            Operation::Download => download_bound(chunk),
             Operation::ForwardedUpload => 2 * MIB,
         };
         Self(NonZeroU64::new(bytes.div_ceil(1024).saturating_mul(1024)).expect("positive"))
     }
+}
+
+fn as_usize(chunk: u64) -> usize {
+    usize::try_from(chunk).unwrap_or(usize::MAX)
+}
+
+/// The ingest pipeline's bound (saturating for absurd chunk sizes).
+fn upload_bound(chunk: u64) -> u64 {
+    let chunk = as_usize(chunk.min(1 << 40));
+    crate::cas::ingest::memory_bound(chunk) as u64
+}
+
+/// The read pipeline's bound.
+fn download_bound(chunk: u64) -> u64 {
+    let chunk = as_usize(chunk.min(1 << 40));
+    crate::cas::read::memory_bound(chunk) as u64
 }
 
 #[cfg(test)]
@@ -88,15 +106,28 @@ mod tests {
     use proptest::prelude::*;
 
     #[test]
+    fn footprints_cover_the_pipelines_own_bounds() {
+        // Checks ADM-4 (footprint >= the pipeline bound).
+        let chunk = crate::cas::chunker::MAX_CHUNK as u64;
+        let upload = Footprint::for_operation(Operation::Upload, chunk).bytes();
+        assert!(upload >= crate::cas::ingest::MEMORY_BOUND as u64 + MIB);
+        let download = Footprint::for_operation(Operation::Download, chunk).bytes();
+        assert!(download >= crate::cas::read::memory_bound(chunk as usize) as u64);
+        // The 256 KiB chunker: 6 x (256 + 416) KiB + 19 x 256 KiB + 1 MiB.
+        assert_eq!(upload, (6 * (256 + 416) + 19 * 256 + 1024) * 1024);
+        assert_eq!(download, 6 * 256 * 1024);
+    }
+
+    #[test]
     fn documented_values_for_a_4_mib_chunker() {
         let chunk = 4 * MIB;
         assert_eq!(
             Footprint::for_operation(Operation::Upload, chunk).bytes(),
-            17 * MIB
+            (6 * (256 + 416) * 1024) + 19 * chunk + MIB
         );
         assert_eq!(
             Footprint::for_operation(Operation::Download, chunk).bytes(),
-            12 * MIB
+            24 * MIB
         );
         assert_eq!(
             Footprint::for_operation(Operation::ForwardedUpload, chunk).bytes(),

@@ -4,6 +4,16 @@
 //! somebody holding a list of tenant UUIDs cannot confirm which appear in Redis. Without a
 //! secret plain SHA-256 is used. Either way the output is 64 lowercase hex digits, and a
 //! domain prefix (`tenant\0`, `backend\0`) keeps the two id spaces apart.
+//!
+//! Derivation (so an external controller can compute it), with `uuid` the canonical
+//! lowercase hyphenated text of the tenant id and `secret` the UTF-8 bytes of
+//! `admission.redis.id_secret`:
+//!
+//! - keyed: `hex(HMAC-SHA-256(key = secret, message = "tenant" 0x00 uuid))`;
+//! - without a secret: `hex(SHA-256("tenant" 0x00 uuid))`;
+//! - backends: the same with `"backend" 0x00 label`.
+//!
+//! The golden vectors in the tests were computed with Python's `hashlib`/`hmac`.
 
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::{Digest, Sha256};
@@ -94,5 +104,24 @@ mod tests {
         sha.update(b"backend\0fs");
         assert_eq!(plain.backend("fs"), hex::encode(sha.finalize()));
         assert!(!format!("{keyed:?}").contains("cell-secret"));
+    }
+
+    #[test]
+    fn documented_derivation_golden_vectors() {
+        // Python: hashlib.sha256(b"tenant\0" + uuid).hexdigest() and
+        // hmac.new(secret, b"tenant\0" + uuid, hashlib.sha256).hexdigest().
+        let tenant: TenantId = TENANT.parse().unwrap();
+        assert_eq!(
+            IdHasher::new(None).tenant(&tenant),
+            "20a17671496373f8eda7cc81482b19254d19618c8919596eec427ed1209d9f30"
+        );
+        assert_eq!(
+            IdHasher::new(Some("cell-secret-0123456789")).tenant(&tenant),
+            "aa900862f366d46b770ba89ead66d33317d2dfd541b6015d7a775791cf996d5f"
+        );
+        assert_eq!(
+            IdHasher::new(None).backend("fs"),
+            "ae9065e1585f5aaabffe1300c63506364e5f1e4421c4cc8218629276bdb3d251"
+        );
     }
 }

@@ -12,6 +12,7 @@ pub mod budget;
 pub mod config;
 pub mod error;
 pub mod footprint;
+pub mod handover;
 pub mod hashing;
 pub mod metrics;
 pub mod reply;

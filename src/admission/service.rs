@@ -23,6 +23,7 @@ use super::budget::{LocalPermit, LocalSnapshot, TransferBudget};
 use super::config::AdmissionConfig;
 use super::error::{Error, QuotaKind};
 use super::footprint::{Footprint, Operation};
+use super::handover::Parked;
 use super::metrics::{AdmissionMetrics, KindLabels, OperationLabels, OutcomeLabels};
 use super::reply::{ChargeReply, Occupancy, ReleaseReply, SnapshotReply};
 use crate::actors::lease_holder::{
@@ -76,6 +77,7 @@ struct Inner {
     budget: TransferBudget,
     cluster: Option<RedisCoordinator>,
     metrics: AdmissionMetrics,
+    parked: Parked,
 }
 
 impl std::fmt::Debug for Admission {
@@ -104,6 +106,7 @@ impl Admission {
                 budget,
                 cluster,
                 metrics,
+                parked: Parked::default(),
             }),
         })
     }
@@ -122,8 +125,58 @@ impl Admission {
 
     /// Reserve everything `request` needs before its first byte is read.
     pub async fn admit(&self, request: TransferRequest) -> Result<AdmissionPermit, Error> {
+        let cluster = Some(request.footprint);
+        self.admit_scoped(request, cluster).await
+    }
+
+    /// Local permits only, never a cluster lease: for a relay whose transfer is counted
+    /// by the lease of the node that ingests it (see [`Admission::admit_spanning`]).
+    pub async fn admit_local(&self, request: TransferRequest) -> Result<AdmissionPermit, Error> {
+        self.admit_scoped(request, None).await
+    }
+
+    /// Local permits for `request.footprint`, and one cluster lease for the whole
+    /// transfer: this node's footprint plus `relay` (the bytes the relaying node holds
+    /// under [`Admission::admit_local`]). One lease per transfer, whatever the hops.
+    pub async fn admit_spanning(
+        &self,
+        request: TransferRequest,
+        relay: Footprint,
+    ) -> Result<AdmissionPermit, Error> {
+        let cluster = Footprint::new(request.footprint.bytes().saturating_add(relay.bytes()));
+        self.admit_scoped(request, cluster).await
+    }
+
+    /// Keep `permit` for a later request of the same transfer (the owner admits in the
+    /// forwarder's pre-flight, the POST adopts it). Returns the reservation id. A
+    /// reservation not adopted within [`super::handover::PARK_TTL`] is dropped (its lease is
+    /// released as `interrupted`).
+    pub fn park(&self, permit: AdmissionPermit, tag: String) -> String {
+        self.inner.parked.park(permit, tag)
+    }
+
+    /// Take a parked permit back, if `id` is live and was parked with `tag`.
+    pub fn adopt(&self, id: &str, tag: &str) -> Option<AdmissionPermit> {
+        self.inner.parked.adopt(id, tag)
+    }
+
+    /// Drop a parked permit now (the request it was parked for was refused).
+    pub fn discard(&self, id: &str, tag: &str) {
+        drop(self.inner.parked.adopt(id, tag));
+    }
+
+    /// Number of parked reservations (for tests and the admin snapshot).
+    pub fn parked(&self) -> usize {
+        self.inner.parked.len()
+    }
+
+    async fn admit_scoped(
+        &self,
+        request: TransferRequest,
+        cluster: Option<Footprint>,
+    ) -> Result<AdmissionPermit, Error> {
         let started = Instant::now();
-        let result = self.admit_inner(&request, started).await;
+        let result = self.admit_inner(&request, cluster, started).await;
         let metrics = &self.inner.metrics;
         match &result {
             Ok(permit) => {
@@ -146,6 +199,7 @@ impl Admission {
     async fn admit_inner(
         &self,
         request: &TransferRequest,
+        cluster_footprint: Option<Footprint>,
         started: Instant,
     ) -> Result<AdmissionPermit, Error> {
         let deadline = started + self.inner.config.acquisition_timeout.get();
@@ -161,7 +215,8 @@ impl Admission {
             .await?;
         let cancel = CancellationToken::new();
         let outcome = Arc::new(AtomicU8::new(Outcome::Interrupted.to_u8()));
-        let Some(cluster) = &self.inner.cluster else {
+        let (Some(cluster), Some(cluster_footprint)) = (&self.inner.cluster, cluster_footprint)
+        else {
             return Ok(AdmissionPermit {
                 local: Some(local),
                 holder: None,
@@ -175,7 +230,7 @@ impl Admission {
             lease_id: uuid::Uuid::new_v4().to_string(),
             tenant: request.tenant,
             backend: request.backend.clone(),
-            footprint: request.footprint,
+            footprint: cluster_footprint,
             operation: request.operation,
         };
         let cluster_deadline = deadline.min(Instant::now() + redis.wait.get());
@@ -261,6 +316,12 @@ impl Admission {
         self.charge(tenant, QuotaKind::Egress, bytes).await?;
         self.inner.metrics.egress_bytes.inc_by(bytes);
         Ok(())
+    }
+
+    /// Refuse (429 with `Retry-After`) when the tenant's egress window is already spent,
+    /// before a download sends its head. Charges nothing.
+    pub async fn check_egress(&self, tenant: &TenantId) -> Result<(), Error> {
+        self.charge(tenant, QuotaKind::Egress, 0).await
     }
 
     async fn charge(&self, tenant: &TenantId, kind: QuotaKind, amount: u64) -> Result<(), Error> {

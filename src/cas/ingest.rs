@@ -39,6 +39,31 @@ const BATCH_BYTES: usize = 256 * 1024;
 /// Chunks queued between the chunker and the block writes.
 const CHUNK_QUEUE: usize = 8;
 
+/// Largest body frame the memory bound assumes: hyper's HTTP/1 read buffer limit
+/// (8 KiB + 100 × 4 KiB = 408 KiB), rounded up. A body frame is cut from that buffer.
+pub const MAX_BODY_FRAME: usize = 416 * 1024;
+
+/// Upper bound of the body bytes one ingest holds at once, from the queue depths above
+/// (admission reserves this, see `admission::footprint`): `FRAME_QUEUE` queued batches,
+/// the batch being gathered and the batch the chunker works on (each below
+/// `BATCH_BYTES + MAX_BODY_FRAME`); the chunker's buffer (below `max_chunk`) and the chunk
+/// it is cutting; `CHUNK_QUEUE` queued chunks and one the chunker waits to send; and
+/// `STORE_IN_FLIGHT` blocks inside the write session (being appended, queued for the
+/// pack writer, and being written).
+pub const fn memory_bound(max_chunk: usize) -> usize {
+    (FRAME_QUEUE + 2) * (BATCH_BYTES + MAX_BODY_FRAME)
+        + 2 * max_chunk
+        + (CHUNK_QUEUE + 1) * max_chunk
+        + STORE_IN_FLIGHT * max_chunk
+}
+
+/// Blocks a write session holds at once: the one being appended, the pack writer's queue
+/// and the block it is writing.
+const STORE_IN_FLIGHT: usize = crate::storage::pack::WRITER_QUEUE + 2;
+
+/// [`memory_bound`] of the chunker in use.
+pub const MEMORY_BOUND: usize = memory_bound(super::chunker::MAX_CHUNK);
+
 /// Limits checked while the body streams.
 #[derive(Debug, Clone, Copy)]
 pub struct IngestLimits {

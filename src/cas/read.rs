@@ -18,6 +18,13 @@ use crate::storage::{BlockStore, StoreError};
 /// Blocks fetched ahead of the one being sent.
 const READ_AHEAD: usize = 4;
 
+/// Upper bound of the block bytes one read holds at once (admission reserves this, see
+/// `admission::footprint`): `READ_AHEAD` blocks fetched or buffered by `buffered`, the
+/// block being sent, and one more held by the response body writer.
+pub const fn memory_bound(max_chunk: usize) -> usize {
+    (READ_AHEAD + 2) * max_chunk
+}
+
 /// Why a blob read stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {

@@ -2,8 +2,9 @@
 //! charging download egress per chunk, and the admin endpoints.
 //!
 //! - Uploads: the receiving node charges the request quota; the node that ingests admits
-//!   an `upload` (direct or forwarded to it), a forwarding node admits a
-//!   `forwarded_upload` for the relay. All of it happens before the body is read.
+//!   an `upload`. A forwarded upload holds one cluster lease: the owner admits it in the
+//!   forwarder's pre-flight (sized for the ingest plus the relay) and the forwarding node
+//!   takes local permits only for its relay. All of it happens before the body is read.
 //! - Downloads (`GET`): request quota and admission before the manifest is read; each
 //!   outgoing chunk is charged to the egress quota just before it is sent. A refused charge
 //!   or a lost lease ends the stream with an error, so the client sees an aborted transfer,
@@ -72,6 +73,43 @@ pub async fn admit(
             backend: BACKEND.to_string(),
             footprint: Footprint::for_operation(operation, MAX_CHUNK as u64),
         })
+        .await?;
+    Ok(permit)
+}
+
+/// The relay's share of a forwarded upload: local permits only. The owner holds the one
+/// cluster lease of the transfer, sized to cover the relay too (see [`admit_forwarded`]).
+pub async fn admit_relay(app: &AppState, tenant: TenantId) -> Result<AdmissionPermit, ApiError> {
+    let operation = Operation::ForwardedUpload;
+    let permit = app
+        .admission
+        .admit_local(TransferRequest {
+            operation,
+            tenant: Some(tenant),
+            backend: BACKEND.to_string(),
+            footprint: Footprint::for_operation(operation, MAX_CHUNK as u64),
+        })
+        .await?;
+    Ok(permit)
+}
+
+/// The owner's admission of a forwarded upload, made in the forwarder's pre-flight: local
+/// permits for the ingest and one cluster lease for the ingest plus the relay.
+pub async fn admit_forwarded(
+    app: &AppState,
+    tenant: TenantId,
+) -> Result<AdmissionPermit, ApiError> {
+    let permit = app
+        .admission
+        .admit_spanning(
+            TransferRequest {
+                operation: Operation::Upload,
+                tenant: Some(tenant),
+                backend: BACKEND.to_string(),
+                footprint: Footprint::for_operation(Operation::Upload, MAX_CHUNK as u64),
+            },
+            Footprint::for_operation(Operation::ForwardedUpload, MAX_CHUNK as u64),
+        )
         .await?;
     Ok(permit)
 }

@@ -116,6 +116,10 @@ pub async fn get_blob(
     let permit = if method == Method::HEAD {
         None
     } else {
+        // A spent egress window is a 429 with Retry-After now, not a 200 that aborts.
+        if let Some(tenant) = &tenant {
+            app.admission.check_egress(tenant).await?;
+        }
         Some(super::admission::admit(&app, Operation::Download, tenant).await?)
     };
     let manifest = match app.manifests.get(key).await {

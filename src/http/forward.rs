@@ -11,6 +11,14 @@
 //! 3. **Relay** the owner's status, JSON body (capped at 1 MiB) and its `Content-Type`,
 //!    `Retry-After`, `Location` and `ETag` headers.
 //!
+//! Admission hand-over: the owner admits the upload in the pre-flight (one cluster lease
+//! for the whole transfer) and names the parked admission in
+//! `X-Graviton-Admission-Reservation`, which the POST repeats so the owner adopts it. A
+//! pre-flight refused by admission (or any owner check) is answered to the client with
+//! the owner's status, error code (`X-Graviton-Error`) and `Retry-After`, before a byte of
+//! the client's body is read. The pre-flight may wait up to the admission wait budget
+//! ([`Forwarder::with_admission_wait`]) on top of the connect and read timeouts.
+//!
 //! If the epoch moves between pre-flight and POST, the owner still refuses before
 //! reading; the forwarder retries (once in total) only if no byte of the body was
 //! pulled yet, else it answers `503 owner_moved` with `Retry-After`.
@@ -42,8 +50,8 @@ use crate::config::Secret;
 use crate::http::ApiError;
 use crate::http::headers::parse_digits;
 use crate::http::internal::{
-    CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, INTERNAL_TOKEN_HEADER, SHARD_EPOCH_HEADER,
-    SHARD_HEADER, ingest_path,
+    CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, ERROR_CODE_HEADER, INTERNAL_TOKEN_HEADER,
+    RESERVATION_HEADER, SHARD_EPOCH_HEADER, SHARD_HEADER, ingest_path,
 };
 use crate::ids::{NodeId, SessionKey};
 
@@ -120,13 +128,16 @@ pub struct Forwarder {
     head_deadline: Duration,
     /// Longest silence of the owner during a streamed POST.
     silence: Duration,
+    /// Extra time a pre-flight may take while the owner waits for admission.
+    admission_wait: Duration,
     stats: Arc<ForwardStats>,
     /// `https` with `[http.internal_tls]`, else `http`.
     scheme: &'static str,
 }
 
 enum Preflight {
-    Go,
+    /// Go ahead; the owner's parked admission, when it made one.
+    Go(Option<HeaderValue>),
     Stale(StaleEpoch),
     Refuse(Response),
 }
@@ -195,9 +206,17 @@ impl Forwarder {
             token,
             head_deadline: options.connect_timeout + options.read_timeout,
             silence: options.read_timeout,
+            admission_wait: Duration::ZERO,
             stats: Arc::default(),
             scheme,
         })
+    }
+
+    /// Let a pre-flight wait `wait` longer for the owner's admission decision (the
+    /// owner's `admission.acquisition_timeout`).
+    pub fn with_admission_wait(mut self, wait: Duration) -> Self {
+        self.admission_wait = wait;
+        self
     }
 
     pub fn stats(&self) -> &Arc<ForwardStats> {
@@ -222,7 +241,10 @@ impl Forwarder {
             let stale = match self.preflight(&target, &key, headers).await {
                 Preflight::Refuse(response) => return response,
                 Preflight::Stale(stale) => stale,
-                Preflight::Go => match self.post(&target, &key, headers, &source).await {
+                Preflight::Go(reservation) => match self
+                    .post(&target, &key, headers, reservation, &source)
+                    .await
+                {
                     Ok(response) => return response,
                     Err(stale) if source.reclaim() => stale,
                     Err(_) => {
@@ -288,7 +310,8 @@ impl Forwarder {
         let send = self
             .request(reqwest::Method::HEAD, target, key, headers)
             .send();
-        let response = match tokio::time::timeout(self.head_deadline, send).await {
+        let deadline = self.head_deadline + self.admission_wait;
+        let response = match tokio::time::timeout(deadline, send).await {
             Ok(Ok(response)) => response,
             Ok(Err(error)) => {
                 tracing::warn!(owner = %target.node, error = %error.without_url(), "forward: owner unreachable");
@@ -306,8 +329,15 @@ impl Forwarder {
             }
         };
         match response.status() {
-            StatusCode::NO_CONTENT | StatusCode::OK => Preflight::Go,
+            StatusCode::NO_CONTENT | StatusCode::OK => {
+                Preflight::Go(response.headers().get(RESERVATION_HEADER).cloned())
+            }
             StatusCode::CONFLICT => Preflight::Stale(stale_from(target, response.headers())),
+            status if relayed_refusal(status, response.headers()).is_some() => {
+                let error = relayed_refusal(status, response.headers()).expect("checked");
+                tracing::debug!(owner = %target.node, %status, code = error.code, "forward: owner refused the upload in the pre-flight");
+                Preflight::Refuse(error.into_response())
+            }
             status => {
                 tracing::error!(owner = %target.node, %status, "forward: owner refused the pre-flight");
                 Preflight::Refuse(self.unavailable(
@@ -325,11 +355,15 @@ impl Forwarder {
         target: &OwnerTarget,
         key: &SessionKey,
         headers: &HeaderMap,
+        reservation: Option<HeaderValue>,
         source: &Source,
     ) -> Result<Response, StaleEpoch> {
         let mut request = self.request(reqwest::Method::POST, target, key, headers);
         if let Some(value) = headers.get(header::CONTENT_LENGTH) {
             request = request.header(header::CONTENT_LENGTH, value.clone());
+        }
+        if let Some(value) = reservation {
+            request = request.header(RESERVATION_HEADER, value);
         }
         let tap = source.tap(self.stats.clone());
         let send = request.body(reqwest::Body::wrap_stream(tap)).send();
@@ -432,6 +466,45 @@ impl Forwarder {
             .with_retry_after(RETRY_AFTER)
             .into_response()
     }
+}
+
+/// Error codes an owner may answer to a pre-flight that the forwarder passes on to the
+/// client unchanged (admission, quota and session capacity refusals).
+const RELAYED_CODES: &[&str] = &[
+    "transfer_admission_limited",
+    "transfer_admission_busy",
+    "admission_unavailable",
+    "quota_exceeded",
+    "shard_unavailable",
+    "session_unavailable",
+    "session_capacity",
+    "blob_too_large",
+];
+
+/// The client-facing error of a pre-flight the owner refused with a relayable code:
+/// the owner's status, code and `Retry-After` (whole seconds).
+fn relayed_refusal(status: StatusCode, headers: &HeaderMap) -> Option<ApiError> {
+    if !(status.is_client_error() || status.is_server_error())
+        || matches!(
+            status,
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN | StatusCode::CONFLICT
+        )
+    {
+        return None;
+    }
+    let presented = headers.get(ERROR_CODE_HEADER)?.as_bytes();
+    let code = RELAYED_CODES
+        .iter()
+        .copied()
+        .find(|c| c.as_bytes() == presented)?;
+    let mut error = ApiError::new(status, code, "the owner node refused the upload");
+    if let Some(secs) = headers
+        .get(header::RETRY_AFTER)
+        .and_then(|v| parse_digits(v.as_bytes()))
+    {
+        error = error.with_retry_after(Duration::from_secs(secs.min(3600)));
+    }
+    Some(error)
 }
 
 fn owner_moved(message: &'static str) -> Response {
@@ -677,6 +750,32 @@ mod tests {
         assert!(tap.next().await.is_none());
         assert!(source.reclaim());
         assert!(source.tap(stats).next().await.is_none());
+    }
+
+    #[test]
+    fn owner_refusals_keep_their_status_code_and_retry_after() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            ERROR_CODE_HEADER,
+            HeaderValue::from_static("transfer_admission_busy"),
+        );
+        headers.insert(header::RETRY_AFTER, HeaderValue::from_static("3"));
+        let error = relayed_refusal(StatusCode::SERVICE_UNAVAILABLE, &headers).unwrap();
+        assert_eq!(error.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(error.code, "transfer_admission_busy");
+        assert_eq!(error.retry_after, Some(Duration::from_secs(3)));
+        // Token refusals and stale epochs are not relayed; unknown codes neither.
+        assert!(relayed_refusal(StatusCode::UNAUTHORIZED, &headers).is_none());
+        assert!(relayed_refusal(StatusCode::CONFLICT, &headers).is_none());
+        headers.insert(ERROR_CODE_HEADER, HeaderValue::from_static("made_up"));
+        assert!(relayed_refusal(StatusCode::SERVICE_UNAVAILABLE, &headers).is_none());
+        headers.insert(
+            ERROR_CODE_HEADER,
+            HeaderValue::from_static("quota_exceeded"),
+        );
+        headers.remove(header::RETRY_AFTER);
+        let error = relayed_refusal(StatusCode::TOO_MANY_REQUESTS, &headers).unwrap();
+        assert_eq!((error.code, error.retry_after), ("quota_exceeded", None));
     }
 
     #[test]

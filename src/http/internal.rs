@@ -4,8 +4,13 @@
 //! - `HEAD /internal/v1/sessions/{tenant}/{session}/blobs`: pre-flight. Runs every
 //!   check of the POST below and answers 204, or the error the POST would get. The
 //!   forwarder calls it while the upload body is still unread, so a stale epoch can be
-//!   re-resolved and retried without replaying anything.
+//!   re-resolved and retried without replaying anything. After the checks the owner
+//!   admits the transfer ([`OwnerIngest::reserve`]): a refusal is answered here (status,
+//!   `Retry-After`, and the error code in `X-Graviton-Error`, since a HEAD answer has no
+//!   body); an admission is parked and named by `X-Graviton-Admission-Reservation`.
 //! - `POST /internal/v1/sessions/{tenant}/{session}/blobs`: owner ingest; 201 + JSON.
+//!   With `X-Graviton-Admission-Reservation` the ingest adopts the pre-flight's
+//!   admission instead of admitting again (one lease per transfer).
 //!
 //! Every check happens **before any body byte is pulled**, in this order: internal
 //! token (constant time; `X-Graviton-Internal-Token` or `Authorization: Bearer`) → 401;
@@ -44,6 +49,10 @@ pub const SHARD_EPOCH_HEADER: &str = "x-graviton-shard-epoch";
 pub const CURRENT_OWNER_HEADER: &str = "x-graviton-current-owner";
 /// On 409: the shard's current epoch.
 pub const CURRENT_EPOCH_HEADER: &str = "x-graviton-current-epoch";
+/// Pre-flight answer and POST header: the admission the owner parked for this upload.
+pub const RESERVATION_HEADER: &str = "x-graviton-admission-reservation";
+/// On a refused pre-flight (HEAD has no body): the error code the POST would answer.
+pub const ERROR_CODE_HEADER: &str = "x-graviton-error";
 /// Stable error code of a stale epoch.
 pub const STALE_EPOCH: &str = "stale_epoch";
 
@@ -88,6 +97,8 @@ pub struct IngestRequest {
     pub content_type: String,
     /// `Content-Length` when the forwarder knew it.
     pub content_length: Option<u64>,
+    /// The admission parked by this upload's pre-flight, if the forwarder sent one.
+    pub reservation: Option<String>,
     pub body: Body,
 }
 
@@ -98,6 +109,44 @@ pub trait OwnerIngest: Send + Sync + 'static {
         &self,
         request: IngestRequest,
     ) -> BoxFuture<'static, Result<serde_json::Value, ApiError>>;
+
+    /// Admit the upload in the pre-flight, before the forwarder reads the client's body;
+    /// `Some(id)` names the parked admission the POST will adopt. The default admits
+    /// nothing here (the POST admits).
+    fn reserve(&self, key: &SessionKey) -> BoxFuture<'static, Result<Option<String>, ApiError>> {
+        let _ = key;
+        Box::pin(async { Ok(None) })
+    }
+
+    /// Drop a parked admission whose POST was refused before ingest.
+    fn discard(&self, key: &SessionKey, reservation: &str) {
+        let _ = (key, reservation);
+    }
+}
+
+/// A reservation id as the owner issues it: 32 lowercase hex digits.
+fn reservation_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get(RESERVATION_HEADER) else {
+        return Ok(None);
+    };
+    let bytes = value.as_bytes();
+    if bytes.len() == 32 && bytes.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
+    } else {
+        Err(ApiError::bad_request(
+            "invalid_reservation",
+            "X-Graviton-Admission-Reservation is malformed",
+        ))
+    }
+}
+
+/// A refusal answered to a HEAD pre-flight: the status, headers and error code of the
+/// JSON error the POST would answer.
+fn refused_preflight(error: ApiError) -> Response {
+    let code = HeaderValue::from_static(error.code);
+    let mut response = error.into_response();
+    response.headers_mut().insert(ERROR_CODE_HEADER, code);
+    response
 }
 
 /// Everything the internal router needs.
@@ -295,9 +344,21 @@ async fn preflight(
     Path((tenant, session)): Path<(String, String)>,
     headers: HeaderMap,
 ) -> Response {
-    match check(&state, &tenant, &session, &headers) {
-        Ok(_) => StatusCode::NO_CONTENT.into_response(),
-        Err(refusal) => refusal.into_response(),
+    let checked = match check(&state, &tenant, &session, &headers) {
+        Ok(checked) => checked,
+        Err(Refusal::Api(error)) => return refused_preflight(error),
+        Err(refusal) => return refusal.into_response(),
+    };
+    match state.ingest.reserve(&checked.key).await {
+        Ok(None) => StatusCode::NO_CONTENT.into_response(),
+        Ok(Some(id)) => {
+            let mut response = StatusCode::NO_CONTENT.into_response();
+            if let Ok(value) = HeaderValue::from_str(&id) {
+                response.headers_mut().insert(RESERVATION_HEADER, value);
+            }
+            response
+        }
+        Err(error) => refused_preflight(error),
     }
 }
 
@@ -307,9 +368,25 @@ async fn ingest(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let reservation = match reservation_header(&headers) {
+        Ok(reservation) => reservation,
+        Err(error) => return error.into_response(),
+    };
     let checked = match check(&state, &tenant, &session, &headers) {
         Ok(checked) => checked,
-        Err(refusal) => return refusal.into_response(),
+        Err(refusal) => {
+            // Only a stale epoch comes after the token check: then the parked admission
+            // of this upload is of no use any more (the forwarder re-resolves).
+            if let (Refusal::Stale { .. }, Some(id), Ok(tenant), Ok(session)) = (
+                &refusal,
+                &reservation,
+                tenant.parse::<TenantId>(),
+                session.parse::<SessionId>(),
+            ) {
+                state.ingest.discard(&SessionKey { tenant, session }, id);
+            }
+            return refusal.into_response();
+        }
     };
     let request = IngestRequest {
         key: checked.key,
@@ -317,6 +394,7 @@ async fn ingest(
         epoch: checked.epoch,
         content_type: checked.content_type,
         content_length: checked.content_length,
+        reservation,
         body,
     };
     match state.ingest.ingest(request).await {

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use super::headers::upload_headers;
 use super::{ApiError, AppState};
-use crate::admission::{Operation, Outcome};
+use crate::admission::{AdmissionPermit, Operation, Outcome};
 use crate::cas::ingest::{IngestError, IngestLimits, IngestReport, ingest};
 use crate::metrics::{BlockLabels, OutcomeLabels};
 use crate::placement::{Epoch, ShardId};
@@ -112,7 +112,8 @@ pub async fn post_blob(
     super::admission::charge_request(&app, tenant.as_ref()).await?;
     let Some(key) = parsed.session else {
         // No session: content-addressed data can be ingested by any node.
-        let report = ingest_owned_for(&app, None, tenant, parsed.content_length, body).await?;
+        let report =
+            ingest_owned_for(&app, None, None, tenant, parsed.content_length, body).await?;
         return Ok(created(&app, &report));
     };
     let kind = |kind| crate::metrics::KindLabels { kind };
@@ -131,7 +132,7 @@ pub async fn post_blob(
             shard: owner.shard,
             epoch: owner.epoch,
         };
-        let report = ingest_owned(&app, Some(route), parsed.content_length, body).await?;
+        let report = ingest_owned(&app, Some(route), None, parsed.content_length, body).await?;
         return Ok(created(&app, &report));
     }
     let Some(forwarder) = &app.forwarder else {
@@ -146,15 +147,13 @@ pub async fn post_blob(
     };
     let target = crate::node::cluster::target_of(&owner)?;
     let resolver = crate::node::cluster::PlacementResolver(app.cluster.clone());
-    // The relay holds its own (small) footprint; the owner admits the upload itself.
-    let admission =
-        super::admission::admit(&app, Operation::ForwardedUpload, Some(key.tenant)).await?;
-    let lease_lost = admission.cancellation();
+    // The relay holds local permits for its (small) footprint; the owner admits the
+    // transfer's one cluster lease in the pre-flight, before the body is read.
+    let admission = super::admission::admit_relay(&app, key.tenant).await?;
     app.metrics.forwarded_uploads.inc();
-    let response = tokio::select! {
-        response = forwarder.forward_upload(target, key, &headers, body, &resolver) => response,
-        () = lease_lost.cancelled() => return Err(super::admission::lease_lost()),
-    };
+    let response = forwarder
+        .forward_upload(target, key, &headers, body, &resolver)
+        .await;
     admission.set_outcome(if response.status().is_success() {
         Outcome::Completed
     } else {
@@ -174,14 +173,23 @@ pub struct LocalRoute {
 /// Ingest an upload on this node. With a route, the upload holds an ingest permit for
 /// the shard (refused if the shard is moving or this node is fenced) and runs through the
 /// session's owner; a revoked permit aborts the upload. Used by direct and forwarded
-/// uploads alike.
+/// uploads alike; a forwarded upload passes the admission its pre-flight made.
 pub async fn ingest_owned(
     app: &AppState,
     route: Option<LocalRoute>,
+    admitted: Option<AdmissionPermit>,
     declared: Option<u64>,
     body: Body,
 ) -> Result<IngestReport, ApiError> {
-    ingest_owned_for(app, route, route.map(|r| r.key.tenant), declared, body).await
+    ingest_owned_for(
+        app,
+        route,
+        admitted,
+        route.map(|r| r.key.tenant),
+        declared,
+        body,
+    )
+    .await
 }
 
 /// [`ingest_owned`] with the tenant admission charges (the authenticated organization,
@@ -189,13 +197,17 @@ pub async fn ingest_owned(
 pub async fn ingest_owned_for(
     app: &AppState,
     route: Option<LocalRoute>,
+    admitted: Option<AdmissionPermit>,
     tenant: Option<crate::ids::TenantId>,
     declared: Option<u64>,
     body: Body,
 ) -> Result<IngestReport, ApiError> {
     // Admission before anything else: local permits and the cluster lease for the bytes
     // this node will hold. A refusal leaves the body unread.
-    let admission = super::admission::admit(app, Operation::Upload, tenant).await?;
+    let admission = match admitted {
+        Some(permit) => permit,
+        None => super::admission::admit(app, Operation::Upload, tenant).await?,
+    };
     let lease_lost = admission.cancellation();
     let (permit, ticket) = match route {
         Some(route) => {

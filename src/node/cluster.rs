@@ -64,9 +64,16 @@ impl OwnerIngest for NodeIngest {
                 shard: ShardId(request.shard),
                 epoch: Epoch(request.epoch as i64),
             };
+            // The pre-flight's admission, when it is still parked; without one (an older
+            // forwarder, or a reservation that expired) the ingest admits itself.
+            let admitted = request
+                .reservation
+                .as_deref()
+                .and_then(|id| app.admission.adopt(id, &reservation_tag(&request.key)));
             let report = crate::http::upload::ingest_owned(
                 &app,
                 Some(route),
+                admitted,
                 request.content_length,
                 request.body,
             )
@@ -75,6 +82,24 @@ impl OwnerIngest for NodeIngest {
                 .map_err(|e| ApiError::internal(format!("encode response: {e}")))
         })
     }
+
+    fn reserve(&self, key: &SessionKey) -> BoxFuture<'static, Result<Option<String>, ApiError>> {
+        let app = self.0.clone();
+        let key = *key;
+        Box::pin(async move {
+            let permit = crate::http::admission::admit_forwarded(&app, key.tenant).await?;
+            Ok(Some(app.admission.park(permit, reservation_tag(&key))))
+        })
+    }
+
+    fn discard(&self, key: &SessionKey, reservation: &str) {
+        self.0.admission.discard(reservation, &reservation_tag(key));
+    }
+}
+
+/// A parked admission is bound to its session.
+fn reservation_tag(key: &SessionKey) -> String {
+    format!("{}/{}", key.tenant, key.session)
 }
 
 /// Target of a forwarded upload for a resolved owner.

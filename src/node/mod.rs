@@ -181,7 +181,9 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         } else {
             Forwarder::new(options)
         };
-        Some(forwarder.map_err(|e| StartError::Control(e.to_string()))?)
+        let forwarder = forwarder.map_err(|e| StartError::Control(e.to_string()))?;
+        // The owner admits in the pre-flight: let it wait as long as admission may.
+        Some(forwarder.with_admission_wait(config.admission.acquisition_timeout.get()))
     } else {
         None
     };

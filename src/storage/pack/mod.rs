@@ -43,7 +43,7 @@ use super::{BlockStore, CommitReport, PutOutcome, StoreError, StoreFuture, Write
 use crate::cas::BlockKey;
 
 /// Blocks queued between an upload and its pack writer.
-const WRITER_QUEUE: usize = 16;
+pub const WRITER_QUEUE: usize = 16;
 /// With fsync on, start write-back of a spool file every this many bytes, so the seal's
 /// fdatasync has little left to do.
 const WRITEBACK_EVERY: u64 = 8 << 20;

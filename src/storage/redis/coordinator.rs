@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -19,6 +19,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{IntoConnectionInfo, RedisError, Script, ScriptInvocation};
 use tokio::time::Instant;
 
+use super::batcher::{BatchContext, BatchItem, Batcher};
 use super::keys::CellKeys;
 use crate::actors::lease_holder::{LeaseBackend, Outcome};
 use crate::admission::config::RedisAdmissionConfig;
@@ -74,6 +75,7 @@ struct Inner {
     keys: CellKeys,
     hasher: IdHasher,
     config: RedisAdmissionConfig,
+    batcher: OnceLock<Batcher>,
 }
 
 impl std::fmt::Debug for RedisCoordinator {
@@ -139,6 +141,7 @@ impl RedisCoordinator {
                 keys: CellKeys::new(&config.key_prefix, &config.cell),
                 hasher: IdHasher::new(config.id_secret.as_ref().map(|s| s.expose())),
                 config: config.clone(),
+                batcher: OnceLock::new(),
             }),
         })
     }
@@ -175,28 +178,50 @@ impl RedisCoordinator {
         inv: &ScriptInvocation<'_>,
         idempotent: bool,
     ) -> Result<Vec<String>, Error> {
-        let mut backoff = Duration::from_millis(20);
-        let mut attempt = 0;
-        loop {
-            let mut conn = self.inner.conn.clone();
-            match inv.invoke_async::<Vec<String>>(&mut conn).await {
-                Ok(reply) => return Ok(reply),
-                Err(err) if idempotent && attempt < 2 && retryable(&err) => {
-                    attempt += 1;
-                    tokio::time::sleep(backoff).await;
-                    backoff *= 3;
-                }
-                Err(err) => {
-                    let category = category(&err);
-                    tracing::debug!(%category, "admission coordinator call failed");
-                    return Err(Error::Unavailable(category));
-                }
-            }
-        }
+        invoke(&self.inner.conn, inv, idempotent).await
+    }
+
+    /// The node's batch queue, started on first use (inside the runtime).
+    fn batcher(&self) -> &Batcher {
+        self.inner.batcher.get_or_init(|| {
+            let c = &self.inner.config;
+            Batcher::spawn(BatchContext {
+                conn: self.inner.conn.clone(),
+                script: &SCRIPT,
+                keys: self.inner.keys.admission().to_vec(),
+                common: [c.max_events.to_string(), c.reap_batch.to_string()],
+                defaults: [
+                    c.service_bytes.bytes().to_string(),
+                    c.service_transfers.to_string(),
+                    c.tenant_bytes.bytes().to_string(),
+                    c.tenant_transfers.to_string(),
+                    c.backend_transfers.to_string(),
+                    (c.lease_ttl.get().as_millis() as u64).to_string(),
+                    (WAITER_TTL.as_millis() as u64).to_string(),
+                ],
+            })
+        })
     }
 
     /// One acquire attempt. `first` records a `queued` event if it is rejected.
     pub async fn try_acquire(
+        &self,
+        request: &LeaseRequest,
+        first: bool,
+    ) -> Result<AcquireReply, Error> {
+        let item = BatchItem::Acquire {
+            lease_id: request.lease_id.clone(),
+            tenant: self.tenant_hash(request.tenant.as_ref()),
+            backend: self.inner.hasher.backend(&request.backend),
+            bytes: request.footprint.bytes(),
+            operation: request.operation.as_str(),
+            first,
+        };
+        Ok(reply::parse_acquire(&self.batcher().submit(item).await?)?)
+    }
+
+    /// One acquire attempt as its own script call (`acquire` op), without batching.
+    pub async fn try_acquire_unbatched(
         &self,
         request: &LeaseRequest,
         first: bool,
@@ -233,6 +258,7 @@ impl RedisCoordinator {
             request: request.clone(),
             dimension: None,
             armed: true,
+            disconnected: true,
         };
         let retry_interval = self.inner.config.retry_interval.get();
         // Set once any reply arrived: a deadline that passes before that is an unreachable
@@ -283,6 +309,8 @@ impl RedisCoordinator {
             }
             Err(_) => Err(Error::TimedOut("cluster lease")),
         };
+        // Reaching this point means the wait ended here, not by the caller dropping it.
+        guard.disconnected = false;
         if matches!(result, Ok(_) | Err(Error::NeverFits(_))) {
             guard.armed = false;
         }
@@ -296,14 +324,32 @@ impl RedisCoordinator {
         request: &LeaseRequest,
         dimension: Option<Dimension>,
     ) -> Result<bool, Error> {
-        let mut inv = self.invocation("abandon");
-        inv.arg(&request.lease_id)
-            .arg(self.tenant_hash(request.tenant.as_ref()))
-            .arg(self.inner.hasher.backend(&request.backend))
-            .arg(request.footprint.bytes())
-            .arg(request.operation.as_str())
-            .arg(dimension.map_or("-", Dimension::as_str));
-        Ok(reply::parse_count(&self.call(&inv, true).await?, "ABANDONED")? == 1)
+        self.abandon_as(request, dimension, false).await
+    }
+
+    /// [`RedisCoordinator::abandon`], recording `abandoned` instead of `timed_out` when
+    /// `disconnected` (the caller dropped the wait: e.g. the client went away).
+    pub async fn abandon_as(
+        &self,
+        request: &LeaseRequest,
+        dimension: Option<Dimension>,
+        disconnected: bool,
+    ) -> Result<bool, Error> {
+        let item = BatchItem::Abandon {
+            lease_id: request.lease_id.clone(),
+            tenant: self.tenant_hash(request.tenant.as_ref()),
+            backend: self.inner.hasher.backend(&request.backend),
+            bytes: request.footprint.bytes(),
+            operation: request.operation.as_str(),
+            dimension: dimension.map_or("-", Dimension::as_str),
+            kind: if disconnected {
+                "abandoned"
+            } else {
+                "timed_out"
+            },
+        };
+        let reply = self.batcher().submit(item).await?;
+        Ok(reply::parse_count(&reply, "ABANDONED")? == 1)
     }
 
     pub async fn renew(&self, lease_id: &str, token: &FencingToken) -> Result<RenewReply, Error> {
@@ -315,6 +361,21 @@ impl RedisCoordinator {
     }
 
     pub async fn release(
+        &self,
+        lease_id: &str,
+        token: &FencingToken,
+        outcome: Outcome,
+    ) -> Result<ReleaseReply, Error> {
+        let item = BatchItem::Release {
+            lease_id: lease_id.to_string(),
+            token: token.value(),
+            outcome: outcome.as_str(),
+        };
+        Ok(reply::parse_release(&self.batcher().submit(item).await?)?)
+    }
+
+    /// A release as its own script call (`release` op), without batching.
+    pub async fn release_unbatched(
         &self,
         lease_id: &str,
         token: &FencingToken,
@@ -437,6 +498,33 @@ impl RedisCoordinator {
     }
 }
 
+/// Run one script invocation, retrying idempotent ones twice on I/O, dropped-connection
+/// and timeout errors. Errors are reduced to a category.
+pub(super) async fn invoke<T: redis::FromRedisValue>(
+    conn: &ConnectionManager,
+    inv: &ScriptInvocation<'_>,
+    idempotent: bool,
+) -> Result<T, Error> {
+    let mut backoff = Duration::from_millis(20);
+    let mut attempt = 0;
+    loop {
+        let mut conn = conn.clone();
+        match inv.invoke_async::<T>(&mut conn).await {
+            Ok(reply) => return Ok(reply),
+            Err(err) if idempotent && attempt < 2 && retryable(&err) => {
+                attempt += 1;
+                tokio::time::sleep(backoff).await;
+                backoff *= 3;
+            }
+            Err(err) => {
+                let category = category(&err);
+                tracing::debug!(%category, "admission coordinator call failed");
+                return Err(Error::Unavailable(category));
+            }
+        }
+    }
+}
+
 /// Runs `abandon` in the background unless disarmed: covers timeouts, errors and a caller
 /// that drops the acquire future (client disconnect) alike.
 struct AbandonOnDrop {
@@ -444,6 +532,8 @@ struct AbandonOnDrop {
     request: LeaseRequest,
     dimension: Option<Dimension>,
     armed: bool,
+    /// Still set when the acquire future was dropped mid-wait (the caller went away).
+    disconnected: bool,
 }
 
 impl Drop for AbandonOnDrop {
@@ -456,9 +546,12 @@ impl Drop for AbandonOnDrop {
         };
         let coordinator = self.coordinator.clone();
         let request = self.request.clone();
-        let dimension = self.dimension;
+        let (dimension, disconnected) = (self.dimension, self.disconnected);
         runtime.spawn(async move {
-            if let Err(err) = coordinator.abandon(&request, dimension).await {
+            if let Err(err) = coordinator
+                .abandon_as(&request, dimension, disconnected)
+                .await
+            {
                 tracing::debug!(error = %err, "abandoning a cluster admission attempt failed; the lease expires by TTL");
             }
         });
