@@ -116,8 +116,9 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
     let front = nodes.iter().find(|n| n.id != owner_id).unwrap();
     let big = random_bytes(64 << 20, 31);
     let response = upload(&front.url, &key, big.clone()).await;
-    assert_eq!(response.status(), 201);
+    let status = response.status();
     let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(status, 201, "{body}");
     assert_eq!(
         body["owner"],
         owner_id.as_str(),

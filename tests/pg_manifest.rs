@@ -389,3 +389,105 @@ async fn pg_statement_timeout_is_unavailable() {
     );
     assert_eq!(store.get(manifest.key).await.unwrap(), Some(manifest));
 }
+
+/// Issue 9, item 2: a session upload's manifest commits only while its node still owns
+/// the shard at the permit's epoch, checked in the same transaction. A shard that moved
+/// (epoch bumped), or whose revocation the node already acknowledged, refuses the commit;
+/// a move in progress and the commit serialize on the shard row. Checks LOC-1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_commit_is_refused_once_the_shard_moved() {
+    use graviton::ids::NodeId;
+    use graviton::placement::{Epoch, ShardId};
+    use graviton::storage::manifest::CommitFence;
+    let Some(db) = TestDatabase::create("a_fenced_commit_is_refused_once_the_shard_moved").await
+    else {
+        return;
+    };
+    let pool = pool(&db, Duration::from_secs(10)).await;
+    let placement = graviton::storage::pg::PlacementStore::new(pool.clone());
+    placement.bootstrap(8).await.unwrap();
+    sqlx::query(
+        "INSERT INTO placement_nodes (id, public_addr, internal_addr, control_addr, version, state)
+         VALUES ('a', '', '', '', 't', 'active'), ('b', '', '', '', 't', 'active')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE placement_shards SET node_id = 'a', epoch = 4 WHERE shard = 3")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let store = PgManifestStore::new(pool.clone());
+    let fence = CommitFence {
+        shard: ShardId(3),
+        node: NodeId("a".into()),
+        epoch: Epoch(4),
+    };
+    let first = manifest_of(b"fenced commit one", &[17], 1);
+    assert_eq!(
+        store.create_fenced(&first, Some(&fence)).await.unwrap(),
+        CreateOutcome::Created
+    );
+    // A revocation not yet acknowledged still allows the commit (graceful handoff) ...
+    sqlx::query("UPDATE placement_shards SET moving_to = 'b' WHERE shard = 3")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let second = manifest_of(b"fenced commit two", &[17], 2);
+    assert_eq!(
+        store.create_fenced(&second, Some(&fence)).await.unwrap(),
+        CreateOutcome::Created
+    );
+    // ... an acknowledged one does not.
+    sqlx::query("UPDATE placement_shards SET revoke_acked = true WHERE shard = 3")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let third = manifest_of(b"fenced commit three", &[19], 3);
+    assert!(matches!(
+        store.create_fenced(&third, Some(&fence)).await,
+        Err(StoreError::Fenced { shard: 3, epoch: 4 })
+    ));
+    assert!(
+        store.get(third.key).await.unwrap().is_none(),
+        "nothing visible"
+    );
+
+    // A move in progress holds the shard row: the commit waits for it, then is refused.
+    sqlx::query(
+        "UPDATE placement_shards SET moving_to = NULL, revoke_acked = false WHERE shard = 3",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut mover = pool.begin().await.unwrap();
+    sqlx::query("UPDATE placement_shards SET node_id = 'b', epoch = epoch + 1 WHERE shard = 3")
+        .execute(&mut *mover)
+        .await
+        .unwrap();
+    let racing = tokio::spawn({
+        let store = store.clone();
+        let fence = fence.clone();
+        let manifest = manifest_of(b"fenced commit four", &[18], 4);
+        async move {
+            store
+                .create_fenced(&manifest, Some(&fence))
+                .await
+                .map(|_| manifest.key)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !racing.is_finished(),
+        "the commit waits for the move's transaction"
+    );
+    mover.commit().await.unwrap();
+    let raced = racing.await.unwrap();
+    assert!(matches!(raced, Err(StoreError::Fenced { .. })), "{raced:?}");
+    // Unfenced creates (blobs without a session) are unaffected.
+    assert_eq!(
+        store.create_fenced(&third, None).await.unwrap(),
+        CreateOutcome::Created
+    );
+    pool.close().await;
+}

@@ -113,8 +113,8 @@ mod tests {
         assert!(upload >= crate::cas::ingest::MEMORY_BOUND as u64 + MIB);
         let download = Footprint::for_operation(Operation::Download, chunk).bytes();
         assert!(download >= crate::cas::read::memory_bound(chunk as usize) as u64);
-        // The 256 KiB chunker: 6 x (256 + 416) KiB + 19 x 256 KiB + 1 MiB.
-        assert_eq!(upload, (6 * (256 + 416) + 19 * 256 + 1024) * 1024);
+        // The 256 KiB chunker: 6 x (256 + 416) KiB + 29 x 256 KiB + 1 MiB.
+        assert_eq!(upload, (6 * (256 + 416) + 29 * 256 + 1024) * 1024);
         assert_eq!(download, 6 * 256 * 1024);
     }
 
@@ -123,7 +123,7 @@ mod tests {
         let chunk = 4 * MIB;
         assert_eq!(
             Footprint::for_operation(Operation::Upload, chunk).bytes(),
-            (6 * (256 + 416) * 1024) + 19 * chunk + MIB
+            (6 * (256 + 416) * 1024) + 29 * chunk + MIB
         );
         assert_eq!(
             Footprint::for_operation(Operation::Download, chunk).bytes(),

@@ -28,6 +28,7 @@ use tokio::sync::mpsc;
 use super::chunker::StreamChunker;
 use super::keys::{BlobKey, BlockKey};
 use super::manifest::{BlockRef, Manifest};
+use crate::storage::manifest::CommitFence;
 use crate::storage::{
     BlockStore, CreateOutcome, ManifestStore, PutOutcome, StoreError, WriteSession,
 };
@@ -116,6 +117,23 @@ pub async fn ingest<S, E>(
     limits: IngestLimits,
     blocks: Arc<dyn BlockStore>,
     manifests: Arc<dyn ManifestStore>,
+    on_bytes: impl FnMut(u64) + Send,
+) -> Result<IngestReport, IngestError>
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + Unpin,
+    E: std::fmt::Display,
+{
+    ingest_fenced(body, limits, blocks, manifests, None, on_bytes).await
+}
+
+/// [`ingest`] whose manifest commit is conditional on `fence` (a session upload in
+/// cluster mode: the commit binds, see `placement::handoff`).
+pub async fn ingest_fenced<S, E>(
+    body: S,
+    limits: IngestLimits,
+    blocks: Arc<dyn BlockStore>,
+    manifests: Arc<dyn ManifestStore>,
+    fence: Option<CommitFence>,
     mut on_bytes: impl FnMut(u64) + Send,
 ) -> Result<IngestReport, IngestError>
 where
@@ -150,7 +168,7 @@ where
     session.commit().await?;
     let blocks_total = stored.refs.len();
     let manifest = Manifest::new(key, stored.refs, unix_millis());
-    let outcome = manifests.create(&manifest).await?;
+    let outcome = manifests.create_fenced(&manifest, fence.as_ref()).await?;
     Ok(IngestReport {
         key,
         blocks: blocks_total,

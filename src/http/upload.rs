@@ -20,10 +20,12 @@ use serde::{Deserialize, Serialize};
 use super::headers::upload_headers;
 use super::{ApiError, AppState};
 use crate::admission::{AdmissionPermit, Operation, Outcome};
-use crate::cas::ingest::{IngestError, IngestLimits, IngestReport, ingest};
+use crate::cas::ingest::{IngestError, IngestLimits, IngestReport, ingest_fenced};
 use crate::metrics::{BlockLabels, OutcomeLabels};
 use crate::placement::{Epoch, ShardId};
 use crate::session::SessionError;
+use crate::storage::StoreError;
+use crate::storage::manifest::CommitFence;
 use std::time::Duration;
 
 /// Send a progress update to the session owner every this many bytes.
@@ -61,6 +63,11 @@ impl From<IngestError> for ApiError {
             IngestError::Body(_) => {
                 ApiError::bad_request("body_incomplete", "the request body ended early or failed")
             }
+            IngestError::Store(StoreError::Fenced { .. }) => ApiError::unavailable(
+                "shard_moved",
+                "this session's shard moved before the upload could commit; retry with the same session",
+            )
+            .with_retry_after(std::time::Duration::from_secs(1)),
             IngestError::Store(err) => {
                 tracing::error!(error = %err, "block or manifest store failed during upload");
                 ApiError::unavailable("storage_unavailable", "storage is temporarily unavailable")
@@ -226,11 +233,19 @@ pub async fn ingest_owned_for(
         }
         None => (None, None),
     };
+    // The commit binds: the manifest is written only if this node still owns the shard at
+    // the permit's epoch, checked in the store's commit (LOC-1). The permit checks above
+    // only keep doomed uploads from starting.
+    let fence = permit.as_ref().map(|p| CommitFence {
+        shard: p.shard(),
+        epoch: p.epoch(),
+        node: app.cluster.node_id().clone(),
+    });
     let ingest = async {
         tokio::select! {
             // A finished ingest wins over a cancellation that fires at the same moment.
             biased;
-            result = ingest_body(app, declared, body, ticket.as_ref()) => result.map_err(ApiError::from),
+            result = ingest_body(app, declared, body, ticket.as_ref(), fence) => result.map_err(ApiError::from),
             // The cluster lease was lost: stop ingesting (no manifest is written).
             () = lease_lost.cancelled() => Err(super::admission::lease_lost()),
         }
@@ -275,6 +290,7 @@ pub async fn ingest_body(
     declared: Option<u64>,
     body: Body,
     ticket: Option<&crate::actors::IngestTicket>,
+    fence: Option<CommitFence>,
 ) -> Result<IngestReport, IngestError> {
     let started = Instant::now();
     let limits = IngestLimits {
@@ -284,11 +300,12 @@ pub async fn ingest_body(
     };
     let (mut pending_bytes, mut pending_frames) = (0u64, 0u64);
     let metrics = app.metrics.clone();
-    let result = ingest(
+    let result = ingest_fenced(
         body.into_data_stream(),
         limits,
         app.blocks.clone(),
         app.manifests.clone(),
+        fence,
         |bytes| {
             metrics.upload_bytes.inc_by(bytes);
             pending_bytes += bytes;

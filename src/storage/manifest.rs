@@ -2,6 +2,18 @@
 
 use super::{StoreError, StoreFuture};
 use crate::cas::{BlobKey, BlockKey, Manifest};
+use crate::ids::NodeId;
+use crate::placement::model::{Epoch, ShardId};
+
+/// The condition a session upload's commit is fenced by: `node` still owns `shard` at
+/// `epoch` and has not acknowledged its revocation (LOC-1). A node that lost the shard
+/// (paused past its TTL, a stale table, a commit stuck behind a lock) cannot commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitFence {
+    pub shard: ShardId,
+    pub node: NodeId,
+    pub epoch: Epoch,
+}
 
 /// Whether `create` stored a new manifest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,6 +27,19 @@ pub enum CreateOutcome {
 /// rewritten: the first writer wins and later writers get `AlreadyExists`.
 pub trait ManifestStore: Send + Sync + 'static {
     fn create(&self, manifest: &Manifest) -> StoreFuture<'_, CreateOutcome>;
+
+    /// [`Self::create`], but only while `fence` holds, checked atomically with the insert
+    /// ([`StoreError::Fenced`] otherwise). Stores shared by the nodes of a cluster must
+    /// implement it (PostgreSQL does, in the same transaction as the insert). A store of
+    /// one embedded node, which owns every shard forever, ignores the fence.
+    fn create_fenced<'a>(
+        &'a self,
+        manifest: &'a Manifest,
+        fence: Option<&'a CommitFence>,
+    ) -> StoreFuture<'a, CreateOutcome> {
+        let _ = fence;
+        self.create(manifest)
+    }
 
     /// The manifest, validated, or `None` if the blob does not exist.
     fn get(&self, key: BlobKey) -> StoreFuture<'_, Option<Manifest>>;

@@ -61,6 +61,8 @@ shutdown_grace = "3s"
 
 [storage]
 data_dir = "{data}"
+backend = "fs"
+shared_mount = true
 fsync = false
 
 [cluster]

@@ -24,6 +24,7 @@ use sqlx::{PgPool, Row};
 
 use crate::cas::manifest::ChunkingInfo;
 use crate::cas::{BlobKey, BlockKey, BlockRef, Manifest};
+use crate::storage::manifest::CommitFence;
 use crate::storage::{CreateOutcome, ManifestStore, StoreError, StoreFuture};
 
 const INSERT: &str = "INSERT INTO manifests
@@ -201,31 +202,81 @@ fn db_error(op: &'static str, err: sqlx::Error) -> StoreError {
     }
 }
 
+/// Insert an encoded manifest (first writer wins).
+async fn insert<'e>(
+    e: Encoded,
+    executor: impl sqlx::PgExecutor<'e>,
+) -> Result<CreateOutcome, StoreError> {
+    let inserted = sqlx::query(INSERT)
+        .bind(e.blob_hash)
+        .bind(e.blob_size)
+        .bind(e.format)
+        .bind(e.created_at_ms)
+        .bind(e.chunk_algorithm)
+        .bind(e.chunk_min)
+        .bind(e.chunk_avg)
+        .bind(e.chunk_max)
+        .bind(e.block_count)
+        .bind(e.block_keys)
+        .bind(e.block_sizes)
+        .execute(executor)
+        .await
+        .map_err(|err| db_error("create manifest", err))?
+        .rows_affected();
+    Ok(match inserted {
+        1 => CreateOutcome::Created,
+        _ => CreateOutcome::AlreadyExists,
+    })
+}
+
 impl ManifestStore for PgManifestStore {
     fn create(&self, manifest: &Manifest) -> StoreFuture<'_, CreateOutcome> {
         let encoded = encode(manifest);
+        Box::pin(async move { insert(encoded?, &self.pool).await })
+    }
+
+    /// The fence and the insert run in one transaction. The shard row is read `FOR SHARE`,
+    /// so a manager's move of that shard (an `UPDATE` of the row) either committed before
+    /// (and the fence fails) or waits until this commit is done.
+    fn create_fenced<'a>(
+        &'a self,
+        manifest: &'a Manifest,
+        fence: Option<&'a CommitFence>,
+    ) -> StoreFuture<'a, CreateOutcome> {
+        let Some(fence) = fence else {
+            return self.create(manifest);
+        };
+        let encoded = encode(manifest);
         Box::pin(async move {
             let e = encoded?;
-            let inserted = sqlx::query(INSERT)
-                .bind(e.blob_hash)
-                .bind(e.blob_size)
-                .bind(e.format)
-                .bind(e.created_at_ms)
-                .bind(e.chunk_algorithm)
-                .bind(e.chunk_min)
-                .bind(e.chunk_avg)
-                .bind(e.chunk_max)
-                .bind(e.block_count)
-                .bind(e.block_keys)
-                .bind(e.block_sizes)
-                .execute(&self.pool)
+            let mut tx = self
+                .pool
+                .begin()
                 .await
-                .map_err(|err| db_error("create manifest", err))?
-                .rows_affected();
-            Ok(match inserted {
-                1 => CreateOutcome::Created,
-                _ => CreateOutcome::AlreadyExists,
-            })
+                .map_err(|err| db_error("begin fenced commit", err))?;
+            let holds: Option<i32> = sqlx::query_scalar(
+                "SELECT 1 FROM placement_shards
+                 WHERE shard = $1 AND node_id = $2 AND epoch = $3 AND NOT revoke_acked
+                 FOR SHARE",
+            )
+            .bind(fence.shard.0 as i32)
+            .bind(&fence.node.0)
+            .bind(fence.epoch.0)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|err| db_error("check the commit fence", err))?;
+            if holds.is_none() {
+                let _ = tx.rollback().await;
+                return Err(StoreError::Fenced {
+                    shard: fence.shard.0,
+                    epoch: fence.epoch.0,
+                });
+            }
+            let outcome = insert(e, &mut *tx).await?;
+            tx.commit()
+                .await
+                .map_err(|err| db_error("commit manifest", err))?;
+            Ok(outcome)
         })
     }
 
