@@ -71,6 +71,52 @@ fn spawn_worker(
     })
 }
 
+/// Ingest workers on several nodes over one set of sessions (see [`spawn_worker`]).
+struct Workers {
+    sessions: Arc<Vec<SessionKey>>,
+    log: Arc<Mutex<Vec<Ingest>>>,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Workers {
+    /// `per_node` workers on each of `nodes`, over `sessions` random sessions.
+    fn start(nodes: &[&Arc<ClusterHandle>], sessions: usize, per_node: usize) -> Self {
+        let mut workers = Self {
+            sessions: Arc::new((0..sessions).map(|_| random_key()).collect()),
+            log: Arc::new(Mutex::new(Vec::new())),
+            stop: Arc::new(AtomicBool::new(false)),
+            tasks: Vec::new(),
+        };
+        for node in nodes {
+            workers.add(node, per_node);
+        }
+        workers
+    }
+
+    /// `per_node` more workers on `node`.
+    fn add(&mut self, node: &Arc<ClusterHandle>, per_node: usize) {
+        for _ in 0..per_node {
+            self.tasks.push(spawn_worker(
+                node.clone(),
+                self.sessions.clone(),
+                self.log.clone(),
+                self.stop.clone(),
+            ));
+        }
+    }
+
+    /// Stop the workers; the recorded ingests and the number of sessions.
+    async fn finish(self) -> (Vec<Ingest>, usize) {
+        self.stop.store(true, Ordering::SeqCst);
+        for task in self.tasks {
+            task.await.unwrap();
+        }
+        let events = self.log.lock().unwrap().clone();
+        (events, self.sessions.len())
+    }
+}
+
 fn check_no_overlap(events: &[Ingest], sessions: usize) -> (usize, usize) {
     let mut handed_over = 0;
     for s in 0..sessions {
@@ -119,23 +165,7 @@ async fn no_two_nodes_ingest_a_session_at_once() {
     })
     .await;
 
-    let sessions: Arc<Vec<SessionKey>> = Arc::new((0..48).map(|_| random_key()).collect());
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut workers = Vec::new();
-    let spawn_for = |h: &Arc<ClusterHandle>, workers: &mut Vec<_>| {
-        for _ in 0..3 {
-            workers.push(spawn_worker(
-                h.clone(),
-                sessions.clone(),
-                log.clone(),
-                stop.clone(),
-            ));
-        }
-    };
-    for h in [&a, &b, &c] {
-        spawn_for(h, &mut workers);
-    }
+    let mut workers = Workers::start(&[&a, &b, &c], 48, 3);
     tokio::time::sleep(Duration::from_millis(300)).await; // let ingest traffic build up
 
     // 1. Drain c.
@@ -149,7 +179,7 @@ async fn no_two_nodes_ingest_a_session_at_once() {
     //    manager loses its lock connection; a standby (or the same node again) takes over
     //    with a newer term and finishes whatever moves are still pending.
     let d = Arc::new(start_node(db.url(), "d", tweak).await);
-    spawn_for(&d, &mut workers);
+    workers.add(&d, 3);
     eventually(GENEROUS, "rebalance under way", || {
         placement_util::owned(&a, "d") > 0
     })
@@ -181,12 +211,8 @@ async fn no_two_nodes_ingest_a_session_at_once() {
     .await;
     tokio::time::sleep(Duration::from_millis(200)).await; // traffic on the final placement
 
-    stop.store(true, Ordering::SeqCst);
-    for w in workers {
-        w.await.unwrap();
-    }
-    let events = log.lock().unwrap().clone();
-    let (total, handed_over) = check_no_overlap(&events, sessions.len());
+    let (events, sessions) = workers.finish().await;
+    let (total, handed_over) = check_no_overlap(&events, sessions);
     println!("FIGURE handoff_checker ingests={total} owner_changes={handed_over}");
     assert!(total > 200, "too little traffic to mean anything: {total}");
     assert!(
@@ -228,20 +254,7 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
     let b = Arc::new(start_node(&b_url, "b", |c| c.embedded_manager = false).await);
     eventually(GENEROUS, "balanced", || settled(&[&a, &b], &["a", "b"])).await;
 
-    let sessions: Arc<Vec<SessionKey>> = Arc::new((0..32).map(|_| random_key()).collect());
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut workers = Vec::new();
-    for h in [&a, &b] {
-        for _ in 0..3 {
-            workers.push(spawn_worker(
-                h.clone(),
-                sessions.clone(),
-                log.clone(),
-                stop.clone(),
-            ));
-        }
-    }
+    let workers = Workers::start(&[&a, &b], 32, 3);
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     // Partition b.
@@ -288,12 +301,8 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
     .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
 
-    stop.store(true, Ordering::SeqCst);
-    for w in workers {
-        w.await.unwrap();
-    }
-    let events = log.lock().unwrap().clone();
-    let (total, handed_over) = check_no_overlap(&events, sessions.len());
+    let (events, sessions) = workers.finish().await;
+    let (total, handed_over) = check_no_overlap(&events, sessions);
     println!("FIGURE partition_checker ingests={total} owner_changes={handed_over}");
     assert!(handed_over >= 4, "{handed_over}");
     a.shutdown().await;
@@ -339,20 +348,7 @@ async fn a_node_declared_dead_rejoins_fenced_until_it_rereads_the_table() {
     );
     eventually(GENEROUS, "balanced", || settled(&[&a, &b], &["a", "b"])).await;
 
-    let sessions: Arc<Vec<SessionKey>> = Arc::new((0..32).map(|_| random_key()).collect());
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut workers = Vec::new();
-    for h in [&a, &b] {
-        for _ in 0..3 {
-            workers.push(spawn_worker(
-                h.clone(),
-                sessions.clone(),
-                log.clone(),
-                stop.clone(),
-            ));
-        }
-    }
+    let workers = Workers::start(&[&a, &b], 32, 3);
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     // Cut b off until it is declared dead and its shards are on a.
@@ -419,12 +415,8 @@ async fn a_node_declared_dead_rejoins_fenced_until_it_rereads_the_table() {
     })
     .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    stop.store(true, Ordering::SeqCst);
-    for w in workers {
-        w.await.unwrap();
-    }
-    let events = log.lock().unwrap().clone();
-    let (total, handed_over) = check_no_overlap(&events, sessions.len());
+    let (events, sessions) = workers.finish().await;
+    let (total, handed_over) = check_no_overlap(&events, sessions);
     println!("FIGURE rejoin_checker ingests={total} owner_changes={handed_over}");
     assert!(handed_over >= 4, "{handed_over}");
     a.shutdown().await;
