@@ -35,15 +35,27 @@ fn owner_of(status: &graviton::placement::ClusterStatus, key: &SessionKey) -> Op
         .and_then(|s| s.owner.clone())
 }
 
+/// Upload as a well-behaved client does: a documented retryable answer (503 with
+/// `Retry-After`, e.g. a shard in motion) is retried a few times.
 async fn upload(url: &str, key: &SessionKey, data: Vec<u8>) -> reqwest::Response {
-    client()
-        .post(format!("{url}/v1/blobs"))
-        .header("x-graviton-tenant-id", key.tenant.to_string())
-        .header("x-graviton-upload-session-id", key.session.to_string())
-        .body(data)
-        .send()
-        .await
-        .unwrap()
+    let data = bytes::Bytes::from(data);
+    let mut attempts = 0;
+    loop {
+        let response = client()
+            .post(format!("{url}/v1/blobs"))
+            .header("x-graviton-tenant-id", key.tenant.to_string())
+            .header("x-graviton-upload-session-id", key.session.to_string())
+            .body(data.clone())
+            .send()
+            .await
+            .unwrap();
+        let retryable = response.status() == 503 && response.headers().contains_key("retry-after");
+        attempts += 1;
+        if !retryable || attempts == 10 {
+            return response;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 fn session() -> SessionKey {
@@ -94,8 +106,14 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
                     return false;
                 }
             }
+            // Settled: every shard assigned, none in motion, balanced within one.
             let status = owners(db_url).await;
-            status.unassigned_shards == 0 && status.nodes.iter().all(|n| n.shards > 0)
+            let counts: Vec<usize> = status.nodes.iter().map(|n| n.shards).collect();
+            let (min, max) = (
+                counts.iter().min().copied().unwrap_or(0),
+                counts.iter().max().copied().unwrap_or(0),
+            );
+            status.unassigned_shards == 0 && status.moving_shards == 0 && min > 0 && max - min <= 1
         }
     })
     .await;
@@ -147,8 +165,9 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
     for (owner, key) in &by_owner {
         for node in &nodes {
             let response = upload(&node.url, key, random_bytes(10_000, 7)).await;
-            assert_eq!(response.status(), 201);
+            let status = response.status();
             let body: serde_json::Value = response.json().await.unwrap();
+            assert_eq!(status, 201, "from {}: {body}", node.id);
             assert_eq!(body["owner"], owner.as_str());
         }
     }
