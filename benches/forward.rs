@@ -73,8 +73,20 @@ fn main() {
         let owner = NodeProcess::start(dir.path(), "owner", db.url(), SHARDS, &data);
         let front = NodeProcess::start(dir.path(), "front", db.url(), SHARDS, &data);
         let client = reqwest::Client::builder().no_proxy().build().expect("client");
+        // Ready, and the table settled (no shard in motion, balanced), so the session's
+        // owner does not change under the measurement.
         let ready = support::wait_until(Duration::from_secs(60), || async {
-            is_ready(&client, &owner.url).await && is_ready(&client, &front.url).await
+            if !(is_ready(&client, &owner.url).await && is_ready(&client, &front.url).await) {
+                return false;
+            }
+            let Ok(status) = graviton::placement::cluster_status(db.url()).await else {
+                return false;
+            };
+            let counts: Vec<usize> = status.nodes.iter().map(|n| n.shards).collect();
+            status.moving_shards == 0
+                && status.unassigned_shards == 0
+                && counts.len() == 2
+                && counts.iter().max().unwrap_or(&0) - counts.iter().min().unwrap_or(&0) <= 1
         })
         .await;
         assert!(ready, "nodes not ready");
