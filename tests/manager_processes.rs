@@ -95,10 +95,12 @@ async fn a_standalone_manager_that_loses_its_lock_takes_it_again_and_keeps_actin
     assert!(converged, "no convergence; manager log:\n{}", manager_log());
     let term = status(&url).await.manager_term;
 
-    // Kill the manager's lock connection (the backend holding the advisory lock).
+    // Kill the manager's lock connection (the backend holding the advisory lock in this
+    // test's database; other tests run their own managers on the same server).
     let admin = sqlx::PgPool::connect(&url).await.unwrap();
     let killed: Vec<bool> = sqlx::query_scalar(
-        "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted",
+        "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
     )
     .fetch_all(&admin)
     .await

@@ -128,7 +128,10 @@ impl Actor for PlacementActor {
             incarnation: incarnation.clone(),
             reregister_queued: reregister_queued.clone(),
             interval: args.heartbeat_interval,
-            timeout: args.heartbeat_interval.max(Duration::from_millis(50)),
+            // A slow heartbeat that succeeds still extends the fence from its *start*, so
+            // it may take up to the whole fence window: a per-call limit of one interval
+            // fenced loaded nodes needlessly (seen in `cargo bench --bench forward`).
+            timeout: args.view.self_fence().max(Duration::from_millis(50)),
         })));
         if args.listen_notify {
             tasks.push(AbortOnDropHandle::new(spawn_listener(

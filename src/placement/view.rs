@@ -168,6 +168,11 @@ impl LocalView {
         self.shard_count
     }
 
+    /// The self-fence window.
+    pub fn self_fence(&self) -> Duration {
+        self.self_fence
+    }
+
     /// The current table snapshot.
     pub fn table(&self) -> Arc<ShardTable> {
         self.table.read().unwrap_or_else(|e| e.into_inner()).clone()
