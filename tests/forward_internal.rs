@@ -11,9 +11,10 @@ use futures_util::future::BoxFuture;
 use graviton::config::Secret;
 use graviton::http::ApiError;
 use graviton::http::internal::{
-    self, CURRENT_OWNER_HEADER, EpochVerdict, IngestRequest, InternalState, OwnerIngest,
+    self, CURRENT_OWNER_HEADER, IngestRequest, InternalState, OwnerIngest,
 };
 use graviton::ids::{NodeId, SessionKey};
+use graviton::placement::{Epoch, EpochVerdict, ShardId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -33,7 +34,7 @@ impl OwnerIngest for CountingIngest {
     fn ingest(
         &self,
         request: IngestRequest,
-    ) -> BoxFuture<'static, Result<serde_json::Value, ApiError>> {
+    ) -> BoxFuture<'static, Result<axum::response::Response, ApiError>> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         let bytes = self.bytes.clone();
         Box::pin(async move {
@@ -45,21 +46,27 @@ impl OwnerIngest for CountingIngest {
                 total += frame.len() as u64;
                 bytes.fetch_add(frame.len() as u64, Ordering::SeqCst);
             }
-            Ok(
+            Ok(created(
                 serde_json::json!({ "size": total, "content_type": request.content_type, "epoch": request.epoch }),
-            )
+            ))
         })
     }
 }
 
+/// The owner's 201 with a JSON body (what `upload::created` answers, minus the receipt).
+fn created(body: serde_json::Value) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    (axum::http::StatusCode::CREATED, axum::Json(body)).into_response()
+}
+
 async fn owner(ingest: CountingIngest) -> std::net::SocketAddr {
-    let epochs = |_key: &SessionKey, _shard: u32, epoch: u64| {
-        if epoch >= 5 {
+    let epochs = |_key: &SessionKey, _shard: ShardId, epoch: Epoch| {
+        if epoch >= Epoch(5) {
             EpochVerdict::Current
         } else {
             EpochVerdict::Stale {
-                current_owner: Some(NodeId("node-c".into())),
-                current_epoch: 5,
+                current_owner: Some(NodeId::parse("node-c").unwrap()),
+                current_epoch: Epoch(5),
             }
         }
     };

@@ -40,7 +40,7 @@ fn spawn_worker(
     stop: Arc<AtomicBool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let node = handle.node_id().0.clone();
+        let node = handle.node_id().to_string();
         while !stop.load(Ordering::SeqCst) {
             let i = rand::rng().random_range(0..sessions.len());
             let key = &sessions[i];
@@ -169,7 +169,7 @@ async fn no_two_nodes_ingest_a_session_at_once() {
     tokio::time::sleep(Duration::from_millis(300)).await; // let ingest traffic build up
 
     // 1. Drain c.
-    a.drain(&NodeId("c".into())).await.unwrap();
+    a.drain(&NodeId::parse("c").unwrap()).await.unwrap();
     eventually(GENEROUS, "c drained", || {
         settled(&[&a, &b, &c], &["a", "b"])
     })
@@ -272,7 +272,7 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
     let stale = b.view().table();
     let moved_after = eventually(GENEROUS, "b's shards moved to a", || {
         let t = a.view().table();
-        t.owned_by(&NodeId("b".into())) == 0 && t.moving() == 0
+        t.owned_by(&NodeId::parse("b").unwrap()) == 0 && t.moving() == 0
     })
     .await;
     println!(
@@ -281,7 +281,7 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
         cut.elapsed().max(moved_after).as_millis()
     );
     // b still believes (stale table) that it owns its shards, yet admits nothing.
-    let b_id = NodeId("b".into());
+    let b_id = NodeId::parse("b").unwrap();
     let mine: Vec<_> = stale
         .shards
         .iter()
@@ -366,7 +366,7 @@ async fn a_node_declared_dead_rejoins_fenced_until_it_rereads_the_table() {
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
     ))
     .await;
-    let b_id = NodeId("b".into());
+    let b_id = NodeId::parse("b").unwrap();
     eventually(GENEROUS, "b's shards moved to a", || {
         let t = a.view().table();
         t.owned_by(&b_id) == 0 && t.moving() == 0

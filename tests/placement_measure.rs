@@ -81,20 +81,20 @@ async fn manager_failover_with_default_settings() {
             ..ClusterConfig::default()
         };
         c.database_url = Some(graviton::config::Secret::new(db.url()));
-        c.internal_addr = format!("{name}:7071");
+        c.internal_addr = placement_util::internal_addr(name);
         c.shard_count = 1024;
         c
     };
-    let a = Cluster::connect_and_start(NodeId("a".into()), &defaults("a"), "test")
+    let a = Cluster::connect_and_start(NodeId::parse("a").unwrap(), &defaults("a"), "test")
         .await
         .unwrap();
-    let b = Cluster::connect_and_start(NodeId("b".into()), &defaults("b"), "test")
+    let b = Cluster::connect_and_start(NodeId::parse("b").unwrap(), &defaults("b"), "test")
         .await
         .unwrap();
     let store = placement_util::store(db.url()).await;
     let deadline = Duration::from_secs(30);
     eventually(deadline, "someone manages", || {
-        a.view().table().manager_term > 0 || b.view().table().manager_term > 0
+        a.view().table().manager_term.0 > 0 || b.view().table().manager_term.0 > 0
     })
     .await;
     let term1 = store.meta().await.unwrap().manager_term;
@@ -124,7 +124,7 @@ async fn manager_failover_with_default_settings() {
 
     // Stop the current manager's node: the other one must act.
     let current = store.meta().await.unwrap().manager_node.unwrap();
-    let (gone, survivor) = if leader.node_id().0 == current {
+    let (gone, survivor) = if leader.node_id().as_str() == current {
         (leader, standby)
     } else {
         (standby, leader)

@@ -24,7 +24,7 @@ async fn crashed_placement_actors_are_restarted() {
     )
     .await;
     let term_before = handle.leading_term().await;
-    assert!(term_before > 0, "the only node leads");
+    assert!(term_before.0 > 0, "the only node leads");
 
     // Placement actor: after a crash, heartbeats resume (counter grows) and no fence sticks.
     let beats = handle.snapshot().counters.heartbeats;
@@ -56,7 +56,7 @@ async fn crashed_placement_actors_are_restarted() {
     // Election: a restarted election wins the lock again, under a higher term.
     handle.inject_actor_failure(PlacementChild::Election);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let mut term_after = 0;
+    let mut term_after = graviton::placement::Term(0);
     while tokio::time::Instant::now() < deadline {
         term_after = handle.leading_term().await;
         if term_after > term_before {

@@ -67,7 +67,7 @@ pub enum Child {
 pub enum PlacementSupMsg {
     Restart(Child),
     /// The manager term this node leads under (0 when not leading).
-    Term(RpcReplyPort<i64>),
+    Term(RpcReplyPort<crate::placement::Term>),
     /// Ask the placement actor to re-read the table now.
     Refresh,
     /// Fault injection for tests and drills: kill a child as if it had crashed.
@@ -195,9 +195,9 @@ impl Actor for PlacementSupervisor {
             PlacementSupMsg::Term(reply) => {
                 let term = match &state.election {
                     Some(election) => {
-                        ractor::call_t!(election, ElectionMsg::Term, 2000).unwrap_or(0)
+                        ractor::call_t!(election, ElectionMsg::Term, 2000).unwrap_or_default()
                     }
-                    None => 0,
+                    None => crate::placement::Term(0),
                 };
                 let _ = reply.send(term);
             }

@@ -24,7 +24,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::ids::NodeId;
 use crate::placement::handoff::{self, Action};
-use crate::placement::model::{NodeState, ShardEntry};
+use crate::placement::model::{NodeState, ShardEntry, Term};
 use crate::placement::rebalance;
 use crate::storage::pg::placement::{FencedTx, NOTIFY_CHANNEL, PlacementStore, StoreError};
 
@@ -38,7 +38,7 @@ pub enum ShardManagerMsg {
 #[derive(Clone)]
 pub struct ShardManagerArgs {
     pub store: PlacementStore,
-    pub term: i64,
+    pub term: Term,
     pub node_ttl: Duration,
     pub move_budget: u32,
     pub rebalance_interval: Duration,
@@ -78,7 +78,7 @@ impl Actor for ShardManager {
     ) -> Result<ShardManagerState, ActorProcessingErr> {
         tracing::info!(
             component = "shard_manager",
-            term = args.term,
+            term = args.term.0,
             "shard manager acting"
         );
         let mut tasks = vec![AbortOnDropHandle::new(
@@ -124,11 +124,11 @@ impl Actor for ShardManager {
                         }
                     }
                     Err(err @ StoreError::Fenced { .. }) => {
-                        tracing::warn!(component = "shard_manager", term = args.term, error = %err, "fenced; stepping down");
+                        tracing::warn!(component = "shard_manager", term = args.term.0, error = %err, "fenced; stepping down");
                         return Err(Box::new(err));
                     }
                     Err(err) => {
-                        tracing::warn!(component = "shard_manager", term = args.term, error = %err, "round failed");
+                        tracing::warn!(component = "shard_manager", term = args.term.0, error = %err, "round failed");
                     }
                 }
             }
@@ -154,7 +154,7 @@ impl Actor for ShardManager {
 /// One planning round at `term` (see the module docs). Public for tests.
 pub async fn run_round(
     store: &PlacementStore,
-    term: i64,
+    term: Term,
     ttl_ms: i64,
     budget: usize,
 ) -> Result<RoundOutcome, StoreError> {

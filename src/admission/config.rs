@@ -7,7 +7,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ByteSize, HumanDuration, Problem, Secret};
+use crate::config::problem::Problem;
+use crate::config::secret::Secret;
+use crate::config::units::{ByteSize, HumanDuration};
 
 /// Largest byte value accepted anywhere in admission (1 PiB). Keeps every count exact in
 /// Lua's doubles (< 2^53) and far from `u64` overflow when sums are formed.

@@ -3,7 +3,7 @@
 //!
 //! Pure parts (no I/O): [`config`] (sections and validation), [`footprint`] (what each
 //! operation reserves), [`hashing`] (keyed ids for Redis), [`reply`] (script replies,
-//! fencing token), [`wait`] (retry delays), [`error`] (errors and HTTP mapping). Stateful
+//! fencing token), [`wait`] (retry delays), [`transfer`] (what each transfer asks for), [`error`] (errors and HTTP mapping). Stateful
 //! parts: [`budget`] (the local `TransferBudget`), [`metrics`], and [`service`] (the
 //! [`Admission`] facade, which drives `storage::redis` and the `LeaseHolder` actor).
 //! The protocol is described in `docs/admission.md`.
@@ -17,6 +17,7 @@ pub mod hashing;
 pub mod metrics;
 pub mod reply;
 pub mod service;
+pub mod transfer;
 pub mod wait;
 
 pub use crate::actors::lease_holder::Outcome;
@@ -29,3 +30,4 @@ pub use reply::{Dimension, FencingToken, Occupancy};
 pub use service::{
     Admission, AdmissionPermit, AdmissionSnapshot, LeaseInfo, TenantOverride, TransferRequest,
 };
+pub use transfer::BACKEND;

@@ -32,7 +32,6 @@
 //! `Retry-After`. The client's own body failing → `400 upload_interrupted`. Nothing
 //! waits without a deadline.
 
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -48,45 +47,36 @@ use futures_util::future::BoxFuture;
 
 use crate::config::Secret;
 use crate::http::ApiError;
+use crate::http::error::RETRY_OWNERSHIP;
 use crate::http::headers::parse_digits;
 use crate::http::internal::{
     CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, ERROR_CODE_HEADER, INTERNAL_TOKEN_HEADER,
     RESERVATION_HEADER, SHARD_EPOCH_HEADER, SHARD_HEADER, ingest_path,
 };
 use crate::ids::{NodeId, SessionKey};
+use crate::placement::{ClusterHandle, Epoch, OwnerTarget, RouteError, StaleEpoch};
 
 /// Largest owner response relayed (the owner answers a small JSON document).
 pub const MAX_OWNER_RESPONSE_BYTES: usize = 1024 * 1024;
-/// `Retry-After` on owner failures.
-pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
-/// Where to send an upload.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OwnerTarget {
-    pub node: NodeId,
-    /// The owner's internal listener.
-    pub internal_addr: SocketAddr,
-    pub shard: u32,
-    /// The shard epoch this route was resolved at.
-    pub epoch: u64,
-}
-
-/// What the owner said when it refused a stale epoch.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StaleEpoch {
-    pub refused_by: NodeId,
-    pub current_owner: Option<NodeId>,
-    pub current_epoch: Option<u64>,
-}
-
-/// Implemented by the node's placement: find the current owner after a stale epoch
-/// (e.g. re-read the shard table, or a control-plane `ResolveSession`).
+/// Implemented by the node's placement (`ClusterHandle`): find the current owner after a
+/// stale epoch (e.g. re-read the shard table). Tests give fixed answers.
 pub trait OwnerResolver: Send + Sync {
     fn re_resolve<'a>(
         &'a self,
         key: &'a SessionKey,
         stale: &'a StaleEpoch,
-    ) -> BoxFuture<'a, Result<OwnerTarget, ApiError>>;
+    ) -> BoxFuture<'a, Result<OwnerTarget, RouteError>>;
+}
+
+impl OwnerResolver for ClusterHandle {
+    fn re_resolve<'a>(
+        &'a self,
+        key: &'a SessionKey,
+        stale: &'a StaleEpoch,
+    ) -> BoxFuture<'a, Result<OwnerTarget, RouteError>> {
+        Box::pin(ClusterHandle::re_resolve(self, key, stale))
+    }
 }
 
 /// Forwarding options.
@@ -262,7 +252,7 @@ impl Forwarder {
                 tokio::time::timeout(self.head_deadline, resolver.re_resolve(&key, &stale)).await;
             target = match resolved {
                 Ok(Ok(next)) => next,
-                Ok(Err(error)) => return error.into_response(),
+                Ok(Err(error)) => return ApiError::from(error).into_response(),
                 Err(_) => {
                     return self.unavailable(
                         StatusCode::SERVICE_UNAVAILABLE,
@@ -293,8 +283,8 @@ impl Forwarder {
             .client
             .request(method, self.url(target, key))
             .header(INTERNAL_TOKEN_HEADER, self.token.clone())
-            .header(SHARD_HEADER, target.shard)
-            .header(SHARD_EPOCH_HEADER, target.epoch);
+            .header(SHARD_HEADER, target.shard.0)
+            .header(SHARD_EPOCH_HEADER, target.epoch.0);
         if let Some(value) = headers.get(header::CONTENT_TYPE) {
             request = request.header(header::CONTENT_TYPE, value.clone());
         }
@@ -463,7 +453,7 @@ impl Forwarder {
     fn unavailable(&self, status: StatusCode, message: &'static str) -> Response {
         self.stats.owner_failures.fetch_add(1, Ordering::Relaxed);
         ApiError::new(status, "owner_unavailable", message)
-            .with_retry_after(RETRY_AFTER)
+            .with_retry_after(RETRY_OWNERSHIP)
             .into_response()
     }
 }
@@ -509,7 +499,7 @@ fn relayed_refusal(status: StatusCode, headers: &HeaderMap) -> Option<ApiError> 
 
 fn owner_moved(message: &'static str) -> Response {
     ApiError::unavailable("owner_moved", message)
-        .with_retry_after(RETRY_AFTER)
+        .with_retry_after(RETRY_OWNERSHIP)
         .into_response()
 }
 
@@ -517,11 +507,12 @@ fn stale_from(target: &OwnerTarget, headers: &HeaderMap) -> StaleEpoch {
     let current_owner = headers
         .get(CURRENT_OWNER_HEADER)
         .and_then(|v| v.to_str().ok())
-        .map(|s| NodeId(s.to_string()))
-        .filter(|n| crate::control::envelope::validate_node_id(n).is_ok());
+        .and_then(|s| NodeId::parse(s).ok());
     let current_epoch = headers
         .get(CURRENT_EPOCH_HEADER)
-        .and_then(|v| parse_digits(v.as_bytes()));
+        .and_then(|v| parse_digits(v.as_bytes()))
+        .and_then(|n| i64::try_from(n).ok())
+        .map(Epoch);
     StaleEpoch {
         refused_by: target.node.clone(),
         current_owner,

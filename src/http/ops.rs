@@ -165,7 +165,8 @@ pub async fn drain(
             "this node runs in embedded mode; there is nothing to drain to",
         ));
     }
-    let node = crate::ids::NodeId(node);
+    let node = crate::ids::NodeId::parse(node)
+        .map_err(|e| ApiError::bad_request("invalid_node_id", format!("the node id {e}")))?;
     match app.cluster.drain(&node).await {
         Ok(true) => {
             tracing::info!(%node, "drain requested over the admin API");
@@ -188,7 +189,7 @@ pub async fn drain(
                 "placement_unavailable",
                 "the placement store is unavailable; retry",
             )
-            .with_retry_after(std::time::Duration::from_secs(2)))
+            .with_retry_after(super::error::RETRY_DRAIN))
         }
     }
 }

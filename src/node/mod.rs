@@ -13,6 +13,7 @@
 //! manifest), and stops the control plane, placement and actors.
 
 pub mod cluster;
+pub mod tasks;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -79,6 +80,7 @@ pub struct RunningNode {
     server: tokio::task::JoinHandle<std::io::Result<()>>,
     supervisor: SupervisorHandle,
     cluster_parts: Option<ClusterParts>,
+    tasks: tasks::BackgroundTasks,
 }
 
 /// What only cluster mode runs.
@@ -127,7 +129,9 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         metrics.register_with(|registry| gc_metrics.register(registry));
         (store, gc_metrics)
     });
-    let node_id = NodeId(config.node.id.clone());
+    // `Config::problems` checked `node.id` with the same rule.
+    let node_id = NodeId::parse(config.node.id.as_str())
+        .map_err(|e| StartError::Cluster(format!("node.id: {e}")))?;
     let cluster_mode = config.cluster.enabled;
     let mut shared_manifests: Option<Arc<dyn ManifestStore>> = None;
     let cluster: Arc<ClusterHandle> = if cluster_mode {
@@ -234,12 +238,28 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     let edge = crate::http::EdgeMetrics::default();
     metrics.register_with(|registry| edge.register(registry));
 
+    let uploads = Arc::new(crate::upload::UploadService::new(
+        crate::upload::UploadParts {
+            node: node_id.clone(),
+            blocks: blocks.clone(),
+            manifests: manifests.clone(),
+            sessions: supervisor.sessions(),
+            admission: admission.clone(),
+            cluster: cluster.clone(),
+            limits: crate::upload::UploadLimits {
+                max_blob_size: config.upload.max_blob_size.bytes(),
+                body_idle_timeout: config.upload.body_idle_timeout.get(),
+            },
+            metrics: metrics.clone(),
+        },
+    ));
     let state = Arc::new(AppState {
         node_id: node_id.clone(),
         config: Arc::new(config),
         blocks,
         manifests,
         sessions: supervisor.sessions(),
+        uploads,
         metrics,
         admission,
         readiness: Readiness::default(),
@@ -250,10 +270,14 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         edge,
         packs,
     });
-    crate::storage::pack::gc::spawn_schedule(&state);
+    let mut tasks = tasks::BackgroundTasks::new(CancellationToken::new());
+    let weak = Arc::downgrade(&state);
+    tasks.spawn("collector schedule", move |stop| {
+        tasks::collect_on_schedule(weak.clone(), stop)
+    });
 
     let cluster_parts = if cluster_mode {
-        Some(start_cluster_parts(&state).await?)
+        Some(start_cluster_parts(&state, &mut tasks).await?)
     } else {
         None
     };
@@ -283,11 +307,15 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         server,
         supervisor,
         cluster_parts,
+        tasks,
     })
 }
 
 /// Internal listener, control plane and peer feed of a cluster node.
-async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, StartError> {
+async fn start_cluster_parts(
+    state: &Arc<AppState>,
+    tasks: &mut tasks::BackgroundTasks,
+) -> Result<ClusterParts, StartError> {
     let config = &state.config;
     let token = config.control.internal_token.clone().ok_or_else(|| {
         StartError::Control("control.internal_token is required in cluster mode".into())
@@ -306,8 +334,8 @@ async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, Star
     let stop = CancellationToken::new();
     let router = internal::router(internal::InternalState {
         token,
-        epochs: Arc::new(cluster::PlacementEpochs(state.cluster.clone())),
-        ingest: Arc::new(cluster::NodeIngest(state.clone())),
+        epochs: state.cluster.clone(),
+        ingest: Arc::new(state.uploads.clone()),
     });
     let tls = if config.http.internal_tls.enabled() {
         Some(
@@ -347,17 +375,14 @@ async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, Star
             .map_err(|e| StartError::Control(e.to_string()))?,
     );
     let transport: Arc<dyn ControlTransport> = control.clone();
-    tokio::spawn(cluster::keep_peers_current(
-        state.cluster.clone(),
-        transport,
-        config.cluster.poll_interval.get(),
-        stop.clone(),
-    ));
-    tokio::spawn(cluster::release_lost_sessions(
-        state.cluster.clone(),
-        state.sessions.clone(),
-        stop.clone(),
-    ));
+    let (cluster, every) = (state.cluster.clone(), config.cluster.poll_interval.get());
+    tasks.spawn("peer feed", move |stop| {
+        cluster::keep_peers_current(cluster.clone(), transport.clone(), every, stop)
+    });
+    let (cluster, sessions) = (state.cluster.clone(), state.sessions.clone());
+    tasks.spawn("release of lost sessions", move |stop| {
+        cluster::release_lost_sessions(cluster.clone(), sessions.clone(), stop)
+    });
     Ok(ClusterParts {
         internal,
         internal_addr,
@@ -413,6 +438,7 @@ impl RunningNode {
                 ShutdownOutcome::Aborted
             }
         };
+        self.tasks.shutdown(grace).await;
         if let Some(parts) = self.cluster_parts.take() {
             parts.stop.cancel();
             let _ = tokio::time::timeout(grace, parts.internal).await;

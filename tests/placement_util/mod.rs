@@ -11,10 +11,17 @@ use graviton::storage::pg::PlacementStore;
 /// Fast test timings (heartbeat 100ms, self-fence 400ms, TTL 1s, poll 250ms, 64 shards).
 pub fn config(url: &str, node: &str) -> ClusterConfig {
     let mut config = ClusterConfig::fast_for_tests(url);
-    config.internal_addr = format!("{node}.internal:7071");
+    config.internal_addr = internal_addr(node);
     config.public_addr = format!("{node}.public:7070");
     config.control_addr = format!("{node}.control:7072");
     config
+}
+
+/// The internal address a test node registers: loopback, a port derived from its name
+/// (nothing listens there; placement tests only route).
+pub fn internal_addr(node: &str) -> String {
+    let port = 20_000 + blake3::hash(node.as_bytes()).as_bytes()[0] as u16 * 64;
+    format!("127.0.0.1:{port}")
 }
 
 /// Start a node named `name` with the default fast config adjusted by `tweak`.
@@ -25,7 +32,7 @@ pub async fn start_node(
 ) -> ClusterHandle {
     let mut config = config(url, name);
     tweak(&mut config);
-    Cluster::connect_and_start(NodeId(name.to_string()), &config, "test")
+    Cluster::connect_and_start(NodeId::parse(name).unwrap(), &config, "test")
         .await
         .unwrap_or_else(|e| panic!("start {name}: {e}"))
 }
@@ -79,7 +86,7 @@ pub fn settled(handles: &[&ClusterHandle], owners: &[&str]) -> bool {
     }
     let counts: Vec<usize> = owners
         .iter()
-        .map(|o| first.owned_by(&NodeId(o.to_string())))
+        .map(|o| first.owned_by(&NodeId::parse(*o).unwrap()))
         .collect();
     let total: usize = counts.iter().sum();
     let min = counts.iter().min().copied().unwrap_or(0);
@@ -88,5 +95,8 @@ pub fn settled(handles: &[&ClusterHandle], owners: &[&str]) -> bool {
 }
 
 pub fn owned(handle: &ClusterHandle, node: &str) -> usize {
-    handle.view().table().owned_by(&NodeId(node.to_string()))
+    handle
+        .view()
+        .table()
+        .owned_by(&NodeId::parse(node).unwrap())
 }

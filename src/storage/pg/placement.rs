@@ -16,7 +16,7 @@ use sqlx::{PgPool, Postgres, Row, Transaction};
 
 use crate::ids::NodeId;
 use crate::placement::config::ClusterTimings;
-use crate::placement::model::{Epoch, NodeInfo, NodeState, ShardEntry, ShardId, ShardTable};
+use crate::placement::model::{Epoch, NodeInfo, NodeState, ShardEntry, ShardId, ShardTable, Term};
 
 /// LISTEN/NOTIFY channel of placement changes. Payloads: `shards`, `nodes`, `ack`, `term`.
 pub const NOTIFY_CHANNEL: &str = "graviton_placement";
@@ -34,7 +34,7 @@ pub enum StoreError {
     #[error("migration failed: {0}")]
     Migration(String),
     #[error("manager term {held} is no longer current (current term {current}); write refused")]
-    Fenced { held: i64, current: i64 },
+    Fenced { held: Term, current: Term },
     #[error(
         "the cluster was bootstrapped with {stored} shards but this node is configured with {configured} (cluster.shard_count); the shard count cannot change"
     )]
@@ -76,7 +76,7 @@ pub enum HeartbeatReply {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterMeta {
     pub shard_count: u32,
-    pub manager_term: i64,
+    pub manager_term: Term,
     pub manager_node: Option<String>,
 }
 
@@ -89,7 +89,7 @@ pub struct PlacementStore {
 /// A transaction that holds a share lock on the meta row at a checked manager term.
 pub struct FencedTx {
     tx: Transaction<'static, Postgres>,
-    term: i64,
+    term: Term,
 }
 
 impl PlacementStore {
@@ -160,7 +160,7 @@ impl PlacementStore {
         .ok_or(StoreError::NotBootstrapped)?;
         Ok(ClusterMeta {
             shard_count: row.try_get::<i32, _>("shard_count")? as u32,
-            manager_term: row.try_get("manager_term")?,
+            manager_term: Term(row.try_get("manager_term")?),
             manager_node: row.try_get("manager_node")?,
         })
     }
@@ -192,7 +192,7 @@ impl PlacementStore {
                 registered_at = now(), heartbeat_at = now()
              RETURNING incarnation",
         )
-        .bind(&node.id.0)
+        .bind(node.id.as_str())
         .bind(&node.public_addr)
         .bind(&node.internal_addr)
         .bind(&node.control_addr)
@@ -218,7 +218,7 @@ impl PlacementStore {
              SELECT (SELECT state FROM beat) AS beat_state, n.state, n.incarnation
              FROM placement_nodes n WHERE n.id = $1",
         )
-        .bind(&node.0)
+        .bind(node.as_str())
         .bind(incarnation)
         .fetch_optional(&self.pool)
         .await?;
@@ -264,7 +264,7 @@ impl PlacementStore {
                     drain_requested = drain_requested OR state <> 'dead'
              WHERE id = $1 RETURNING state",
         )
-        .bind(&node.0)
+        .bind(node.as_str())
         .fetch_optional(&mut *tx)
         .await?;
         notify(&mut tx, "nodes").await?;
@@ -294,7 +294,7 @@ impl PlacementStore {
                AND s.moving_to IS NOT NULL AND NOT s.revoke_acked
                AND EXISTS (SELECT 1 FROM placement_nodes WHERE id = $1 AND incarnation = $4)",
         )
-        .bind(&node.0)
+        .bind(node.as_str())
         .bind(&shards)
         .bind(&epochs)
         .bind(incarnation)
@@ -324,7 +324,7 @@ impl PlacementStore {
         )
         .bind(shard.0 as i32)
         .bind(epoch.0)
-        .bind(&node.0)
+        .bind(node.as_str())
         .bind(incarnation)
         .execute(&mut *tx)
         .await?
@@ -348,7 +348,7 @@ impl PlacementStore {
             sqlx::query_scalar("SELECT manager_term FROM placement_meta WHERE id = 1")
                 .fetch_optional(&mut *tx)
                 .await?;
-        let term = term.ok_or(StoreError::NotBootstrapped)?;
+        let term = Term(term.ok_or(StoreError::NotBootstrapped)?);
         let nodes = read_nodes(&mut tx).await?;
         let rows = sqlx::query(
             "SELECT shard, node_id, epoch, moving_to, revoke_acked FROM placement_shards ORDER BY shard",
@@ -364,9 +364,9 @@ impl PlacementStore {
             }
             shards.push(ShardEntry {
                 shard: ShardId(shard as u32),
-                owner: row.try_get::<Option<String>, _>("node_id")?.map(NodeId),
+                owner: node_column(row.try_get("node_id")?, "placement_shards.node_id")?,
                 epoch: Epoch(row.try_get("epoch")?),
-                moving_to: row.try_get::<Option<String>, _>("moving_to")?.map(NodeId),
+                moving_to: node_column(row.try_get("moving_to")?, "placement_shards.moving_to")?,
                 revoke_acked: row.try_get("revoke_acked")?,
             });
         }
@@ -386,29 +386,29 @@ impl PlacementStore {
     }
 
     /// Start a new manager term (called right after winning the advisory lock).
-    pub async fn bump_term(&self, manager: &NodeId) -> Result<i64, StoreError> {
+    pub async fn bump_term(&self, manager: &NodeId) -> Result<Term, StoreError> {
         let mut tx = self.pool.begin().await?;
         let term: Option<i64> = sqlx::query_scalar(
             "UPDATE placement_meta SET manager_term = manager_term + 1, manager_node = $1, term_started_at = now()
              WHERE id = 1 RETURNING manager_term",
         )
-        .bind(&manager.0)
+        .bind(manager.as_str())
         .fetch_optional(&mut *tx)
         .await?;
-        let term = term.ok_or(StoreError::NotBootstrapped)?;
+        let term = Term(term.ok_or(StoreError::NotBootstrapped)?);
         notify(&mut tx, "term").await?;
         tx.commit().await?;
         Ok(term)
     }
 
     /// Begin a manager write at `term`; fails with [`StoreError::Fenced`] if the term moved on.
-    pub async fn fenced(&self, term: i64) -> Result<FencedTx, StoreError> {
+    pub async fn fenced(&self, term: Term) -> Result<FencedTx, StoreError> {
         let mut tx = self.pool.begin().await?;
         let current: Option<i64> =
             sqlx::query_scalar("SELECT manager_term FROM placement_meta WHERE id = 1 FOR SHARE")
                 .fetch_optional(&mut *tx)
                 .await?;
-        let current = current.ok_or(StoreError::NotBootstrapped)?;
+        let current = Term(current.ok_or(StoreError::NotBootstrapped)?);
         if current != term {
             tx.rollback().await?;
             return Err(StoreError::Fenced {
@@ -421,7 +421,7 @@ impl PlacementStore {
 }
 
 impl FencedTx {
-    pub fn term(&self) -> i64 {
+    pub fn term(&self) -> Term {
         self.term
     }
 
@@ -435,7 +435,7 @@ impl FencedTx {
             "UPDATE placement_nodes SET state = 'dead'
              WHERE id = $1 AND state <> 'dead' AND heartbeat_at < now() - make_interval(secs => $2::float8 / 1000.0)",
         )
-        .bind(&node.0)
+        .bind(node.as_str())
         .bind(ttl_ms)
         .execute(&mut *self.tx)
         .await?
@@ -448,7 +448,7 @@ impl FencedTx {
         let n = sqlx::query(
             "UPDATE placement_nodes SET state = 'active' WHERE id = $1 AND state = 'joining'",
         )
-        .bind(&node.0)
+        .bind(node.as_str())
         .execute(&mut *self.tx)
         .await?
         .rows_affected();
@@ -468,7 +468,7 @@ impl FencedTx {
         )
         .bind(shard.0 as i32)
         .bind(read_epoch.0)
-        .bind(&to.0)
+        .bind(to.as_str())
         .fetch_optional(&mut *self.tx)
         .await?;
         Ok(epoch.map(Epoch))
@@ -488,8 +488,8 @@ impl FencedTx {
         )
         .bind(shard.0 as i32)
         .bind(read_epoch.0)
-        .bind(&owner.0)
-        .bind(&to.0)
+        .bind(owner.as_str())
+        .bind(to.as_str())
         .execute(&mut *self.tx)
         .await?
         .rows_affected();
@@ -509,7 +509,7 @@ impl FencedTx {
         )
         .bind(shard.0 as i32)
         .bind(read_epoch.0)
-        .bind(&owner.0)
+        .bind(owner.as_str())
         .execute(&mut *self.tx)
         .await?
         .rows_affected();
@@ -534,7 +534,7 @@ impl FencedTx {
         )
         .bind(shard.0 as i32)
         .bind(read_epoch.0)
-        .bind(&to.0)
+        .bind(to.as_str())
         .fetch_optional(&mut *self.tx)
         .await?;
         Ok(epoch.map(Epoch))
@@ -549,7 +549,7 @@ impl FencedTx {
     ) -> Result<Option<NodeState>, StoreError> {
         let state: Option<String> =
             sqlx::query_scalar("SELECT state FROM placement_nodes WHERE id = $1 FOR UPDATE")
-                .bind(&node.0)
+                .bind(node.as_str())
                 .fetch_optional(&mut *self.tx)
                 .await?;
         state
@@ -592,7 +592,8 @@ async fn read_nodes(
     .await?;
     let mut nodes = BTreeMap::new();
     for row in rows {
-        let id = NodeId(row.try_get("id")?);
+        let id = NodeId::parse(row.try_get::<String, _>("id")?)
+            .map_err(|_| StoreError::Corrupt("placement_nodes.id"))?;
         let state: String = row.try_get("state")?;
         nodes.insert(
             id.clone(),
@@ -609,4 +610,11 @@ async fn read_nodes(
         );
     }
     Ok(nodes)
+}
+
+/// A nullable node id column; a value that is not a valid node id is a corrupt row.
+fn node_column(value: Option<String>, column: &'static str) -> Result<Option<NodeId>, StoreError> {
+    value
+        .map(|text| NodeId::parse(text).map_err(|_| StoreError::Corrupt(column)))
+        .transpose()
 }
