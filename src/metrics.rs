@@ -222,7 +222,7 @@ impl Metrics {
     }
 
     /// Copy the placement snapshot into the gauges and counters (called on scrape).
-    pub fn sync_placement(&self, snapshot: &crate::placement::ClusterSnapshot) {
+    pub fn sync_placement(&self, snapshot: &crate::placement::PlacementSnapshot) {
         let shard = |kind| self.shards.get_or_create(&KindLabels { kind });
         shard("configured").set(i64::from(snapshot.configured_shards));
         shard("assigned").set(snapshot.assigned_shards as i64);

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use graviton::ids::NodeId;
 use graviton::placement::{self, ClusterError, HealthStatus, NodeState};
-use graviton::storage::pg::StoreError;
+use graviton::storage::pg::PlacementStoreError;
 use placement_util::{eventually, owned, random_key, settled, start_node};
 use support::TestDatabase;
 
@@ -252,7 +252,7 @@ async fn manager_failover_to_a_standby_with_a_higher_term() {
     // The old term can no longer write.
     assert!(matches!(
         store.fenced(term1).await,
-        Err(StoreError::Fenced { .. })
+        Err(PlacementStoreError::Fenced { .. })
     ));
     // The old leader stepped down: exactly one node leads, under the newest term.
     let since = Instant::now();
@@ -436,7 +436,7 @@ async fn shard_count_mismatch_refuses_to_start() {
     assert!(
         matches!(
             err,
-            ClusterError::Store(StoreError::ShardCountMismatch {
+            ClusterError::Store(PlacementStoreError::ShardCountMismatch {
                 configured: 128,
                 stored: 64
             })

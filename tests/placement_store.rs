@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use graviton::ids::NodeId;
 use graviton::placement::{Epoch, NodeState, ShardId};
-use graviton::storage::pg::StoreError;
+use graviton::storage::pg::PlacementStoreError;
 use graviton::storage::pg::placement::NodeRegistration;
 use support::TestDatabase;
 
@@ -36,7 +36,7 @@ async fn bootstrap_is_idempotent_and_shard_count_is_fixed() {
     assert!(
         matches!(
             err,
-            StoreError::ShardCountMismatch {
+            PlacementStoreError::ShardCountMismatch {
                 configured: 128,
                 stored: 64
             }
@@ -72,13 +72,13 @@ async fn zombie_manager_writes_are_refused() {
         .err()
         .expect("old term must be fenced");
     assert!(
-        matches!(err, StoreError::Fenced { held, current } if held == old && current == new),
+        matches!(err, PlacementStoreError::Fenced { held, current } if held == old && current == new),
         "{err}"
     );
     let err = graviton::actors::shard_manager::run_round(&store, old, 1000, 8)
         .await
         .unwrap_err();
-    assert!(matches!(err, StoreError::Fenced { .. }));
+    assert!(matches!(err, PlacementStoreError::Fenced { .. }));
 
     // A write that passed the check holds the term: a concurrent bump waits for it, and
     // afterwards the same term is refused.
@@ -129,7 +129,7 @@ async fn zombie_manager_writes_are_refused() {
     assert_eq!(newest.0, new.0 + 1);
     assert!(matches!(
         store.fenced(new).await,
-        Err(StoreError::Fenced { .. })
+        Err(PlacementStoreError::Fenced { .. })
     ));
 
     // Epochs only move forward through the conditional update.

@@ -26,7 +26,9 @@ use crate::ids::NodeId;
 use crate::placement::handoff::{self, Action};
 use crate::placement::model::{NodeState, ShardEntry, Term};
 use crate::placement::rebalance;
-use crate::storage::pg::placement::{FencedTx, NOTIFY_CHANNEL, PlacementStore, StoreError};
+use crate::storage::pg::placement::{
+    FencedTx, NOTIFY_CHANNEL, PlacementStore, PlacementStoreError,
+};
 
 #[derive(Debug, ractor_cluster::RactorMessage)]
 pub enum ShardManagerMsg {
@@ -123,7 +125,7 @@ impl Actor for ShardManager {
                             ));
                         }
                     }
-                    Err(err @ StoreError::Fenced { .. }) => {
+                    Err(err @ PlacementStoreError::Fenced { .. }) => {
                         tracing::warn!(component = "shard_manager", term = args.term.0, error = %err, "fenced; stepping down");
                         return Err(Box::new(err));
                     }
@@ -157,10 +159,10 @@ pub async fn run_round(
     term: Term,
     ttl_ms: i64,
     budget: usize,
-) -> Result<RoundOutcome, StoreError> {
+) -> Result<RoundOutcome, PlacementStoreError> {
     let table = store.read_table().await?;
     if table.manager_term != term {
-        return Err(StoreError::Fenced {
+        return Err(PlacementStoreError::Fenced {
             held: term,
             current: table.manager_term,
         });
@@ -271,7 +273,7 @@ async fn owner_confirmed_gone(
     tx: &mut FencedTx,
     locked: &mut HashMap<NodeId, Option<NodeState>>,
     owner: Option<&NodeId>,
-) -> Result<bool, StoreError> {
+) -> Result<bool, PlacementStoreError> {
     let Some(owner) = owner else { return Ok(true) };
     let state = match locked.get(owner) {
         Some(state) => *state,

@@ -23,7 +23,7 @@ use crate::actors::placement_supervisor::{
 };
 use crate::actors::shard_manager::ShardManagerArgs;
 use crate::ids::{NodeId, SessionKey};
-use crate::storage::pg::placement::{NodeRegistration, PlacementStore, StoreError};
+use crate::storage::pg::placement::{NodeRegistration, PlacementStore, PlacementStoreError};
 use crate::storage::pg::{self as pg};
 
 use super::{
@@ -39,7 +39,7 @@ pub enum ClusterError {
     #[error("invalid [cluster] configuration: {0}")]
     InvalidConfig(String),
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Store(#[from] PlacementStoreError),
     #[error(
         "another Graviton shard manager holds the PostgreSQL manager lock; refusing to start a second one"
     )]
@@ -72,7 +72,7 @@ pub struct NodeSummary {
 
 /// The operator snapshot served at `/v1/ops/cluster` (no tenant or session values).
 #[derive(Clone, Debug, Serialize)]
-pub struct ClusterSnapshot {
+pub struct PlacementSnapshot {
     pub node: NodeId,
     pub health: HealthSnapshot,
     pub configured_shards: u32,
@@ -302,10 +302,10 @@ pub async fn run_standalone_manager(
     );
     let mut conn = PgConnection::connect_with(&lock_options)
         .await
-        .map_err(StoreError::Database)?;
+        .map_err(PlacementStoreError::Database)?;
     if !manager_election::try_lock(&mut conn)
         .await
-        .map_err(StoreError::Database)?
+        .map_err(PlacementStoreError::Database)?
     {
         let _ = conn.close().await;
         return Err(ClusterError::ManagerLockHeld);
@@ -440,9 +440,9 @@ impl ClusterHandle {
     }
 
     /// The operator snapshot (from the local table; no I/O).
-    pub fn snapshot(&self) -> ClusterSnapshot {
+    pub fn snapshot(&self) -> PlacementSnapshot {
         let table = self.view.table();
-        ClusterSnapshot {
+        PlacementSnapshot {
             node: self.view.node().clone(),
             health: self.view.health(),
             configured_shards: self.view.shard_count(),
