@@ -2,17 +2,17 @@
 //! before the body is read. Requests are written by hand on a raw `TcpStream` so a
 //! response can be observed while the declared body is still incomplete.
 
+#[allow(unused_imports)]
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
-use graviton::config::Secret;
 use graviton::http::ApiError;
-use graviton::http::internal::{
-    self, CURRENT_OWNER_HEADER, IngestRequest, InternalState, OwnerIngest,
-};
+use graviton::http::internal::{CURRENT_OWNER_HEADER, IngestRequest, OwnerIngest};
 use graviton::ids::{NodeId, SessionKey};
 use graviton::placement::{Epoch, EpochVerdict, ShardId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -70,19 +70,7 @@ async fn owner(ingest: CountingIngest) -> std::net::SocketAddr {
             }
         }
     };
-    let state = InternalState {
-        token: Secret::new(TOKEN),
-        epochs: Arc::new(epochs),
-        ingest: Arc::new(ingest),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(internal::serve(
-        listener,
-        internal::router(state),
-        std::future::pending(),
-    ));
-    addr
+    support::node::serve_internal(TOKEN, epochs, ingest).await
 }
 
 struct RawResponse {

@@ -1,6 +1,9 @@
 //! Forwarding over real loopback sockets: client → front node (axum, forwarder) →
 //! owner's internal listener (axum). Bodies are verified with BLAKE3 at the owner.
 
+#[allow(unused_imports)]
+mod support;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +20,7 @@ use futures_util::future::BoxFuture;
 use graviton::config::Secret;
 use graviton::http::ApiError;
 use graviton::http::forward::{ForwardOptions, Forwarder, OwnerResolver};
-use graviton::http::internal::{self, EpochCheck, IngestRequest, InternalState, OwnerIngest};
+use graviton::http::internal::{EpochCheck, IngestRequest, OwnerIngest};
 use graviton::ids::{NodeId, SessionKey};
 use graviton::placement::{Epoch, EpochVerdict, OwnerTarget, RouteError, ShardId, StaleEpoch};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -164,19 +167,7 @@ async fn start_owner(ingest: HashingOwner, epoch: u64, moved_to: &str) -> Socket
 }
 
 async fn start_owner_with(ingest: HashingOwner, epochs: impl EpochCheck) -> SocketAddr {
-    let state = InternalState {
-        token: Secret::new(TOKEN),
-        epochs: Arc::new(epochs),
-        ingest: Arc::new(ingest),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(internal::serve(
-        listener,
-        internal::router(state),
-        std::future::pending(),
-    ));
-    addr
+    support::node::serve_internal(TOKEN, epochs, ingest).await
 }
 
 /// Re-resolution answers a fixed target and counts calls.

@@ -2,7 +2,6 @@
 //! on one database, with distinct node ids and fast timings (heartbeat 100ms, self-fence
 //! 400ms, node TTL 1s, polling 250ms). Every wait is a poll with a generous deadline.
 
-mod placement_util;
 #[allow(unused_imports)]
 mod support;
 
@@ -11,8 +10,8 @@ use std::time::{Duration, Instant};
 use graviton::ids::NodeId;
 use graviton::placement::{self, ClusterError, HealthStatus, NodeState};
 use graviton::storage::pg::PlacementStoreError;
-use placement_util::{eventually, owned, random_key, settled, start_node};
 use support::TestDatabase;
+use support::placement::{eventually, owned, random_key, settled, start_node};
 
 const GENEROUS: Duration = Duration::from_secs(15);
 
@@ -59,7 +58,7 @@ async fn three_nodes_share_shards_evenly_with_one_manager() {
         assert_eq!(
             owners[0].internal_addr,
             Some(
-                placement_util::internal_addr(owners[0].node.as_str())
+                support::placement::internal_addr(owners[0].node.as_str())
                     .parse()
                     .unwrap()
             )
@@ -184,7 +183,7 @@ async fn silent_node_loses_its_shards_after_the_ttl() {
     );
     // Evidence from the database clock: every one of c's shards was rewritten more than
     // node_ttl after c's last heartbeat.
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     let min_gap_ms: f64 = sqlx::query_scalar(
         "SELECT EXTRACT(EPOCH FROM min(s.updated_at - n.heartbeat_at))::float8 * 1000
          FROM placement_shards s, placement_nodes n WHERE n.id = 'c' AND s.shard = ANY($1)",
@@ -215,7 +214,7 @@ async fn manager_failover_to_a_standby_with_a_higher_term() {
     let a = start_node(db.url(), "a", |_| {}).await;
     let b = start_node(db.url(), "b", |_| {}).await;
     eventually(GENEROUS, "balanced", || settled(&[&a, &b], &["a", "b"])).await;
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     let term1 = store.meta().await.unwrap().manager_term;
     let (leader, standby) = if a.leading_term().await == term1 {
         (a, b)
@@ -311,7 +310,7 @@ async fn second_standalone_manager_fails_closed() {
     let Some(db) = TestDatabase::create("second_standalone_manager_fails_closed").await else {
         return;
     };
-    let config = placement_util::config(db.url(), "m1");
+    let config = support::placement::config(db.url(), "m1");
     let first = placement::run_standalone_manager(NodeId::parse("m1").unwrap(), &config)
         .await
         .unwrap();
@@ -427,7 +426,7 @@ async fn shard_count_mismatch_refuses_to_start() {
         return;
     };
     let a = start_node(db.url(), "a", |_| {}).await;
-    let mut config = placement_util::config(db.url(), "b");
+    let mut config = support::placement::config(db.url(), "b");
     config.shard_count = 128;
     let err = placement::Cluster::connect_and_start(NodeId::parse("b").unwrap(), &config, "test")
         .await
@@ -485,7 +484,7 @@ async fn readiness_follows_placement() {
 
     // Placement unreadable: unavailable, not ready, last success kept; then recovery.
     let good = b.health().last_successful_at_ms.unwrap();
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     sqlx::query("ALTER TABLE placement_shards RENAME TO placement_shards_hidden")
         .execute(store.pool())
         .await
@@ -530,7 +529,7 @@ async fn unsafe_timings_refuse_to_start() {
     let Some(db) = TestDatabase::create("unsafe_timings_refuse_to_start").await else {
         return;
     };
-    let mut config = placement_util::config(db.url(), "a");
+    let mut config = support::placement::config(db.url(), "a");
     config.node_ttl = graviton::config::HumanDuration::millis(300); // below self_fence (400ms)
     let err = placement::Cluster::connect_and_start(NodeId::parse("a").unwrap(), &config, "test")
         .await
@@ -550,18 +549,18 @@ async fn timings_that_disagree_with_the_cluster_refuse_to_start() {
         return;
     };
     // Stored: self_fence 400ms, node_ttl 1s.
-    let a = placement_util::start_node(db.url(), "a", |_| {}).await;
+    let a = support::placement::start_node(db.url(), "a", |_| {}).await;
     let start = |config: graviton::placement::ClusterConfig, name: &'static str| async move {
         placement::Cluster::connect_and_start(NodeId::parse(name).unwrap(), &config, "test").await
     };
 
-    let mut late_fence = placement_util::config(db.url(), "b");
+    let mut late_fence = support::placement::config(db.url(), "b");
     late_fence.self_fence = HumanDuration::millis(800);
     late_fence.node_ttl = HumanDuration::secs(2);
     let err = start(late_fence, "b").await.err().expect("must refuse");
     assert!(err.to_string().contains("cluster.self_fence"), "{err}");
 
-    let mut quick_manager = placement_util::config(db.url(), "c");
+    let mut quick_manager = support::placement::config(db.url(), "c");
     quick_manager.self_fence = HumanDuration::millis(200);
     quick_manager.node_ttl = HumanDuration::millis(500);
     let err = start(quick_manager.clone(), "c")
@@ -591,10 +590,10 @@ async fn a_drain_lets_a_running_ingest_finish_before_its_shard_moves() {
     let grace = |c: &mut graviton::placement::ClusterConfig| {
         c.handoff_grace = HumanDuration::secs(30);
     };
-    let a = placement_util::start_node(db.url(), "a", grace).await;
-    let b = placement_util::start_node(db.url(), "b", grace).await;
-    placement_util::eventually(Duration::from_secs(20), "balanced", || {
-        placement_util::settled(&[&a, &b], &["a", "b"])
+    let a = support::placement::start_node(db.url(), "a", grace).await;
+    let b = support::placement::start_node(db.url(), "b", grace).await;
+    support::placement::eventually(Duration::from_secs(20), "balanced", || {
+        support::placement::settled(&[&a, &b], &["a", "b"])
     })
     .await;
     let a_id = NodeId::parse("a").unwrap();
@@ -603,7 +602,7 @@ async fn a_drain_lets_a_running_ingest_finish_before_its_shard_moves() {
     let running = a.begin_ingest(shard, epoch).expect("a owns the shard");
 
     assert!(a.drain(&a_id).await.unwrap());
-    placement_util::eventually(Duration::from_secs(20), "every other shard left a", || {
+    support::placement::eventually(Duration::from_secs(20), "every other shard left a", || {
         let t = a.view().table();
         t.owned_by(&a_id) == 1 && t.get(shard).unwrap().moving_to.is_some()
     })
@@ -617,7 +616,7 @@ async fn a_drain_lets_a_running_ingest_finish_before_its_shard_moves() {
     );
 
     drop(running); // the upload finished: a acknowledges, the move completes
-    placement_util::eventually(Duration::from_secs(20), "the shard moved to b", || {
+    support::placement::eventually(Duration::from_secs(20), "the shard moved to b", || {
         let entry = b.view().table().get(shard).cloned().unwrap();
         entry.owner == Some(NodeId::parse("b").unwrap()) && entry.moving_to.is_none()
     })

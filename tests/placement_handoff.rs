@@ -8,7 +8,6 @@
 //! checker asserts that no two nodes' intervals for the same session overlap, and that
 //! epochs only grow across owners.
 
-mod placement_util;
 #[allow(unused_imports)]
 mod support;
 
@@ -18,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use graviton::ids::{NodeId, SessionKey};
 use graviton::placement::ClusterHandle;
-use placement_util::{eventually, random_key, settled, start_node};
 use rand::Rng;
 use support::TestDatabase;
+use support::placement::{eventually, random_key, settled, start_node};
 
 const GENEROUS: Duration = Duration::from_secs(20);
 
@@ -181,10 +180,10 @@ async fn no_two_nodes_ingest_a_session_at_once() {
     let d = Arc::new(start_node(db.url(), "d", tweak).await);
     workers.add(&d, 3);
     eventually(GENEROUS, "rebalance under way", || {
-        placement_util::owned(&a, "d") > 0
+        support::placement::owned(&a, "d") > 0
     })
     .await;
-    let admin = placement_util::store(db.url()).await;
+    let admin = support::placement::store(db.url()).await;
     let term_before = admin.meta().await.unwrap().manager_term;
     sqlx::query(
         "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted
@@ -237,7 +236,7 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
     let a = Arc::new(start_node(db.url(), "a", |_| {}).await);
     // b connects as its own role so that only b can be cut off.
     let role = format!("node_b_{}", support::unique_suffix());
-    let admin = placement_util::store(db.url()).await;
+    let admin = support::placement::store(db.url()).await;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "CREATE ROLE {role} LOGIN SUPERUSER"
     )))
@@ -325,7 +324,7 @@ async fn a_node_declared_dead_rejoins_fenced_until_it_rereads_the_table() {
     let a = Arc::new(start_node(db.url(), "a", |_| {}).await);
     // b connects as an ordinary role, so that a REVOKE applies to it.
     let role = format!("node_b_{}", support::unique_suffix());
-    let admin = placement_util::store(db.url()).await;
+    let admin = support::placement::store(db.url()).await;
     for sql in [
         format!("CREATE ROLE {role} LOGIN"),
         format!("GRANT USAGE, CREATE ON SCHEMA public TO {role}"),

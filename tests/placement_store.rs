@@ -1,7 +1,6 @@
 //! The placement store against real PostgreSQL: bootstrap, shard-count fencing, manager
 //! term fencing, heartbeats by the database clock, revocation acknowledgements.
 
-mod placement_util;
 #[allow(unused_imports)]
 mod support;
 
@@ -29,7 +28,7 @@ async fn bootstrap_is_idempotent_and_shard_count_is_fixed() {
     else {
         return;
     };
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     assert_eq!(store.bootstrap(64).await.unwrap().shard_count, 64);
     assert_eq!(store.bootstrap(64).await.unwrap().shard_count, 64);
     let err = store.bootstrap(128).await.unwrap_err();
@@ -52,7 +51,7 @@ async fn zombie_manager_writes_are_refused() {
     let Some(db) = TestDatabase::create("zombie_manager_writes_are_refused").await else {
         return;
     };
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     store.bootstrap(8).await.unwrap();
     store.register_node(&registration("a")).await.unwrap();
     let old = store
@@ -161,7 +160,7 @@ async fn heartbeats_use_the_database_clock_and_dead_nodes_must_reregister() {
     else {
         return;
     };
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     store.bootstrap(8).await.unwrap();
     let a = NodeId::parse("a").unwrap();
     let inc = store.register_node(&registration("a")).await.unwrap();
@@ -205,7 +204,7 @@ async fn acknowledgement_is_bound_to_owner_epoch_and_incarnation() {
     else {
         return;
     };
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     store.bootstrap(4).await.unwrap();
     let (a, b) = (NodeId::parse("a").unwrap(), NodeId::parse("b").unwrap());
     let inc_a = store.register_node(&registration("a")).await.unwrap();
@@ -279,7 +278,7 @@ async fn batched_acknowledgements_skip_stale_entries() {
     let Some(db) = TestDatabase::create("batched_acknowledgements_skip_stale_entries").await else {
         return;
     };
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     store.bootstrap(4).await.unwrap();
     let (a, b) = (NodeId::parse("a").unwrap(), NodeId::parse("b").unwrap());
     let inc_a = store.register_node(&registration("a")).await.unwrap();
@@ -333,7 +332,7 @@ async fn reregistration_keeps_a_drain_and_refusals_say_why() {
         return;
     };
     use graviton::storage::pg::placement::HeartbeatReply;
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     store.bootstrap(8).await.unwrap();
     let a = NodeId::parse("a").unwrap();
     let inc = store.register_node(&registration("a")).await.unwrap();

@@ -132,6 +132,22 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     // `Config::problems` checked `node.id` with the same rule.
     let node_id = NodeId::parse(config.node.id.as_str())
         .map_err(|e| StartError::Cluster(format!("node.id: {e}")))?;
+    let supervisor = SupervisorHandle::start(SupervisorArgs {
+        region_name: format!(
+            "graviton.{}.{}.session-region",
+            node_id,
+            uuid::Uuid::new_v4().simple()
+        ),
+        region: RegionArgs {
+            max_hot: config.sessions.max_hot,
+            idle_timeout: config.sessions.idle_timeout.get(),
+            sweep_interval: config.sessions.sweep_interval.get(),
+            metrics: metrics.clone(),
+        },
+    })
+    .await
+    .map_err(|e| StartError::Actors(e.to_string()))?;
+
     let cluster_mode = config.cluster.enabled;
     let mut shared_manifests: Option<Arc<dyn ManifestStore>> = None;
     let cluster: Arc<ClusterHandle> = if cluster_mode {
@@ -155,15 +171,22 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
             // Cluster nodes share manifests through PostgreSQL so any node serves any blob.
             shared_manifests = Some(Arc::new(PgManifestStore::new(pool.clone())));
         }
-        let handle = Cluster::start(
+        // The placement group is linked under the node supervisor: one actor tree.
+        let started = Cluster::start_under(
+            Some(supervisor.root()),
             node_id.clone(),
             &cluster_config,
             env!("CARGO_PKG_VERSION"),
             pool,
         )
-        .await
-        .map_err(|e| StartError::Cluster(e.to_string()))?;
-        Arc::new(handle)
+        .await;
+        match started {
+            Ok(handle) => Arc::new(handle),
+            Err(err) => {
+                supervisor.shutdown().await;
+                return Err(StartError::Cluster(err.to_string()));
+            }
+        }
     } else {
         Arc::new(Cluster::single_node(
             node_id.clone(),
@@ -191,22 +214,6 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     } else {
         None
     };
-
-    let supervisor = SupervisorHandle::start(SupervisorArgs {
-        region_name: format!(
-            "graviton.{}.{}.session-region",
-            node_id,
-            uuid::Uuid::new_v4().simple()
-        ),
-        region: RegionArgs {
-            max_hot: config.sessions.max_hot,
-            idle_timeout: config.sessions.idle_timeout.get(),
-            sweep_interval: config.sessions.sweep_interval.get(),
-            metrics: metrics.clone(),
-        },
-    })
-    .await
-    .map_err(|e| StartError::Actors(e.to_string()))?;
 
     let listen = config.node.listen;
     let listener = TcpListener::bind(listen)

@@ -107,6 +107,18 @@ impl Cluster {
         version: &str,
         pool: PgPool,
     ) -> Result<ClusterHandle, ClusterError> {
+        Self::start_under(None, node, config, version, pool).await
+    }
+
+    /// [`Cluster::start`] with the placement supervisor linked under `parent` (the node's
+    /// supervisor), so a node has one actor tree.
+    pub async fn start_under(
+        parent: Option<ractor::ActorCell>,
+        node: NodeId,
+        config: &ClusterConfig,
+        version: &str,
+        pool: PgPool,
+    ) -> Result<ClusterHandle, ClusterError> {
         // The timing rules (node_ttl > self_fence, ...) are part of the safety argument:
         // refuse to run with a configuration that breaks them, even when called directly.
         let problems: Vec<String> = config
@@ -152,29 +164,28 @@ impl Cluster {
             lock_retry_interval: config.lock_retry_interval.get(),
             lock_ping_interval: config.lock_ping_interval.get(),
         });
-        let (supervisor, _) = Actor::spawn(
-            None,
-            PlacementSupervisor,
-            PlacementSupervisorArgs {
-                placement: PlacementArgs {
-                    store: store.clone(),
-                    heartbeat_store,
-                    registration,
-                    view: view.clone(),
-                    heartbeat_interval: config.heartbeat_interval.get(),
-                    poll_interval: config.poll_interval.get(),
-                    call_timeout: config.statement_timeout.get() + Duration::from_millis(500),
-                    listen_notify: config.listen_notify,
-                },
-                health: HealthArgs {
-                    view: view.clone(),
-                    interval: config.heartbeat_interval.get(),
-                },
-                election,
+        let args = PlacementSupervisorArgs {
+            placement: PlacementArgs {
+                store: store.clone(),
+                heartbeat_store,
+                registration,
+                view: view.clone(),
+                heartbeat_interval: config.heartbeat_interval.get(),
+                poll_interval: config.poll_interval.get(),
+                call_timeout: config.statement_timeout.get() + Duration::from_millis(500),
+                listen_notify: config.listen_notify,
             },
-        )
-        .await
-        .map_err(|e| ClusterError::Spawn(e.to_string()))?;
+            health: HealthArgs {
+                view: view.clone(),
+                interval: config.heartbeat_interval.get(),
+            },
+            election,
+        };
+        let spawned = match parent {
+            Some(parent) => Actor::spawn_linked(None, PlacementSupervisor, args, parent).await,
+            None => Actor::spawn(None, PlacementSupervisor, args).await,
+        };
+        let (supervisor, _) = spawned.map_err(|e| ClusterError::Spawn(e.to_string()))?;
         Ok(ClusterHandle {
             view,
             store: Some(store),

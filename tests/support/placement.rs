@@ -1,8 +1,7 @@
-//! Helpers shared by the `placement_*` integration tests: nodes on one real PostgreSQL
-//! database with fast timings, and polling with deadlines.
-#![allow(dead_code)]
+//! Placement helpers of the `placement_*` integration tests: nodes on one real
+//! PostgreSQL database with fast timings, and table predicates to poll for.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
 use graviton::placement::{Cluster, ClusterConfig, ClusterHandle};
@@ -55,23 +54,8 @@ pub fn random_key() -> SessionKey {
     }
 }
 
-/// Poll `check` every 20ms until true; panic naming `what` after `timeout`. Returns the
-/// elapsed time.
-pub async fn eventually<F>(timeout: Duration, what: &str, mut check: F) -> Duration
-where
-    F: FnMut() -> bool,
-{
-    let start = Instant::now();
-    loop {
-        if check() {
-            return start.elapsed();
-        }
-        if start.elapsed() > timeout {
-            panic!("timed out after {timeout:?} waiting for: {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+#[allow(unused_imports)]
+pub use super::eventually;
 
 /// Every handle sees every shard assigned, no move pending, and the same owners; each
 /// of `owners` holds `shard_count / owners.len()` shards, within one.
