@@ -5,14 +5,14 @@
 //! listeners. In embedded mode (`cluster.enabled = false`) every shard is local and
 //! nothing outside the process is needed. In cluster mode the node joins the PostgreSQL
 //! placement, serves the internal owner-ingest listener, runs the ractor_cluster control
-//! plane, and forwards uploads of sessions it does not own (glue in [`cluster`]).
+//! plane, and forwards uploads of sessions it does not own (glue in [`peers`]).
 //!
 //! `shutdown` (also on SIGTERM/SIGINT): in cluster mode first drains this node's shards to
 //! the others, then marks the node not ready, stops accepting connections, gives in-flight
 //! requests `node.shutdown_grace` to finish, aborts what is left (aborted uploads write no
 //! manifest), and stops the control plane, placement and actors.
 
-pub mod cluster;
+pub mod peers;
 pub mod tasks;
 
 use std::net::SocketAddr;
@@ -367,7 +367,7 @@ async fn start_cluster_parts(
 
     let options = ClusterOptions::from_config(state.node_id.clone(), &config.control)
         .map_err(|e| StartError::Control(e.to_string()))?;
-    let handler = Arc::new(cluster::NodeControl {
+    let handler = Arc::new(peers::NodeControl {
         app: state.clone(),
         internal_addr,
     });
@@ -384,11 +384,11 @@ async fn start_cluster_parts(
     let transport: Arc<dyn ControlTransport> = control.clone();
     let (cluster, every) = (state.cluster.clone(), config.cluster.poll_interval.get());
     tasks.spawn("peer feed", move |stop| {
-        cluster::keep_peers_current(cluster.clone(), transport.clone(), every, stop)
+        peers::keep_peers_current(cluster.clone(), transport.clone(), every, stop)
     });
     let (cluster, sessions) = (state.cluster.clone(), state.sessions.clone());
     tasks.spawn("release of lost sessions", move |stop| {
-        cluster::release_lost_sessions(cluster.clone(), sessions.clone(), stop)
+        peers::release_lost_sessions(cluster.clone(), sessions.clone(), stop)
     });
     Ok(ClusterParts {
         internal,

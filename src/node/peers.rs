@@ -1,4 +1,4 @@
-//! Cluster-mode glue between placement, the control plane and this node's sessions.
+//! Cluster-mode glue with the peers: placement, the control plane and this node's sessions.
 //!
 //! - [`NodeControl`]: answers control-plane requests from peers.
 //! - [`keep_peers_current`]: feeds the control transport with the PostgreSQL node table.
