@@ -25,7 +25,7 @@ fn deploy_kit_validates_against_schemas_promtool_and_a_live_node() {
                 "the script did not reach its end:\n{stderr}"
             );
             assert!(
-                stderr.contains("metrics, all exported"),
+                stderr.contains("metrics; all exported"),
                 "the dashboard check did not run:\n{stderr}"
             );
         }

@@ -5,6 +5,7 @@
 //! - [`download`]: `GET`/`HEAD /v1/blobs/{key}`
 //! - [`ops`]: `/healthz`, `/readyz`, `/metrics`, `/v1/ops/cluster`
 //! - [`openapi`]: the OpenAPI 3.1 document, `GET /openapi.json`
+//! - [`rejections`]: extractor rejections answered in the JSON error format
 //! - [`headers`]: header checks that run before the body is read
 //! - [`error`]: [`ApiError`], the one place errors become responses
 //! - [`observe`]: request metrics
@@ -27,6 +28,7 @@ pub mod listener;
 pub mod observe;
 pub mod openapi;
 pub mod ops;
+pub mod rejections;
 pub mod tls;
 pub mod upload;
 
@@ -164,6 +166,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             state.clone(),
             observe::record,
         ))
+        .layer(axum::middleware::from_fn(rejections::json_errors))
         .with_state(state);
     match cors {
         Some(cors) => router.layer(cors),
