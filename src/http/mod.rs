@@ -5,6 +5,7 @@
 //! - [`download`]: `GET`/`HEAD /v1/blobs/{key}`
 //! - [`ops`]: `/healthz`, `/readyz`, `/metrics`, `/v1/ops/cluster`
 //! - [`openapi`]: the OpenAPI 3.1 document, `GET /openapi.json`
+//! - [`console`]: the operator console, `GET /console` and its data `GET /v1/admin/console`
 //! - [`rejections`]: extractor rejections answered in the JSON error format
 //! - [`headers`]: header checks that run before the body is read
 //! - [`error`]: [`ApiError`], the one place errors become responses
@@ -18,6 +19,7 @@
 pub mod admission;
 pub mod auth;
 pub mod config;
+pub mod console;
 pub mod cors;
 pub mod download;
 pub mod error;
@@ -144,8 +146,12 @@ pub fn routes() -> Vec<(&'static str, MethodRouter<Arc<AppState>>)> {
         ("/v1/admin/admission", get(admission::snapshot)),
         ("/v1/admin/nodes/{node}/drain", post(ops::drain)),
         ("/v1/admin/gc", post(download::run_gc)),
-        // operator surface (src/http/openapi.rs)
+        // operator surface (src/http/openapi.rs, src/http/console.rs)
         ("/openapi.json", get(openapi::document)),
+        ("/console", get(console::page)),
+        ("/console/console.js", get(console::script)),
+        ("/console/console.css", get(console::style)),
+        ("/v1/admin/console", get(console::data)),
     ]
 }
 
