@@ -150,18 +150,64 @@ fn print_status(status: &graviton::placement::ClusterStatus) {
         status.moving_shards
     );
     println!(
-        "{:<24} {:<10} {:>7} {:>14}  internal address",
-        "node", "state", "shards", "heartbeat age"
+        "{:<24} {:<10} {:>7} {:>14}  {:<width$}  internal address",
+        "node",
+        "state",
+        "shards",
+        "heartbeat age",
+        "distribution",
+        width = BAR_WIDTH + 6
     );
     for node in &status.nodes {
         println!(
-            "{:<24} {:<10} {:>7} {:>12}ms  {}",
+            "{:<24} {:<10} {:>7} {:>12}ms  {}  {}",
             node.id.to_string(),
             format!("{:?}", node.state).to_lowercase(),
             node.shards,
             node.heartbeat_age_ms,
+            shard_bar(node.shards, status.shard_count as usize, BAR_WIDTH),
             node.internal_addr
         );
+    }
+}
+
+/// Width of the shard-distribution bars of `graviton cluster status`, in cells.
+const BAR_WIDTH: usize = 30;
+
+/// `shards` of `total` as a bar of `width` cells (eighths of a cell with Unicode block
+/// elements, padded with spaces) followed by the share in percent.
+fn shard_bar(shards: usize, total: usize, width: usize) -> String {
+    const PARTIAL: [char; 8] = [' ', '▏', '▎', '▍', '▌', '▋', '▊', '▉'];
+    let eighths = if total == 0 {
+        0
+    } else {
+        (shards.min(total) * width * 8 + total / 2) / total
+    };
+    let mut bar: String = "█".repeat(eighths / 8);
+    if eighths % 8 > 0 {
+        bar.push(PARTIAL[eighths % 8]);
+    }
+    let used = eighths / 8 + usize::from(eighths % 8 > 0);
+    bar.push_str(&" ".repeat(width - used));
+    let percent = if total == 0 { 0 } else { shards * 100 / total };
+    format!("{bar} {percent:>3}%")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shard_bar;
+
+    #[test]
+    fn shard_bars_are_proportional_and_fixed_width() {
+        assert_eq!(shard_bar(0, 1024, 8), "         0%");
+        assert_eq!(shard_bar(1024, 1024, 8), "████████ 100%");
+        assert_eq!(shard_bar(512, 1024, 8), "████     50%");
+        // a third of 8 cells is 2 cells and 5 eighths
+        assert_eq!(shard_bar(341, 1024, 8), "██▋      33%");
+        for shards in 0..=64 {
+            assert_eq!(shard_bar(shards, 64, 30).chars().count(), 35, "{shards}");
+        }
+        assert_eq!(shard_bar(3, 0, 4), "       0%");
     }
 }
 

@@ -11,6 +11,7 @@ use graviton::config::Secret;
 use graviton::http::openapi::DOCUMENT;
 use support::node::TestNode;
 
+const ADMIN_TOKEN: &str = "openapi-test-admin-token";
 const METHODS: [&str; 6] = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH"];
 
 fn document() -> serde_json::Value {
@@ -103,7 +104,7 @@ fn concrete(path: &str) -> String {
 #[tokio::test]
 async fn each_path_answers_exactly_its_documented_methods() {
     let node = TestNode::start_with(
-        |c| c.admin.token = Some(Secret::new("openapi-test-admin-token")),
+        |c| c.admin.token = Some(Secret::new(ADMIN_TOKEN)),
         Default::default(),
     )
     .await;
@@ -116,11 +117,13 @@ async fn each_path_answers_exactly_its_documented_methods() {
         }
         let mut served = BTreeSet::new();
         for method in METHODS {
+            // With the admin token, so the admin gate lets the router answer 405.
             let response = client
                 .request(
                     method.parse().unwrap(),
                     format!("{}{}", node.url, concrete(&path)),
                 )
+                .bearer_auth(ADMIN_TOKEN)
                 .send()
                 .await
                 .unwrap();
@@ -149,4 +152,47 @@ async fn each_path_answers_exactly_its_documented_methods() {
         .await
         .unwrap();
     assert_eq!(served, document(), "/openapi.json serves docs/openapi.json");
+}
+
+#[tokio::test]
+async fn admin_requests_without_the_token_are_refused_before_their_body_is_parsed() {
+    let node = TestNode::start_with(
+        |c| c.admin.token = Some(Secret::new(ADMIN_TOKEN)),
+        Default::default(),
+    )
+    .await;
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let tenant = "5b3a2c1d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
+    let url = format!("{}/v1/admin/tenants/{tenant}/admission", node.url);
+    // no body, no content type: without the gate this was 415
+    let response = client.put(&url).send().await.unwrap();
+    assert_eq!(response.status(), 401);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"], "unauthorized");
+    // a malformed query string: without the gate this was 400
+    let response = client
+        .get(format!("{}/v1/admin/admission?tenant=a&tenant=b", node.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 401);
+    // with the token the same requests reach the extractors, answered as JSON errors
+    let response = client
+        .put(&url)
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 415);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"], "unsupported_media_type");
+    let response = client
+        .get(format!("{}/v1/admin/admission?tenant=a&tenant=b", node.url))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"], "invalid_request");
 }

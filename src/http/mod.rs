@@ -7,6 +7,7 @@
 //! - [`openapi`]: the OpenAPI 3.1 document, `GET /openapi.json`
 //! - [`console`]: the operator console, `GET /console` and its data `GET /v1/admin/console`
 //! - [`rejections`]: extractor rejections answered in the JSON error format
+//! - [`admin_gate`]: the admin token checked before an admin request's extractors
 //! - [`headers`]: header checks that run before the body is read
 //! - [`error`]: [`ApiError`], the one place errors become responses
 //! - [`observe`]: request metrics
@@ -16,6 +17,7 @@
 //! - [`tls`]: rustls configurations of the public and internal listeners
 //! - [`config`]: the `[http]` section
 
+pub mod admin_gate;
 pub mod admission;
 pub mod auth;
 pub mod config;
@@ -168,6 +170,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fold(Router::new(), |router, (path, handlers)| {
             router.route(path, handlers)
         })
+        // inner: the admin gate runs after routing, before any extractor
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            admin_gate::check,
+        ))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             observe::record,
