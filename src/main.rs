@@ -178,37 +178,18 @@ const BAR_WIDTH: usize = 30;
 /// elements, padded with spaces) followed by the share in percent.
 fn shard_bar(shards: usize, total: usize, width: usize) -> String {
     const PARTIAL: [char; 8] = [' ', '▏', '▎', '▍', '▌', '▋', '▊', '▉'];
-    let eighths = if total == 0 {
-        0
-    } else {
-        (shards.min(total) * width * 8 + total / 2) / total
-    };
-    let mut bar: String = "█".repeat(eighths / 8);
-    if eighths % 8 > 0 {
-        bar.push(PARTIAL[eighths % 8]);
+    let eighths = (shards.min(total) * width * 8 + total / 2)
+        .checked_div(total)
+        .unwrap_or(0);
+    let (full, partial) = (eighths / 8, eighths % 8);
+    let mut bar: String = "█".repeat(full);
+    if partial > 0 {
+        bar.push(PARTIAL[partial]);
     }
-    let used = eighths / 8 + usize::from(eighths % 8 > 0);
+    let used = full + usize::from(partial > 0);
     bar.push_str(&" ".repeat(width - used));
-    let percent = if total == 0 { 0 } else { shards * 100 / total };
+    let percent = (shards * 100).checked_div(total).unwrap_or(0);
     format!("{bar} {percent:>3}%")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::shard_bar;
-
-    #[test]
-    fn shard_bars_are_proportional_and_fixed_width() {
-        assert_eq!(shard_bar(0, 1024, 8), "         0%");
-        assert_eq!(shard_bar(1024, 1024, 8), "████████ 100%");
-        assert_eq!(shard_bar(512, 1024, 8), "████     50%");
-        // a third of 8 cells is 2 cells and 5 eighths
-        assert_eq!(shard_bar(341, 1024, 8), "██▋      33%");
-        for shards in 0..=64 {
-            assert_eq!(shard_bar(shards, 64, 30).chars().count(), 35, "{shards}");
-        }
-        assert_eq!(shard_bar(3, 0, 4), "       0%");
-    }
 }
 
 fn main() -> ExitCode {
@@ -417,4 +398,22 @@ async fn manager_signal() {
         }
     }
     let _ = tokio::signal::ctrl_c().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shard_bar;
+
+    #[test]
+    fn shard_bars_are_proportional_and_fixed_width() {
+        assert_eq!(shard_bar(0, 1024, 8), "         0%");
+        assert_eq!(shard_bar(1024, 1024, 8), "████████ 100%");
+        assert_eq!(shard_bar(512, 1024, 8), "████     50%");
+        // a third of 8 cells is 2 cells and 5 eighths
+        assert_eq!(shard_bar(341, 1024, 8), "██▋      33%");
+        for shards in 0..=64 {
+            assert_eq!(shard_bar(shards, 64, 30).chars().count(), 35, "{shards}");
+        }
+        assert_eq!(shard_bar(3, 0, 4), "       0%");
+    }
 }
