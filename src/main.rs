@@ -406,14 +406,21 @@ mod tests {
 
     #[test]
     fn shard_bars_are_proportional_and_fixed_width() {
-        assert_eq!(shard_bar(0, 1024, 8), "         0%");
+        // 8 cells, a space, the percentage right-aligned in 3 columns
+        assert_eq!(shard_bar(0, 1024, 8), format!("{}   0%", " ".repeat(8)));
         assert_eq!(shard_bar(1024, 1024, 8), "████████ 100%");
-        assert_eq!(shard_bar(512, 1024, 8), "████     50%");
+        assert_eq!(
+            shard_bar(512, 1024, 8),
+            format!("████{}  50%", " ".repeat(4))
+        );
         // a third of 8 cells is 2 cells and 5 eighths
-        assert_eq!(shard_bar(341, 1024, 8), "██▋      33%");
+        assert_eq!(
+            shard_bar(341, 1024, 8),
+            format!("██▋{}  33%", " ".repeat(5))
+        );
         for shards in 0..=64 {
             assert_eq!(shard_bar(shards, 64, 30).chars().count(), 35, "{shards}");
         }
-        assert_eq!(shard_bar(3, 0, 4), "       0%");
+        assert_eq!(shard_bar(3, 0, 4), format!("{}   0%", " ".repeat(4)));
     }
 }
