@@ -244,6 +244,14 @@ impl Medium for S3Medium {
         }
     }
 
+    fn exists(&self, id: &PackId) -> Result<bool, StoreError> {
+        match self.runtime.block_on(self.store.head(&self.path(id))) {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(s3_err("check a pack on S3")(e)),
+        }
+    }
+
     fn list(&self) -> Result<Vec<(PackId, u64)>, StoreError> {
         let prefix = ObjectPath::from(self.prefix.as_str());
         self.runtime.block_on(async {
