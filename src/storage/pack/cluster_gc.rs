@@ -272,7 +272,9 @@ async fn run(
         .flatten()
         .flatten()
     {
-        if super::medium::modified_ms(&entry.path()) < local_cutoff {
+        if !store.spool_in_use(&entry.path())
+            && super::medium::modified_ms(&entry.path()) < local_cutoff
+        {
             report.spool_files_deleted += 1;
             if !options.dry_run {
                 let _ = std::fs::remove_file(entry.path());

@@ -310,7 +310,8 @@ pub async fn collect(
         .flatten()
         .flatten()
     {
-        if super::medium::modified_ms(&entry.path()) < cutoff {
+        if !store.spool_in_use(&entry.path()) && super::medium::modified_ms(&entry.path()) < cutoff
+        {
             report.spool_files_deleted += 1;
             if !options.dry_run {
                 let _ = std::fs::remove_file(entry.path());

@@ -92,6 +92,9 @@ struct Inner {
     index: Index,
     medium: Arc<dyn Medium>,
     spool: PathBuf,
+    /// Spool files being written by this process's sessions; the collector's sweep of
+    /// crash leftovers skips them, whatever `min_age` is.
+    live_spools: Arc<std::sync::Mutex<HashSet<PathBuf>>>,
     options: PackOptions,
     /// The file-per-block directory of older versions, read as a fallback.
     legacy: Option<FsBlockStore>,
@@ -172,6 +175,7 @@ impl PackStore {
                 index,
                 medium,
                 spool,
+                live_spools: Arc::default(),
                 options,
                 legacy,
             }),
@@ -216,6 +220,15 @@ impl PackStore {
 
     pub fn spool_dir(&self) -> &Path {
         &self.inner.spool
+    }
+
+    /// Whether `path` is a spool file a session of this process is writing.
+    pub fn spool_in_use(&self, path: &Path) -> bool {
+        self.inner
+            .live_spools
+            .lock()
+            .map(|live| live.contains(path))
+            .unwrap_or(true)
     }
 
     pub fn legacy(&self) -> Option<&FsBlockStore> {
@@ -435,7 +448,22 @@ impl WriteSession for PackSession {
 }
 
 /// A spool file being filled.
+/// Keeps a spool path in the live set while its pack is open.
+struct SpoolGuard {
+    path: PathBuf,
+    live: Arc<std::sync::Mutex<HashSet<PathBuf>>>,
+}
+
+impl Drop for SpoolGuard {
+    fn drop(&mut self) {
+        if let Ok(mut live) = self.live.lock() {
+            live.remove(&self.path);
+        }
+    }
+}
+
 struct OpenPack {
+    _guard: SpoolGuard,
     out: BufWriter<File>,
     path: PathBuf,
     len: u64,
@@ -444,10 +472,22 @@ struct OpenPack {
 }
 
 impl OpenPack {
-    fn create(dir: &Path) -> Result<Self, StoreError> {
-        let path = dir.join(format!("{}.spool", uuid::Uuid::new_v4().simple()));
+    fn create(store: &PackStore) -> Result<Self, StoreError> {
+        let path = store
+            .inner
+            .spool
+            .join(format!("{}.spool", uuid::Uuid::new_v4().simple()));
+        let live = store.inner.live_spools.clone();
+        if let Ok(mut set) = live.lock() {
+            set.insert(path.clone());
+        }
+        let guard = SpoolGuard {
+            path: path.clone(),
+            live,
+        };
         let file = File::create(&path).map_err(|e| StoreError::io("create spool file", e))?;
         Ok(Self {
+            _guard: guard,
             out: BufWriter::with_capacity(1 << 20, file),
             path,
             len: 0,
@@ -557,7 +597,7 @@ fn write_packs(
         while let Some((key, data)) = rx.blocking_recv() {
             let pack = match &mut open {
                 Some(pack) => pack,
-                None => open.insert(OpenPack::create(&store.inner.spool)?),
+                None => open.insert(OpenPack::create(&store)?),
             };
             pack.append(key, &data, fsync)?;
             if pack.len >= store.inner.options.pack_size {
