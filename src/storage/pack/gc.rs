@@ -149,6 +149,10 @@ pub fn spawn_schedule(app: &Arc<crate::http::AppState>) {
                     metrics.record(&report);
                     tracing::info!(?report, "collector run finished");
                 }
+                // In a cluster another node's run holds the lock: that run covers this one.
+                Err(StoreError::Busy(detail)) => {
+                    tracing::info!(%detail, "collector run skipped")
+                }
                 Err(err) => tracing::warn!(error = %err, "collector run failed"),
             }
         }
