@@ -164,11 +164,11 @@ where
         hash: whole_hash,
         size: received,
     };
-    // Blocks durable and indexed (dedup hits confirmed) before the manifest names them.
-    session.commit().await?;
+    // Blocks durable and indexed (dedup hits confirmed) before the manifest names them,
+    // or with it in one transaction when the index shares the manifests' database.
     let blocks_total = stored.refs.len();
     let manifest = Manifest::new(key, stored.refs, unix_millis());
-    let outcome = manifests.create_fenced(&manifest, fence.as_ref()).await?;
+    let (_, outcome) = session.commit_manifest(manifest, manifests, fence).await?;
     Ok(IngestReport {
         key,
         blocks: blocks_total,

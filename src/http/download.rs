@@ -85,6 +85,12 @@ pub async fn run_gc(
             }
             Ok(axum::Json(report).into_response())
         }
+        Err(crate::storage::StoreError::Busy(detail)) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "gc_running",
+            format!("{detail}; retry when that run has finished"),
+        )
+        .with_retry_after(std::time::Duration::from_secs(30))),
         Err(err) => {
             metrics.failures.inc();
             tracing::error!(error = %err, "collector run failed");

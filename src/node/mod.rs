@@ -112,7 +112,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     };
     let (blocks, packs): (Arc<dyn BlockStore>, _) = match options.blocks {
         Some(blocks) => (blocks, None),
-        None => crate::storage::open::open_blocks(&config.storage, config.cluster.enabled)
+        None => crate::storage::open::open_blocks(&config)
             .await
             .map_err(storage_err)?,
     };

@@ -98,6 +98,10 @@ pub async fn collect_on_schedule(app: std::sync::Weak<AppState>, stop: Cancellat
                 metrics.record(&report);
                 tracing::info!(?report, "collector run finished");
             }
+            // In a cluster another node's run holds the lock: that run covers this one.
+            Err(crate::storage::StoreError::Busy(detail)) => {
+                tracing::info!(%detail, "collector run skipped")
+            }
             Err(err) => {
                 metrics.failures.inc();
                 tracing::warn!(error = %err, "collector run failed")

@@ -5,11 +5,19 @@
 //! appended block (new or deduplicated) is durable and readable, and a deduplicated block
 //! was confirmed inside the commit (never trusted from an earlier lookup). Dropping a
 //! session, or `abort`, discards what it wrote.
+//!
+//! `commit_manifest` commits and creates the manifest that names the blocks. By default
+//! that is `commit` then `ManifestStore::create_fenced`; a store whose index lives in the
+//! manifest store's database (the cluster's PostgreSQL) does both, with the fence, in one
+//! transaction, so a manifest is never visible without its index entries.
+
+use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::StoreFuture;
-use crate::cas::BlockKey;
+use super::manifest::CommitFence;
+use super::{CreateOutcome, ManifestStore, StoreFuture};
+use crate::cas::{BlockKey, Manifest};
 
 /// Whether an `append` will store new bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,12 +49,27 @@ pub trait BlockStore: Send + Sync + 'static {
 }
 
 /// The blocks of one upload, made durable together.
-pub trait WriteSession: Send {
+pub trait WriteSession: Send + 'static {
     /// Add a block (the caller guarantees `key == BLAKE3(data)`).
     fn append(&mut self, key: BlockKey, data: Bytes) -> StoreFuture<'_, PutOutcome>;
 
     /// Make every appended block durable and visible (see the module docs).
     fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport>;
+
+    /// Commit, then create `manifest` in `manifests` under `fence` (see the module docs).
+    /// The caller builds the manifest from the blocks it appended.
+    fn commit_manifest(
+        self: Box<Self>,
+        manifest: Manifest,
+        manifests: Arc<dyn ManifestStore>,
+        fence: Option<CommitFence>,
+    ) -> StoreFuture<'static, (CommitReport, CreateOutcome)> {
+        Box::pin(async move {
+            let report = self.commit().await?;
+            let outcome = manifests.create_fenced(&manifest, fence.as_ref()).await?;
+            Ok((report, outcome))
+        })
+    }
 
     /// Discard what this session wrote.
     fn abort(self: Box<Self>) -> StoreFuture<'static, ()>;

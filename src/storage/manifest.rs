@@ -41,6 +41,12 @@ pub trait ManifestStore: Send + Sync + 'static {
         self.create(manifest)
     }
 
+    /// The PostgreSQL pool this store writes to, when it is one (a block index in the
+    /// same database then commits index entries and the manifest in one transaction).
+    fn database(&self) -> Option<&sqlx::PgPool> {
+        None
+    }
+
     /// The manifest, validated, or `None` if the blob does not exist.
     fn get(&self, key: BlobKey) -> StoreFuture<'_, Option<Manifest>>;
 

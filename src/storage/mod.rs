@@ -37,6 +37,9 @@ pub enum StoreError {
     Corrupt(String),
     #[error("storage unavailable: {0}")]
     Unavailable(String),
+    /// Another process holds a lock this operation needs (the cluster collector's).
+    #[error("busy: {0}")]
+    Busy(String),
     /// A fenced commit was refused: the shard moved away from this node.
     #[error("commit fenced: shard {shard} is no longer owned by this node at epoch {epoch}")]
     Fenced { shard: u32, epoch: i64 },

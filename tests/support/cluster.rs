@@ -160,3 +160,104 @@ impl Drop for NodeProcess {
 pub async fn is_ready(client: &reqwest::Client, url: &str) -> bool {
     matches!(client.get(format!("{url}/readyz")).send().await, Ok(r) if r.status() == 200)
 }
+
+/// `[storage]` TOML of a cluster node on the test S3 server (`GRAVITON_TEST_S3_*`, set by
+/// scripts/services.sh) under `prefix`, or `None` (after the skip report) without one.
+pub fn s3_storage_toml(test: &str, data_dir: &Path, prefix: &str, extra: &str) -> Option<String> {
+    let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+    let (Some(endpoint), Some(bucket), Some(key), Some(secret)) = (
+        var("GRAVITON_TEST_S3_ENDPOINT"),
+        var("GRAVITON_TEST_S3_BUCKET"),
+        var("GRAVITON_TEST_S3_ACCESS_KEY"),
+        var("GRAVITON_TEST_S3_SECRET_KEY"),
+    ) else {
+        super::missing_service(
+            test,
+            "S3 server (GRAVITON_TEST_S3_*; run scripts/services.sh)",
+        );
+        return None;
+    };
+    let region = var("GRAVITON_TEST_S3_REGION").unwrap_or_else(|| "garage".into());
+    Some(format!(
+        r#"[storage]
+data_dir = "{data}"
+fsync = false
+backend = "s3"
+pack_size = "8MiB"
+{extra}
+
+[storage.s3]
+endpoint = "{endpoint}"
+bucket = "{bucket}"
+region = "{region}"
+path_style = true
+prefix = "{prefix}"
+access_key_id = "{key}"
+secret_access_key = "{secret}"
+request_timeout = "10s"
+max_retries = 2
+"#,
+        data = data_dir.display(),
+    ))
+}
+
+impl NodeProcess {
+    /// A cluster node whose `[storage]` section is `storage` (e.g. from
+    /// [`s3_storage_toml`]) instead of the shared mount; `extra` is appended as more
+    /// sections.
+    pub fn start_with_storage(
+        dir: &Path,
+        id: &str,
+        database_url: &str,
+        shard_count: u32,
+        storage: &str,
+        extra: &str,
+    ) -> Self {
+        let (public, internal, control) =
+            (super::free_port(), super::free_port(), super::free_port());
+        let config = dir.join(format!("{id}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                r#"[node]
+id = "{id}"
+listen = "127.0.0.1:{public}"
+shutdown_grace = "5s"
+
+{storage}
+
+[cluster]
+enabled = true
+database_url = "{database_url}"
+shard_count = {shard_count}
+heartbeat_interval = "100ms"
+self_fence = "400ms"
+node_ttl = "1s"
+poll_interval = "250ms"
+rebalance_interval = "200ms"
+lock_retry_interval = "100ms"
+lock_ping_interval = "100ms"
+
+[control]
+internal_listen = "127.0.0.1:{internal}"
+control_listen = "127.0.0.1:{control}"
+internal_token = "{TOKEN}"
+
+{extra}
+"#
+            ),
+        )
+        .expect("write node config");
+        let log = dir.join(format!("{id}.log"));
+        let mut node = Self {
+            id: id.to_string(),
+            config,
+            url: format!("http://127.0.0.1:{public}"),
+            internal,
+            child: None,
+            log,
+        };
+        node.spawn();
+        node
+    }
+}

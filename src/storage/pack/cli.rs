@@ -1,6 +1,7 @@
 //! `graviton gc`, `graviton verify` and `graviton migrate-blocks`: offline commands on a
 //! node's data directory (the node must be stopped: the index is opened by one process;
-//! a running node collects on its own schedule, `storage.gc.interval`).
+//! a running node collects on its own schedule, `storage.gc.interval`). In cluster mode
+//! on S3, `graviton gc` runs the cluster collector beside the running nodes.
 
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -61,11 +62,37 @@ impl Drop for Bar {
 fn refuse_cluster(config: &Config) -> anyhow::Result<()> {
     if config.cluster.enabled {
         anyhow::bail!(
-            "cluster nodes keep blocks in the shared file-per-block layout; the pack \
-             collector runs on single nodes only in this version"
+            "this command works on a single node's data directory; a cluster on S3 is \
+             collected with `graviton gc` or POST /v1/admin/gc (one run at a time in the \
+             cluster), and verify and migrate-blocks are not available in cluster mode yet"
         );
     }
     Ok(())
+}
+
+/// `graviton gc` against a cluster on S3: the shared index and the PostgreSQL manifests;
+/// the cluster's advisory lock keeps it to one run (running nodes may keep serving).
+async fn run_cluster_gc(config: &Config, dry_run: bool, purge: bool) -> anyhow::Result<GcReport> {
+    if config.storage.backend_in(true) != crate::storage::config::Backend::S3 {
+        anyhow::bail!(
+            "the cluster collector needs storage.backend = \"s3\" (the shared-mount \
+             file-per-block layout has no collector)"
+        );
+    }
+    let store = crate::storage::open::open_shared_pack_store(config).await?;
+    let pool = store
+        .shared()
+        .map(|index| index.pool().clone())
+        .ok_or_else(|| anyhow::anyhow!("the cluster store has no shared index"))?;
+    let manifests = crate::storage::pg::PgManifestStore::new(pool);
+    let mut bar = Bar::new();
+    Ok(gc::collect(
+        &store,
+        &manifests,
+        GcOptions::from_config(&config.storage.gc, dry_run, purge),
+        &mut bar,
+    )
+    .await?)
 }
 
 async fn manifests(config: &Config) -> anyhow::Result<Arc<dyn ManifestStore>> {
@@ -82,10 +109,13 @@ pub async fn run_gc(
     purge: bool,
     restore: bool,
 ) -> anyhow::Result<GcReport> {
+    if config.cluster.enabled && !restore {
+        return run_cluster_gc(config, dry_run, purge).await;
+    }
     refuse_cluster(config)?;
     let store = open_pack_store(&config.storage).await?;
     if restore {
-        let restored = store.index().restore_quarantine()?;
+        let restored = store.index()?.restore_quarantine()?;
         eprintln!("restored {restored} quarantined blocks");
         return Ok(GcReport::default());
     }

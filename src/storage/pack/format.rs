@@ -46,6 +46,11 @@ impl PackId {
         hex::decode_to_slice(text, &mut out).ok()?;
         Some(Self(out))
     }
+
+    /// A pack id from its 32 raw bytes (`None` for any other length).
+    pub fn try_from_slice(raw: &[u8]) -> Option<Self> {
+        raw.try_into().ok().map(Self)
+    }
 }
 
 impl std::fmt::Display for PackId {

@@ -180,6 +180,10 @@ pub async fn collect(
     options: GcOptions,
     progress: &mut dyn Progress,
 ) -> Result<GcReport, StoreError> {
+    if let Some(index) = store.shared() {
+        // A cluster store: one collector in the whole cluster, under the advisory lock.
+        return super::cluster_gc::collect(store, index, manifests, options, progress).await;
+    }
     let _one_at_a_time = RUNNING.lock().await;
     let started = Instant::now();
     let start_ms = now_ms();
@@ -197,7 +201,7 @@ pub async fn collect(
     // 2. select
     let index_len = {
         let store = store.clone();
-        blocking(move || store.index().block_count()).await?
+        blocking(move || store.index()?.block_count()).await?
     };
     progress.phase("select", index_len);
     let (mut candidates, per_pack) = {
@@ -207,7 +211,7 @@ pub async fn collect(
         blocking(move || {
             let mut candidates = Vec::new();
             let mut per_pack: HashMap<PackId, u64> = HashMap::new();
-            store.index().for_each_block(&mut |key, at: Location| {
+            store.index()?.for_each_block(&mut |key, at: Location| {
                 if !live_for_scan.contains(&key) && at.last_ref_ms < cutoff {
                     candidates.push((key, at));
                 } else {
@@ -232,7 +236,7 @@ pub async fn collect(
 
     let packs = {
         let store = store.clone();
-        blocking(move || store.index().packs()).await?
+        blocking(move || store.index()?.packs()).await?
     };
     let record_of: HashMap<PackId, PackRecord> = packs.iter().map(|p| (p.id, *p)).collect();
 
@@ -242,7 +246,7 @@ pub async fn collect(
         let keys: Vec<BlockKey> = candidates.iter().map(|(k, _)| *k).collect();
         let store2 = store.clone();
         report.quarantined =
-            blocking(move || store2.index().quarantine(&keys, cutoff, now_ms())).await?;
+            blocking(move || store2.index()?.quarantine(&keys, cutoff, now_ms())).await?;
         progress.advance(report.candidates);
     }
 
@@ -268,7 +272,7 @@ pub async fn collect(
         }
         let store2 = store.clone();
         let ids = to_retire.clone();
-        report.packs_retired = blocking(move || store2.index().retire_packs(&ids))
+        report.packs_retired = blocking(move || store2.index()?.retire_packs(&ids))
             .await?
             .len() as u64;
     } else {
@@ -289,7 +293,7 @@ pub async fn collect(
         // Re-read the pack table: a commit may have named it since the snapshot.
         let store2 = store.clone();
         let known =
-            blocking(move || Ok(store2.index().packs()?.iter().any(|p| p.id == id))).await?;
+            blocking(move || Ok(store2.index()?.packs()?.iter().any(|p| p.id == id))).await?;
         if known {
             continue;
         }
@@ -304,7 +308,8 @@ pub async fn collect(
         .flatten()
         .flatten()
     {
-        if super::medium::modified_ms(&entry.path()) < cutoff {
+        if !store.spool_in_use(&entry.path()) && super::medium::modified_ms(&entry.path()) < cutoff
+        {
             report.spool_files_deleted += 1;
             if !options.dry_run {
                 let _ = std::fs::remove_file(entry.path());
@@ -317,7 +322,7 @@ pub async fn collect(
         progress.phase("purge", 0);
         let before = start_ms.saturating_sub(options.retention.as_millis() as u64);
         let store2 = store.clone();
-        let packs = blocking(move || store2.index().packs()).await?;
+        let packs = blocking(move || store2.index()?.packs()).await?;
         let expired: Vec<PackRecord> = packs
             .into_iter()
             .filter(|p| p.retired && p.sealed_ms < before)
@@ -328,13 +333,13 @@ pub async fn collect(
         } else {
             let store2 = store.clone();
             report.purged_entries =
-                blocking(move || store2.index().purge_quarantine(before)).await?;
+                blocking(move || store2.index()?.purge_quarantine(before)).await?;
             for pack in expired {
                 let store2 = store.clone();
                 // Claim the row first (a racing dedup commit can no longer revive it),
                 // then delete the object; a crash in between leaves an orphan object.
                 let deleted = blocking(move || {
-                    if !store2.index().claim_retired_pack(&pack.id, before)? {
+                    if !store2.index()?.claim_retired_pack(&pack.id, before)? {
                         return Ok(false);
                     }
                     store2.medium().delete(&pack.id)?;
@@ -363,7 +368,7 @@ async fn compact_pack(store: &PackStore, id: &PackId) -> Result<bool, StoreError
             .map_err(|e| StoreError::Corrupt(format!("pack {id}: {e}")))?;
         let mut live = Vec::new();
         for entry in &entries {
-            if let Some(at) = store.index().lookup(&entry.key)?
+            if let Some(at) = store.index()?.lookup(&entry.key)?
                 && at.pack == id
             {
                 let start = entry.offset as usize;
@@ -405,7 +410,7 @@ async fn compact_pack(store: &PackStore, id: &PackId) -> Result<bool, StoreError
                 )
             })
             .collect();
-        store.index().relocate(&id, &record, &moved)?;
+        store.index()?.relocate(&id, &record, &moved)?;
         Ok(true)
     })
     .await
@@ -430,7 +435,7 @@ pub async fn verify(
 ) -> Result<VerifyReport, StoreError> {
     let packs = {
         let store = store.clone();
-        blocking(move || store.index().packs()).await?
+        blocking(move || store.index()?.packs()).await?
     };
     let live: Vec<PackRecord> = packs.into_iter().filter(|p| !p.retired).collect();
     progress.phase("verify", live.len() as u64);
@@ -459,7 +464,7 @@ pub async fn verify(
     let store2 = store.clone();
     report.entries_affected = blocking(move || {
         let mut affected = 0;
-        store2.index().for_each_block(&mut |key, at| {
+        store2.index()?.for_each_block(&mut |key, at| {
             if !good
                 .get(&at.pack)
                 .is_some_and(|s| s.contains(&(key, at.offset)))

@@ -135,7 +135,7 @@ async fn deleted_blobs_are_collected_and_live_ones_stay_byte_exact() {
     .unwrap();
     assert!(dry.candidates > 0);
     assert_eq!(dry.packs_retired, 1);
-    assert_eq!(f.store.index().quarantined().unwrap().len(), 0);
+    assert_eq!(f.store.index().unwrap().quarantined().unwrap().len(), 0);
     assert_eq!(f.pack_files(), 2);
 
     let run = gc::collect(
@@ -151,12 +151,13 @@ async fn deleted_blobs_are_collected_and_live_ones_stay_byte_exact() {
     assert_eq!(f.pack_files(), 2, "quarantine deletes no pack");
     // restorable during the retention window (the retired pack is revived)
     assert_eq!(
-        f.store.index().restore_quarantine().unwrap(),
+        f.store.index().unwrap().restore_quarantine().unwrap(),
         run.quarantined
     );
     assert_eq!(
         f.store
             .index()
+            .unwrap()
             .packs()
             .unwrap()
             .iter()
@@ -228,7 +229,7 @@ async fn verify_reports_a_damaged_pack() {
     let clean = gc::verify(&f.store, &mut Quiet).await.unwrap();
     assert_eq!(clean.packs_checked, 1);
     assert!(clean.damaged.is_empty());
-    let pack = f.store.index().packs().unwrap()[0].id;
+    let pack = f.store.index().unwrap().packs().unwrap()[0].id;
     let local = medium::LocalMedium::open(&f.dir.path().join("packs"), false, None).unwrap();
     let path = local.path_of(&pack);
     let mut bytes = std::fs::read(&path).unwrap();
@@ -266,6 +267,7 @@ async fn legacy_blocks_migrate_into_packs() {
         assert!(
             store
                 .index()
+                .unwrap()
                 .lookup(&BlockKey::of(block))
                 .unwrap()
                 .is_some()

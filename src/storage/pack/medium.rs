@@ -29,6 +29,8 @@ pub trait Medium: Send + Sync + std::fmt::Debug + 'static {
     /// The whole pack (verification, compaction).
     fn read_all(&self, id: &PackId) -> Result<Bytes, StoreError>;
     fn delete(&self, id: &PackId) -> Result<(), StoreError>;
+    /// Whether pack `id` is on the medium (one HEAD on S3).
+    fn exists(&self, id: &PackId) -> Result<bool, StoreError>;
     /// Every pack the medium holds, with its last-modified time (unix ms).
     fn list(&self) -> Result<Vec<(PackId, u64)>, StoreError>;
     /// Short description for logs (never credentials).
@@ -162,6 +164,10 @@ impl Medium for LocalMedium {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(StoreError::io("delete pack", e)),
         }
+    }
+
+    fn exists(&self, id: &PackId) -> Result<bool, StoreError> {
+        Ok(self.path_of(id).is_file())
     }
 
     fn list(&self) -> Result<Vec<(PackId, u64)>, StoreError> {

@@ -14,15 +14,23 @@
 //! There is no sync per block. A crash before the index commit leaves an unindexed pack
 //! (collected after the grace period); after it, a retry deduplicates against it.
 //!
-//! Modules: [`format`] (pack bytes), [`index`] (redb), [`medium`] (local dir or S3),
-//! [`s3`] (the S3 medium), [`gc`] (collector, verify, migration).
+//! The index is either the node's own redb database ([`index`], one node) or the
+//! cluster's PostgreSQL tables ([`shared`], every node of a cluster on S3). With the
+//! shared index, `commit_manifest` writes the index entries and the manifest in one
+//! PostgreSQL transaction together with the commit fence.
+//!
+//! Modules: [`format`] (pack bytes), [`index`] (redb), [`shared`] (PostgreSQL),
+//! [`medium`] (local dir or S3), [`s3`] (the S3 medium), [`gc`] (collector, verify,
+//! migration), [`cluster_gc`] (the collector over the shared index).
 
 pub mod cli;
+pub mod cluster_gc;
 pub mod format;
 pub mod gc;
 pub mod index;
 pub mod medium;
 pub mod s3;
+pub mod shared;
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -38,9 +46,14 @@ use tokio::sync::mpsc;
 use self::format::{Entry, RECORD_HEADER};
 use self::index::{CommitBatch, Location, PackRecord, RedbIndex};
 use self::medium::{Medium, SyncTrace};
+use self::shared::PgIndex;
 use super::fs::FsBlockStore;
-use super::{BlockStore, CommitReport, PutOutcome, StoreError, StoreFuture, WriteSession};
-use crate::cas::BlockKey;
+use super::manifest::CommitFence;
+use super::{
+    BlockStore, CommitReport, CreateOutcome, ManifestStore, PutOutcome, StoreError, StoreFuture,
+    WriteSession,
+};
+use crate::cas::{BlockKey, Manifest};
 
 /// Blocks queued between an upload and its pack writer.
 pub const WRITER_QUEUE: usize = 16;
@@ -67,10 +80,21 @@ impl std::fmt::Debug for PackOptions {
     }
 }
 
+/// Where the block index lives.
+enum Index {
+    /// This node's redb database.
+    Local(RedbIndex),
+    /// The cluster's PostgreSQL tables (`sql/0008_pack_index.sql`).
+    Shared(PgIndex),
+}
+
 struct Inner {
-    index: RedbIndex,
+    index: Index,
     medium: Arc<dyn Medium>,
     spool: PathBuf,
+    /// Spool files being written by this process's sessions; the collector's sweep of
+    /// crash leftovers skips them, whatever `min_age` is.
+    live_spools: Arc<std::sync::Mutex<HashSet<PathBuf>>>,
     options: PackOptions,
     /// The file-per-block directory of older versions, read as a fallback.
     legacy: Option<FsBlockStore>,
@@ -117,7 +141,30 @@ impl PackStore {
     ) -> Result<Self, StoreError> {
         let spool = data_dir.join("packs").join("tmp");
         std::fs::create_dir_all(&spool).map_err(|e| StoreError::io("create spool directory", e))?;
-        let index = RedbIndex::open(&data_dir.join("index.redb"))?;
+        let index = Index::Local(RedbIndex::open(&data_dir.join("index.redb"))?);
+        Self::build(data_dir, medium, options, index)
+    }
+
+    /// Packs on `medium` (the cluster's bucket) indexed in the cluster's PostgreSQL
+    /// (`index`); only spool files stay under `data_dir`.
+    pub fn open_shared(
+        data_dir: &Path,
+        medium: Arc<dyn Medium>,
+        options: PackOptions,
+        index: PgIndex,
+    ) -> Result<Self, StoreError> {
+        let spool = data_dir.join("packs").join("tmp");
+        std::fs::create_dir_all(&spool).map_err(|e| StoreError::io("create spool directory", e))?;
+        Self::build(data_dir, medium, options, Index::Shared(index))
+    }
+
+    fn build(
+        data_dir: &Path,
+        medium: Arc<dyn Medium>,
+        options: PackOptions,
+        index: Index,
+    ) -> Result<Self, StoreError> {
+        let spool = data_dir.join("packs").join("tmp");
         let legacy = if data_dir.join("blocks").is_dir() {
             Some(FsBlockStore::open(data_dir, options.fsync)?)
         } else {
@@ -128,14 +175,43 @@ impl PackStore {
                 index,
                 medium,
                 spool,
+                live_spools: Arc::default(),
                 options,
                 legacy,
             }),
         })
     }
 
-    pub fn index(&self) -> &RedbIndex {
-        &self.inner.index
+    /// The node's own (redb) index; an error on a store with the shared index, whose
+    /// operations live in [`shared`] and [`cluster_gc`].
+    pub fn index(&self) -> Result<&RedbIndex, StoreError> {
+        match &self.inner.index {
+            Index::Local(index) => Ok(index),
+            Index::Shared(_) => Err(StoreError::Unavailable(
+                "this operation needs a node-local index; a cluster store uses the shared \
+                 PostgreSQL index"
+                    .into(),
+            )),
+        }
+    }
+
+    /// The cluster's shared index, when this store uses it.
+    pub fn shared(&self) -> Option<&PgIndex> {
+        match &self.inner.index {
+            Index::Local(_) => None,
+            Index::Shared(index) => Some(index),
+        }
+    }
+
+    /// Where `key` is stored, if indexed (a quarantined block counts as absent).
+    async fn locate(&self, key: BlockKey) -> Result<Option<Location>, StoreError> {
+        match &self.inner.index {
+            Index::Local(_) => {
+                let store = self.clone();
+                blocking(move || store.index()?.lookup(&key)).await
+            }
+            Index::Shared(index) => index.lookup(&key).await,
+        }
     }
 
     pub fn medium(&self) -> &Arc<dyn Medium> {
@@ -144,6 +220,15 @@ impl PackStore {
 
     pub fn spool_dir(&self) -> &Path {
         &self.inner.spool
+    }
+
+    /// Whether `path` is a spool file a session of this process is writing.
+    pub fn spool_in_use(&self, path: &Path) -> bool {
+        self.inner
+            .live_spools
+            .lock()
+            .map(|live| live.contains(path))
+            .unwrap_or(true)
     }
 
     pub fn legacy(&self) -> Option<&FsBlockStore> {
@@ -182,18 +267,16 @@ impl BlockStore for PackStore {
     fn get(&self, key: BlockKey) -> StoreFuture<'_, Option<Bytes>> {
         let store = self.clone();
         Box::pin(async move {
-            let found = blocking({
-                let store = store.clone();
-                move || match store.inner.index.lookup(&key)? {
-                    Some(at) => store
-                        .inner
-                        .medium
-                        .read(&at.pack, at.offset, u64::from(at.len))
-                        .map(Some),
-                    None => Ok(None),
+            let found = match store.locate(key).await? {
+                Some(at) => {
+                    let medium = store.inner.medium.clone();
+                    Some(
+                        blocking(move || medium.read(&at.pack, at.offset, u64::from(at.len)))
+                            .await?,
+                    )
                 }
-            })
-            .await?;
+                None => None,
+            };
             match (found, &store.inner.legacy) {
                 (Some(data), _) => Ok(Some(data)),
                 (None, Some(legacy)) => legacy.get(key).await,
@@ -205,11 +288,7 @@ impl BlockStore for PackStore {
     fn contains(&self, key: BlockKey) -> StoreFuture<'_, bool> {
         let store = self.clone();
         Box::pin(async move {
-            let indexed = blocking({
-                let store = store.clone();
-                move || Ok(store.inner.index.lookup(&key)?.is_some())
-            })
-            .await?;
+            let indexed = store.locate(key).await?.is_some();
             match (indexed, &store.inner.legacy) {
                 (true, _) => Ok(true),
                 (false, Some(legacy)) => legacy.contains(key).await,
@@ -253,6 +332,48 @@ impl PackSession {
     }
 }
 
+impl PackSession {
+    /// Seal the last pack and commit the index (and, with the shared index and
+    /// `manifest`, the manifest in the same transaction).
+    async fn finish(
+        mut self: Box<Self>,
+        manifest: Option<(&Manifest, Option<&CommitFence>)>,
+    ) -> Result<(CommitReport, Option<CreateOutcome>), StoreError> {
+        let written = match self.writer.take() {
+            Some(Writer { tx, done }) => {
+                drop(tx);
+                done.await
+                    .map_err(|e| StoreError::Unavailable(format!("pack writer: {e}")))??
+            }
+            None => Written::default(),
+        };
+        let report = CommitReport {
+            packs: written.packs.len(),
+            fresh_bytes: self.fresh_bytes,
+        };
+        let batch = CommitBatch {
+            packs: written.packs,
+            new: written.new,
+            reused: std::mem::take(&mut self.reused),
+            now_ms: now_ms(),
+        };
+        if let Some(index) = self.store.shared() {
+            let outcome = index
+                .commit(&batch, &self.store.inner.medium, manifest)
+                .await?;
+            self.store.note("index committed");
+            return Ok((report, outcome));
+        }
+        if batch.packs.is_empty() && batch.new.is_empty() && batch.reused.is_empty() {
+            return Ok((report, None));
+        }
+        let store = self.store.clone();
+        blocking(move || store.index()?.commit(&batch)).await?;
+        self.store.note("index committed");
+        Ok((report, None))
+    }
+}
+
 impl Drop for PackSession {
     fn drop(&mut self) {
         // A session dropped before `commit` finished is an abort: the writer sees the flag
@@ -267,8 +388,13 @@ impl WriteSession for PackSession {
             if !self.seen.insert(key) {
                 return Ok(PutOutcome::Duplicate);
             }
-            // A read transaction on a page-cached B-tree: microseconds, so it runs here.
-            if self.store.inner.index.lookup(&key)?.is_some() {
+            let known = match &self.store.inner.index {
+                // A read transaction on a page-cached B-tree: microseconds, so it runs here.
+                Index::Local(index) => index.lookup(&key)?.is_some(),
+                // One query; the answer is confirmed again inside the commit (STO-3).
+                Index::Shared(index) => index.lookup(&key).await?.is_some(),
+            };
+            if known {
                 self.reused.push(key);
                 return Ok(PutOutcome::Duplicate);
             }
@@ -286,33 +412,29 @@ impl WriteSession for PackSession {
         })
     }
 
-    fn commit(mut self: Box<Self>) -> StoreFuture<'static, CommitReport> {
+    fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport> {
+        Box::pin(async move { self.finish(None).await.map(|(report, _)| report) })
+    }
+
+    fn commit_manifest(
+        self: Box<Self>,
+        manifest: Manifest,
+        manifests: Arc<dyn ManifestStore>,
+        fence: Option<CommitFence>,
+    ) -> StoreFuture<'static, (CommitReport, CreateOutcome)> {
         Box::pin(async move {
-            let written = match self.writer.take() {
-                Some(Writer { tx, done }) => {
-                    drop(tx);
-                    done.await
-                        .map_err(|e| StoreError::Unavailable(format!("pack writer: {e}")))??
-                }
-                None => Written::default(),
-            };
-            let report = CommitReport {
-                packs: written.packs.len(),
-                fresh_bytes: self.fresh_bytes,
-            };
-            let batch = CommitBatch {
-                packs: written.packs,
-                new: written.new,
-                reused: std::mem::take(&mut self.reused),
-                now_ms: now_ms(),
-            };
-            if batch.packs.is_empty() && batch.new.is_empty() && batch.reused.is_empty() {
-                return Ok(report);
+            let shared_tx = self.store.shared().is_some() && manifests.database().is_some();
+            if shared_tx {
+                // Index entries, dedup confirmations, fence and manifest: one transaction.
+                let (report, outcome) = self.finish(Some((&manifest, fence.as_ref()))).await?;
+                let outcome = outcome.ok_or_else(|| {
+                    StoreError::Unavailable("the manifest was not created".into())
+                })?;
+                return Ok((report, outcome));
             }
-            let store = self.store.clone();
-            blocking(move || store.inner.index.commit(&batch)).await?;
-            self.store.note("index committed");
-            Ok(report)
+            let (report, _) = self.finish(None).await?;
+            let outcome = manifests.create_fenced(&manifest, fence.as_ref()).await?;
+            Ok((report, outcome))
         })
     }
 
@@ -326,7 +448,22 @@ impl WriteSession for PackSession {
 }
 
 /// A spool file being filled.
+/// Keeps a spool path in the live set while its pack is open.
+struct SpoolGuard {
+    path: PathBuf,
+    live: Arc<std::sync::Mutex<HashSet<PathBuf>>>,
+}
+
+impl Drop for SpoolGuard {
+    fn drop(&mut self) {
+        if let Ok(mut live) = self.live.lock() {
+            live.remove(&self.path);
+        }
+    }
+}
+
 struct OpenPack {
+    _guard: SpoolGuard,
     out: BufWriter<File>,
     path: PathBuf,
     len: u64,
@@ -335,10 +472,22 @@ struct OpenPack {
 }
 
 impl OpenPack {
-    fn create(dir: &Path) -> Result<Self, StoreError> {
-        let path = dir.join(format!("{}.spool", uuid::Uuid::new_v4().simple()));
+    fn create(store: &PackStore) -> Result<Self, StoreError> {
+        let path = store
+            .inner
+            .spool
+            .join(format!("{}.spool", uuid::Uuid::new_v4().simple()));
+        let live = store.inner.live_spools.clone();
+        if let Ok(mut set) = live.lock() {
+            set.insert(path.clone());
+        }
+        let guard = SpoolGuard {
+            path: path.clone(),
+            live,
+        };
         let file = File::create(&path).map_err(|e| StoreError::io("create spool file", e))?;
         Ok(Self {
+            _guard: guard,
             out: BufWriter::with_capacity(1 << 20, file),
             path,
             len: 0,
@@ -448,7 +597,7 @@ fn write_packs(
         while let Some((key, data)) = rx.blocking_recv() {
             let pack = match &mut open {
                 Some(pack) => pack,
-                None => open.insert(OpenPack::create(&store.inner.spool)?),
+                None => open.insert(OpenPack::create(&store)?),
             };
             pack.append(key, &data, fsync)?;
             if pack.len >= store.inner.options.pack_size {

@@ -1,6 +1,10 @@
 //! Packs in an S3-compatible bucket through `object_store`'s `AmazonS3`.
 //!
-//! One PUT per sealed pack (no multipart: packs are 16-64 MiB), ranged GETs for blocks.
+//! One PUT per sealed pack (no multipart: packs are 16-64 MiB, and multipart would cost
+//! 3+ requests per pack), ranged GETs for blocks. The PUT body is the sealed spool file
+//! mapped read-only (`mmap`), not a heap copy: page-cache pages the kernel can drop and
+//! re-read under memory pressure, where a buffer would pin `pack_size` of anonymous
+//! memory per concurrent seal.
 //! Throttling (503 SlowDown), other 5xx and timeouts are retried by `object_store` with
 //! exponential backoff and jitter, bounded by `max_retries` and `request_timeout`; what is
 //! still failing surfaces as [`StoreError::Unavailable`], which uploads answer with 503 and
@@ -207,11 +211,74 @@ impl S3Medium {
     }
 }
 
+/// A read-only private mapping of a whole sealed spool file.
+struct Mapped {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only and never changes while mapped (the spool file is
+// sealed before it is mapped, and only this process writes spool files); sharing `&[u8]`
+// views of it across threads is therefore sound.
+unsafe impl Send for Mapped {}
+unsafe impl Sync for Mapped {}
+
+impl AsRef<[u8]> for Mapped {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `ptr` maps `len` readable bytes until `drop` unmaps them.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: exactly the region `mmap` returned; no view outlives the owner.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// The bytes of a sealed file as a `Bytes` backed by a mapping (no heap copy). Removing
+/// the file afterwards is fine: the mapping keeps the inode's pages until dropped.
+fn map_file(file: &File) -> std::io::Result<Bytes> {
+    use std::os::fd::AsRawFd;
+    let len = usize::try_from(file.metadata()?.len())
+        .map_err(|_| std::io::Error::other("spool file too large to map"))?;
+    if len == 0 {
+        return Ok(Bytes::new());
+    }
+    // SAFETY: a fresh read-only private mapping of an open descriptor; checked below.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    let ptr = std::ptr::NonNull::new(ptr.cast::<u8>())
+        .ok_or_else(|| std::io::Error::other("mmap returned null"))?;
+    // SAFETY: a valid mapping of `len` bytes; the advice only affects read-ahead.
+    unsafe {
+        libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_SEQUENTIAL);
+    }
+    Ok(Bytes::from_owner(Mapped { ptr, len }))
+}
+
 impl Medium for S3Medium {
     fn publish(&self, spool: File, spool_path: &Path, id: &PackId) -> Result<(), StoreError> {
         drop(spool);
-        let data = std::fs::read(spool_path).map_err(|e| StoreError::io("read spool file", e))?;
-        let result = self.put_pack(id, Bytes::from(data));
+        // The spool was written through a write-only handle: map a reading one.
+        let data = File::open(spool_path)
+            .and_then(|file| map_file(&file))
+            .map_err(|e| StoreError::io("map spool file", e));
+        let result = data.and_then(|data| self.put_pack(id, data));
         let _ = std::fs::remove_file(spool_path);
         result?;
         if let Some(trace) = &self.trace {
@@ -241,6 +308,14 @@ impl Medium for S3Medium {
         match self.runtime.block_on(self.store.delete(&self.path(id))) {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(s3_err("delete pack on S3")(e)),
+        }
+    }
+
+    fn exists(&self, id: &PackId) -> Result<bool, StoreError> {
+        match self.runtime.block_on(self.store.head(&self.path(id))) {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(s3_err("check a pack on S3")(e)),
         }
     }
 

@@ -113,8 +113,11 @@ async fn one_upload_syncs_packs_before_the_index_and_the_index_before_the_manife
         steps, expected,
         "one data sync per pack, then one commit, then the manifest"
     );
-    assert_eq!(store.index().block_count().unwrap(), report.blocks as u64);
-    assert_eq!(store.index().packs().unwrap().len(), packs);
+    assert_eq!(
+        store.index().unwrap().block_count().unwrap(),
+        report.blocks as u64
+    );
+    assert_eq!(store.index().unwrap().packs().unwrap().len(), packs);
 }
 
 // Checks STO-2.
@@ -134,7 +137,7 @@ async fn packs_roll_over_and_every_block_reads_back() {
     )
     .await
     .unwrap();
-    let packs = store.index().packs().unwrap();
+    let packs = store.index().unwrap().packs().unwrap();
     assert!(packs.len() >= 4, "{} packs", packs.len());
     // every pack but the last partial one reached the pack size
     assert!(packs.iter().filter(|p| p.size < 1 << 20).count() <= 1);
@@ -149,7 +152,7 @@ async fn packs_roll_over_and_every_block_reads_back() {
         .await
         .unwrap();
     assert_eq!(again.fresh_blocks, 0);
-    assert_eq!(store.index().packs().unwrap().len(), packs.len());
+    assert_eq!(store.index().unwrap().packs().unwrap().len(), packs.len());
 }
 
 #[tokio::test]
@@ -198,7 +201,7 @@ async fn a_corrupt_or_truncated_pack_fails_the_download_loudly() {
     .await
     .unwrap();
     let manifest = manifests.get(report.key).await.unwrap().unwrap();
-    let pack = store.index().packs().unwrap()[0].id;
+    let pack = store.index().unwrap().packs().unwrap()[0].id;
     let local = medium::LocalMedium::open(&dir.path().join("packs"), false, None).unwrap();
     let path = local.path_of(&pack);
     let mut bytes = std::fs::read(&path).unwrap();

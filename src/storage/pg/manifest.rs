@@ -175,7 +175,7 @@ fn decode(key: &BlobKey, row: &PgRow) -> Result<Manifest, StoreError> {
 /// decode) are `Corrupt`; everything else (connection refused or lost, pool or statement
 /// timeout, missing table, server shutting down) is `Unavailable`. The message is built
 /// from the error kind and PostgreSQL's own text, which never contain the password.
-fn db_error(op: &'static str, err: sqlx::Error) -> StoreError {
+pub(crate) fn db_error(op: &'static str, err: sqlx::Error) -> StoreError {
     match err {
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
@@ -229,6 +229,39 @@ async fn insert<'e>(
     })
 }
 
+/// Check `fence` (when given) and insert `manifest` inside the caller's transaction `tx`.
+/// The shard row is read `FOR SHARE`, so a manager's move of that shard (an `UPDATE` of
+/// the row) either committed before (and the fence fails with [`StoreError::Fenced`]) or
+/// waits until this transaction ends. The shared block index
+/// ([`crate::storage::pack::shared`]) calls this in its commit transaction.
+pub async fn create_in(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    manifest: &Manifest,
+    fence: Option<&CommitFence>,
+) -> Result<CreateOutcome, StoreError> {
+    let e = encode(manifest)?;
+    if let Some(fence) = fence {
+        let holds: Option<i32> = sqlx::query_scalar(
+            "SELECT 1 FROM placement_shards
+             WHERE shard = $1 AND node_id = $2 AND epoch = $3 AND NOT revoke_acked
+             FOR SHARE",
+        )
+        .bind(fence.shard.0 as i32)
+        .bind(fence.node.as_str())
+        .bind(fence.epoch.0)
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(|err| db_error("check the commit fence", err))?;
+        if holds.is_none() {
+            return Err(StoreError::Fenced {
+                shard: fence.shard.0,
+                epoch: fence.epoch.0,
+            });
+        }
+    }
+    insert(e, &mut **tx).await
+}
+
 impl ManifestStore for PgManifestStore {
     fn create(&self, manifest: &Manifest) -> StoreFuture<'_, CreateOutcome> {
         let encoded = encode(manifest);
@@ -246,38 +279,22 @@ impl ManifestStore for PgManifestStore {
         let Some(fence) = fence else {
             return self.create(manifest);
         };
-        let encoded = encode(manifest);
         Box::pin(async move {
-            let e = encoded?;
             let mut tx = self
                 .pool
                 .begin()
                 .await
                 .map_err(|err| db_error("begin fenced commit", err))?;
-            let holds: Option<i32> = sqlx::query_scalar(
-                "SELECT 1 FROM placement_shards
-                 WHERE shard = $1 AND node_id = $2 AND epoch = $3 AND NOT revoke_acked
-                 FOR SHARE",
-            )
-            .bind(fence.shard.0 as i32)
-            .bind(fence.node.as_str())
-            .bind(fence.epoch.0)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(|err| db_error("check the commit fence", err))?;
-            if holds.is_none() {
-                let _ = tx.rollback().await;
-                return Err(StoreError::Fenced {
-                    shard: fence.shard.0,
-                    epoch: fence.epoch.0,
-                });
-            }
-            let outcome = insert(e, &mut *tx).await?;
+            let outcome = create_in(&mut tx, manifest, Some(fence)).await?;
             tx.commit()
                 .await
                 .map_err(|err| db_error("commit manifest", err))?;
             Ok(outcome)
         })
+    }
+
+    fn database(&self) -> Option<&PgPool> {
+        Some(&self.pool)
     }
 
     fn get(&self, key: BlobKey) -> StoreFuture<'_, Option<Manifest>> {

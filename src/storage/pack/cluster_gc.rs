@@ -1,0 +1,407 @@
+//! The collector of a cluster on S3: the steps of [`super::gc`] over the shared
+//! PostgreSQL index ([`super::shared`]), run by one node at a time.
+//!
+//! **One collector at a time.** A run first takes the session-level advisory lock
+//! [`GC_LOCK_KEY`] (`pg_try_advisory_lock`) on a connection of its own, and holds it to
+//! the end; a second run anywhere in the cluster gets [`StoreError::Busy`] at once
+//! (`POST /v1/admin/gc` answers 409 `gc_running`). If the collector's process dies, its
+//! connection closes and PostgreSQL releases the lock.
+//!
+//! **Grace period.** Candidates are only blocks whose `last_ref` (the database clock at
+//! the last commit that wrote or deduplicated them) is older than `min_age` before the
+//! run started, and orphans only objects older than `min_age` by the S3 server's clock.
+//! An upload in flight therefore neither loses a dedup hit nor has its fresh packs taken
+//! as orphans while it is shorter than `min_age`.
+//!
+//! **Deleting an object (STO-10).** The grace period alone would leave a race: an upload
+//! that PUT a pack, then commits after the collector checked that no row names it, but
+//! before the collector's DELETE reaches S3 (a paused collector, a slow upload, clock
+//! skew between S3 and PostgreSQL). So every object delete happens while the collector
+//! holds that pack id's row in an open transaction: an orphan is claimed by inserting a
+//! placeholder row (which waits for, or conflicts with, an upload's own insert of the
+//! same id), a retired pack by `SELECT ... FOR UPDATE` and a fresh check that no block
+//! row names it. The upload's commit inserts its pack rows and then checks with a HEAD
+//! that each object is present, so it either sees the object gone and fails (503,
+//! retry) or the collector sees its row and keeps the object.
+//!
+//! Not in cluster mode yet: compaction of sparse packs (they are kept until every block
+//! in them is dead, then retired and purged).
+
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
+use futures_util::TryStreamExt;
+use sqlx::{Connection, PgConnection, Row};
+
+use super::format::{self, PackId};
+use super::gc::{GcOptions, GcReport, Progress};
+use super::shared::PgIndex;
+use super::{PackStore, now_ms};
+use crate::cas::BlockKey;
+use crate::storage::pg::manifest::db_error;
+use crate::storage::{ManifestStore, StoreError};
+
+/// Key of the advisory lock that keeps a cluster to one collector ("GRAVGCL1").
+pub const GC_LOCK_KEY: i64 = 0x4752_4156_4743_4c31;
+
+/// Quarantine this many candidates per statement.
+const BATCH: usize = 4096;
+
+async fn mark(manifests: &dyn ManifestStore) -> Result<HashSet<BlockKey>, StoreError> {
+    let mut live = HashSet::new();
+    manifests
+        .for_each_block(&mut |key| {
+            live.insert(key);
+        })
+        .await?;
+    Ok(live)
+}
+
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, StoreError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("collector task failed: {e}")))?
+}
+
+/// The lock connection: closed (and the lock released) when dropped.
+struct GcLock(PgConnection);
+
+impl GcLock {
+    async fn take(index: &PgIndex) -> Result<Self, StoreError> {
+        let options = (*index.pool().connect_options())
+            .clone()
+            .application_name("graviton-gc-lock");
+        let mut conn = PgConnection::connect_with(&options)
+            .await
+            .map_err(|e| db_error("connect for the collector lock", e))?;
+        let held: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(GC_LOCK_KEY)
+            .fetch_one(&mut conn)
+            .await
+            .map_err(|e| db_error("take the collector lock", e))?;
+        if !held {
+            let _ = conn.close().await;
+            return Err(StoreError::Busy(
+                "another collector of this cluster holds the advisory lock".into(),
+            ));
+        }
+        Ok(Self(conn))
+    }
+
+    async fn release(mut self) {
+        let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(GC_LOCK_KEY)
+            .execute(&mut self.0)
+            .await;
+        let _ = self.0.close().await;
+    }
+}
+
+/// One cluster collector run (see the module docs).
+pub async fn collect(
+    store: &PackStore,
+    index: &PgIndex,
+    manifests: &dyn ManifestStore,
+    options: GcOptions,
+    progress: &mut dyn Progress,
+) -> Result<GcReport, StoreError> {
+    let lock = GcLock::take(index).await?;
+    let result = run(store, index, manifests, options, progress).await;
+    lock.release().await;
+    result
+}
+
+async fn run(
+    store: &PackStore,
+    index: &PgIndex,
+    manifests: &dyn ManifestStore,
+    options: GcOptions,
+    progress: &mut dyn Progress,
+) -> Result<GcReport, StoreError> {
+    let started = Instant::now();
+    let pool = index.pool();
+    let mut report = GcReport {
+        dry_run: options.dry_run,
+        ..Default::default()
+    };
+    // Every age is judged by the database clock, the one that set `last_ref`.
+    let start_ms: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint")
+        .fetch_one(pool)
+        .await
+        .map_err(|e| db_error("read the database clock", e))?;
+    let cutoff_ms = start_ms - options.min_age.as_millis() as i64;
+
+    // 1. mark
+    progress.phase("mark", 0);
+    let live = mark(manifests).await?;
+    report.live_blocks = live.len() as u64;
+
+    // 2. select unmarked entries older than the grace period
+    progress.phase("select", 0);
+    let mut candidates: Vec<(BlockKey, u32)> = Vec::new();
+    let mut per_pack: HashMap<PackId, u64> = HashMap::new();
+    {
+        let mut rows = sqlx::query(
+            "SELECT block_hash, pack_id, len,
+                    last_ref < to_timestamp($1::double precision / 1000) AS old
+             FROM pack_blocks WHERE quarantined_at IS NULL",
+        )
+        .bind(cutoff_ms as f64)
+        .fetch(pool);
+        while let Some(row) = rows
+            .try_next()
+            .await
+            .map_err(|e| db_error("scan the block index", e))?
+        {
+            let corrupt = |e: sqlx::Error| StoreError::Corrupt(format!("block index row: {e}"));
+            let hash: Vec<u8> = row.try_get("block_hash").map_err(corrupt)?;
+            let pack: Vec<u8> = row.try_get("pack_id").map_err(corrupt)?;
+            let len: i32 = row.try_get("len").map_err(corrupt)?;
+            let old: bool = row.try_get("old").map_err(corrupt)?;
+            let key = BlockKey(
+                hash.as_slice()
+                    .try_into()
+                    .map_err(|_| StoreError::Corrupt("block hash length".into()))?,
+            );
+            let len = len.max(0) as u32;
+            if old && !live.contains(&key) {
+                candidates.push((key, len));
+            } else {
+                let pack = PackId(
+                    pack.as_slice()
+                        .try_into()
+                        .map_err(|_| StoreError::Corrupt("pack id length".into()))?,
+                );
+                *per_pack.entry(pack).or_default() += u64::from(len) + format::RECORD_HEADER;
+            }
+        }
+    }
+    drop(live);
+
+    // 3. mark again, just before changing anything
+    progress.phase("mark again", 0);
+    let live_again = mark(manifests).await?;
+    candidates.retain(|(key, _)| !live_again.contains(key));
+    drop(live_again);
+    report.candidates = candidates.len() as u64;
+    report.quarantined_bytes = candidates.iter().map(|(_, len)| u64::from(*len)).sum();
+
+    // 4. quarantine, re-checking the age in the statement (a racing dedup commit wins)
+    if !options.dry_run && !candidates.is_empty() {
+        progress.phase("quarantine", candidates.len() as u64);
+        for chunk in candidates.chunks(BATCH) {
+            let keys: Vec<Vec<u8>> = chunk.iter().map(|(k, _)| k.0.to_vec()).collect();
+            let moved = sqlx::query(
+                "UPDATE pack_blocks SET quarantined_at = now()
+                 WHERE block_hash = ANY($1) AND quarantined_at IS NULL
+                   AND last_ref < to_timestamp($2::double precision / 1000)",
+            )
+            .bind(&keys)
+            .bind(cutoff_ms as f64)
+            .execute(pool)
+            .await
+            .map_err(|e| db_error("quarantine blocks", e))?
+            .rows_affected();
+            report.quarantined += moved;
+            progress.advance(chunk.len() as u64);
+        }
+    }
+
+    // 5. retire packs older than the grace period with no live entry left
+    let packs: Vec<(Vec<u8>, i64, bool, bool)> = sqlx::query_as(
+        "SELECT pack_id, size, retired_at IS NOT NULL,
+                sealed_at < to_timestamp($1::double precision / 1000)
+         FROM pack_packs",
+    )
+    .bind(cutoff_ms as f64)
+    .fetch_all(pool)
+    .await
+    .map_err(|e| db_error("list packs", e))?;
+    let known: HashSet<Vec<u8>> = packs.iter().map(|p| p.0.clone()).collect();
+    let to_retire: Vec<Vec<u8>> = packs
+        .iter()
+        .filter(|(id, _, retired, old)| {
+            !retired
+                && *old
+                && PackId::try_from_slice(id).is_some_and(|id| !per_pack.contains_key(&id))
+        })
+        .map(|p| p.0.clone())
+        .collect();
+    if options.dry_run {
+        report.packs_retired = to_retire.len() as u64;
+    } else if !to_retire.is_empty() {
+        // Re-checked in the statement: a commit or restore since the scan keeps the pack.
+        report.packs_retired = sqlx::query(
+            "UPDATE pack_packs p SET retired_at = now()
+             WHERE p.pack_id = ANY($1) AND p.retired_at IS NULL
+               AND NOT EXISTS (SELECT 1 FROM pack_blocks b
+                               WHERE b.pack_id = p.pack_id AND b.quarantined_at IS NULL)",
+        )
+        .bind(&to_retire)
+        .execute(pool)
+        .await
+        .map_err(|e| db_error("retire packs", e))?
+        .rows_affected();
+    }
+
+    // 6. orphans: objects no row names, older than the grace period by the S3 clock
+    progress.phase("orphans", 0);
+    let listed = {
+        let medium = store.medium().clone();
+        blocking(move || medium.list()).await?
+    };
+    let cutoff_u = cutoff_ms.max(0) as u64;
+    for (id, modified) in listed {
+        if known.contains(id.0.as_slice()) || modified >= cutoff_u {
+            continue;
+        }
+        if options.dry_run {
+            report.orphan_packs_deleted += 1;
+            continue;
+        }
+        if delete_orphan(store, index, id).await? {
+            report.orphan_packs_deleted += 1;
+        }
+    }
+    // This node's own spool leftovers (crashed uploads), by the local clock.
+    let local_cutoff = now_ms().saturating_sub(options.min_age.as_millis() as u64);
+    for entry in std::fs::read_dir(store.spool_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if !store.spool_in_use(&entry.path())
+            && super::medium::modified_ms(&entry.path()) < local_cutoff
+        {
+            report.spool_files_deleted += 1;
+            if !options.dry_run {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+
+    // 7. purge what the retention window allows
+    if options.purge {
+        progress.phase("purge", 0);
+        let before_ms = start_ms - options.retention.as_millis() as i64;
+        let expired: Vec<(Vec<u8>, i64)> = sqlx::query_as(
+            "SELECT pack_id, size FROM pack_packs
+             WHERE retired_at < to_timestamp($1::double precision / 1000)",
+        )
+        .bind(before_ms as f64)
+        .fetch_all(pool)
+        .await
+        .map_err(|e| db_error("list retired packs", e))?;
+        if options.dry_run {
+            report.packs_deleted = expired.len() as u64;
+            report.bytes_reclaimed = expired.iter().map(|(_, size)| *size as u64).sum();
+        } else {
+            report.purged_entries = sqlx::query(
+                "DELETE FROM pack_blocks
+                 WHERE quarantined_at < to_timestamp($1::double precision / 1000)",
+            )
+            .bind(before_ms as f64)
+            .execute(pool)
+            .await
+            .map_err(|e| db_error("purge quarantined blocks", e))?
+            .rows_affected();
+            for (raw, size) in expired {
+                let Some(id) = PackId::try_from_slice(&raw) else {
+                    continue;
+                };
+                if delete_retired(store, index, id, before_ms).await? {
+                    report.packs_deleted += 1;
+                    report.bytes_reclaimed += size.max(0) as u64;
+                }
+            }
+        }
+    }
+    report.duration_ms = started.elapsed().as_millis() as u64;
+    Ok(report)
+}
+
+/// Delete `id`'s object while holding the pack id's row: the object goes only if no
+/// upload has committed (or is committing) a row for it (STO-10).
+async fn delete_orphan(store: &PackStore, index: &PgIndex, id: PackId) -> Result<bool, StoreError> {
+    let mut tx = index
+        .pool()
+        .begin()
+        .await
+        .map_err(|e| db_error("begin an orphan claim", e))?;
+    // Waits for an upload's uncommitted insert of the same id; conflicts once it commits.
+    let claimed = sqlx::query(
+        "INSERT INTO pack_packs (pack_id, size, blocks, retired_at) VALUES ($1, 1, 1, now())
+         ON CONFLICT (pack_id) DO NOTHING",
+    )
+    .bind(id.0.as_slice())
+    .execute(&mut *tx)
+    .await
+    .map_err(|e| db_error("claim an orphan pack", e))?
+    .rows_affected()
+        == 1;
+    if !claimed {
+        return Ok(false);
+    }
+    let medium = store.medium().clone();
+    blocking(move || medium.delete(&id)).await?;
+    sqlx::query("DELETE FROM pack_packs WHERE pack_id = $1")
+        .bind(id.0.as_slice())
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| db_error("release an orphan claim", e))?;
+    tx.commit()
+        .await
+        .map_err(|e| db_error("commit an orphan claim", e))?;
+    Ok(true)
+}
+
+/// Delete a retired pack retired before `before_ms` that no block row names, holding its
+/// row `FOR UPDATE` across the object delete (STO-10).
+async fn delete_retired(
+    store: &PackStore,
+    index: &PgIndex,
+    id: PackId,
+    before_ms: i64,
+) -> Result<bool, StoreError> {
+    let mut tx = index
+        .pool()
+        .begin()
+        .await
+        .map_err(|e| db_error("begin a pack claim", e))?;
+    let held: Option<i32> = sqlx::query_scalar(
+        "SELECT 1 FROM pack_packs
+         WHERE pack_id = $1 AND retired_at < to_timestamp($2::double precision / 1000)
+         FOR UPDATE",
+    )
+    .bind(id.0.as_slice())
+    .bind(before_ms as f64)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(|e| db_error("claim a retired pack", e))?;
+    if held.is_none() {
+        return Ok(false);
+    }
+    // A fresh statement after the lock: sees every committed row.
+    let referenced: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pack_blocks WHERE pack_id = $1)")
+            .bind(id.0.as_slice())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(|e| db_error("check a retired pack", e))?;
+    if referenced {
+        return Ok(false);
+    }
+    let medium = store.medium().clone();
+    blocking(move || medium.delete(&id)).await?;
+    sqlx::query("DELETE FROM pack_packs WHERE pack_id = $1")
+        .bind(id.0.as_slice())
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| db_error("forget a deleted pack", e))?;
+    tx.commit()
+        .await
+        .map_err(|e| db_error("commit a pack claim", e))?;
+    Ok(true)
+}

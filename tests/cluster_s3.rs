@@ -1,0 +1,427 @@
+//! A cluster on S3 with no shared directory: separate `graviton serve` processes, each
+//! with its own data directory, packs in one bucket of a real Garage server, the block
+//! index and the manifests in one real PostgreSQL database. Also the collector's races
+//! against a commit, in process, on the same real servers.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use graviton::cas::{BlobKey, BlockKey, BlockRef, Manifest};
+use graviton::config::{HumanDuration, Secret};
+use graviton::storage::config::S3Config;
+use graviton::storage::pack::cluster_gc::GC_LOCK_KEY;
+use graviton::storage::pack::gc::{self, GcOptions, Quiet};
+use graviton::storage::pack::medium::Medium;
+use graviton::storage::pack::s3::S3Medium;
+use graviton::storage::pack::shared::PgIndex;
+use graviton::storage::pack::{PackOptions, PackStore};
+use graviton::storage::pg::PgManifestStore;
+use graviton::storage::{BlockStore, ManifestStore, StoreError};
+use sqlx::Connection;
+use support::cluster::{NodeProcess, is_ready, s3_storage_toml};
+use support::node::random_bytes;
+
+const SHARDS: u32 = 16;
+const ADMIN: &str = "admin-token-for-cluster-s3-tests-01";
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+fn s3_config(prefix: &str) -> S3Config {
+    let var = |name: &str| std::env::var(name).unwrap_or_default();
+    S3Config {
+        endpoint: var("GRAVITON_TEST_S3_ENDPOINT"),
+        bucket: var("GRAVITON_TEST_S3_BUCKET"),
+        region: std::env::var("GRAVITON_TEST_S3_REGION").unwrap_or_else(|_| "garage".into()),
+        path_style: true,
+        prefix: prefix.to_string(),
+        access_key_id: var("GRAVITON_TEST_S3_ACCESS_KEY"),
+        secret_access_key: Some(Secret::new(var("GRAVITON_TEST_S3_SECRET_KEY"))),
+        request_timeout: HumanDuration(Duration::from_secs(10)),
+        max_retries: 2,
+        ..Default::default()
+    }
+}
+
+async fn upload(url: &str, data: Vec<u8>) -> serde_json::Value {
+    let response = client()
+        .post(format!("{url}/v1/blobs"))
+        .body(data)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status();
+    let text = response.text().await.unwrap();
+    assert_eq!(status, 201, "upload to {url}: {text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+async fn download(url: &str, key: &str) -> (u16, Vec<u8>) {
+    let response = client()
+        .get(format!("{url}/v1/blobs/{key}"))
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.bytes().await.unwrap().to_vec())
+}
+
+async fn run_gc(url: &str) -> (u16, serde_json::Value) {
+    let response = client()
+        .post(format!("{url}/v1/admin/gc?purge=true"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+/// Pack objects under `prefix` in the bucket.
+async fn objects(prefix: &str) -> usize {
+    let medium = S3Medium::new(&s3_config(prefix), None).unwrap();
+    tokio::task::spawn_blocking(move || medium.list().unwrap().len())
+        .await
+        .unwrap()
+}
+
+async fn pack_rows(db: &str) -> i64 {
+    let mut conn = sqlx::PgConnection::connect(db).await.unwrap();
+    sqlx::query_scalar("SELECT count(*) FROM pack_packs")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+}
+
+/// A request whose body stops short of its Content-Length: the connection closes once
+/// the node has sealed `packs` packs of it (pack objects under `prefix` grew by that).
+async fn aborted_upload(url: &str, prefix: &str, declared: usize, sent: Vec<u8>, packs: usize) {
+    use tokio::io::AsyncWriteExt;
+    let before = objects(prefix).await;
+    let addr = url.trim_start_matches("http://");
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/blobs HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/octet-stream\r\nContent-Length: {declared}\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(&sent).await.unwrap();
+    stream.flush().await.unwrap();
+    let sealed = support::wait_until(Duration::from_secs(60), || async {
+        objects(prefix).await >= before + packs
+    })
+    .await;
+    assert!(
+        sealed,
+        "the node did not seal {packs} packs of the aborted upload"
+    );
+    drop(stream);
+}
+
+// Checks STO-10 (cluster reads, cross-node dedup, one collector, aborted uploads
+// reclaimed, live blobs kept) and STO-8 on the shared bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_on_s3_share_blocks_dedup_and_collect_under_one_lock() {
+    let test = "two_nodes_on_s3_share_blocks_dedup_and_collect_under_one_lock";
+    let Some(db) = support::TestDatabase::create(test).await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = format!("cluster-{}", support::unique_suffix());
+    let gc = "\n[storage.gc]\nmin_age = \"1s\"\nretention = \"0s\"";
+    let admin = format!("[admin]\ntoken = \"{ADMIN}\"");
+    let mut nodes = Vec::new();
+    for id in ["node-a", "node-b"] {
+        // Every node has a directory of its own: nothing is shared but PG and the bucket.
+        let data = dir.path().join(id);
+        let Some(storage) = s3_storage_toml(test, &data, &prefix, gc) else {
+            return;
+        };
+        nodes.push(NodeProcess::start_with_storage(
+            dir.path(),
+            id,
+            db.url(),
+            SHARDS,
+            &storage,
+            &admin,
+        ));
+    }
+    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+    let ready = support::wait_until(Duration::from_secs(60), || {
+        let urls = urls.clone();
+        async move {
+            for url in &urls {
+                if !is_ready(&client(), url).await {
+                    return false;
+                }
+            }
+            true
+        }
+    })
+    .await;
+    assert!(
+        ready,
+        "nodes not ready:\n{}\n{}",
+        nodes[0].log_text(),
+        nodes[1].log_text()
+    );
+    let (a, b) = (&urls[0], &urls[1]);
+
+    // Upload through A, download through B, byte-exact.
+    let live = random_bytes(20 << 20, 31);
+    let created = upload(a, live.clone()).await;
+    let live_key = created["key"].as_str().unwrap().to_string();
+    assert!(created["fresh_blocks"].as_u64().unwrap() > 0);
+    let (status, got) = download(b, &live_key).await;
+    assert_eq!(status, 200);
+    assert!(
+        got == live,
+        "download through B differs from the upload through A"
+    );
+    let packs_after_first = pack_rows(db.url()).await;
+    assert!(packs_after_first >= 3, "20 MiB in 8 MiB packs");
+
+    // Dedup across nodes: the same bytes through B store no block and no pack.
+    let again = upload(b, live.clone()).await;
+    assert_eq!(again["key"], created["key"]);
+    assert_eq!(again["fresh_blocks"].as_u64(), Some(0), "{again}");
+    assert_eq!(pack_rows(db.url()).await, packs_after_first);
+
+    // A blob deleted, and an upload aborted after sealing packs (orphans in the bucket).
+    let doomed = random_bytes(3 << 20, 32);
+    let doomed_key = upload(b, doomed).await["key"].as_str().unwrap().to_string();
+    let response = client()
+        .delete(format!("{a}/v1/blobs/{doomed_key}"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 204);
+    let objects_before_abort = objects(&prefix).await;
+    // 20 MiB in 8 MiB packs: two packs sealed and stored, the rest never arrives.
+    aborted_upload(a, &prefix, 30 << 20, random_bytes(20 << 20, 33), 2).await;
+    let orphaned = objects(&prefix).await - objects_before_abort;
+    assert_eq!(orphaned, 2);
+    let rows = pack_rows(db.url()).await;
+
+    // A second collector is kept out while the lock is held elsewhere.
+    let mut holder = sqlx::PgConnection::connect(db.url()).await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(GC_LOCK_KEY)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let (status, body) = run_gc(b).await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(body["error"], "gc_running");
+    assert_eq!(objects(&prefix).await, objects_before_abort + orphaned);
+    assert_eq!(
+        pack_rows(db.url()).await,
+        rows,
+        "a refused run changes nothing"
+    );
+    holder.close().await.unwrap();
+
+    // Past the grace period: the run reclaims the orphans and quarantines and retires the
+    // deleted blob's pack; the next run purges it (retention 0). Live blocks stay.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let (status, first) = run_gc(b).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(
+        first["orphan_packs_deleted"].as_u64(),
+        Some(orphaned as u64)
+    );
+    assert!(first["quarantined"].as_u64().unwrap() > 0, "{first}");
+    assert!(first["packs_retired"].as_u64().unwrap() >= 1, "{first}");
+    let (status, second) = run_gc(a).await;
+    assert_eq!(status, 200, "{second}");
+    assert!(second["packs_deleted"].as_u64().unwrap() >= 1, "{second}");
+    assert_eq!(
+        objects(&prefix).await as i64,
+        pack_rows(db.url()).await,
+        "every object left is indexed"
+    );
+    assert_eq!(pack_rows(db.url()).await, packs_after_first);
+    for url in [a, b] {
+        let (status, got) = download(url, &live_key).await;
+        assert_eq!(status, 200);
+        assert!(got == live, "a live blob changed after collection");
+        assert_eq!(download(url, &doomed_key).await.0, 404);
+    }
+}
+
+/// A shared store on the test servers, in process (the collector's races).
+async fn shared_store(test: &str) -> Option<(support::TestDatabase, PackStore, tempfile::TempDir)> {
+    let db = support::TestDatabase::create(test).await?;
+    s3_storage_toml(test, std::path::Path::new("/"), "", "")?;
+    let pool = sqlx::PgPool::connect(db.url()).await.unwrap();
+    graviton::storage::pg::migrate(&pool).await.unwrap();
+    let medium = S3Medium::new(
+        &s3_config(&format!("race-{}", support::unique_suffix())),
+        None,
+    )
+    .unwrap();
+    medium.probe().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = PackStore::open_shared(
+        dir.path(),
+        Arc::new(medium),
+        PackOptions {
+            pack_size: 1 << 20,
+            fsync: false,
+            trace: None,
+        },
+        PgIndex::new(pool),
+    )
+    .unwrap();
+    Some((db, store, dir))
+}
+
+fn no_grace(purge: bool) -> GcOptions {
+    GcOptions {
+        min_age: Duration::ZERO,
+        retention: Duration::ZERO,
+        compact_below: 0.5,
+        dry_run: false,
+        purge,
+    }
+}
+
+fn manifest_of(blocks: &[Bytes]) -> Manifest {
+    let refs: Vec<BlockRef> = blocks
+        .iter()
+        .map(|b| BlockRef {
+            key: BlockKey::of(b),
+            size: b.len() as u32,
+        })
+        .collect();
+    let whole: Vec<u8> = blocks.iter().flat_map(|b| b.iter().copied()).collect();
+    let key = BlobKey {
+        hash: *blake3::hash(&whole).as_bytes(),
+        size: whole.len() as u64,
+    };
+    Manifest::new(key, refs, 1)
+}
+
+// Checks STO-10: a pack the collector deleted as an orphan while its upload was still
+// running fails that upload's commit (no manifest), instead of indexing missing bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_pack_was_collected_as_an_orphan_fails() {
+    let test = "a_commit_whose_pack_was_collected_as_an_orphan_fails";
+    let Some((db, store, _dir)) = shared_store(test).await else {
+        return;
+    };
+    let manifests = Arc::new(PgManifestStore::new(store.shared().unwrap().pool().clone()));
+    let blocks: Vec<Bytes> = (0..24)
+        .map(|i| Bytes::from(random_bytes(64 << 10, 100 + i)))
+        .collect();
+    let mut session = store.begin().unwrap();
+    for block in &blocks {
+        session
+            .append(BlockKey::of(block), block.clone())
+            .await
+            .unwrap();
+    }
+    // More than one pack's worth was appended: the first pack is on S3, not indexed.
+    let medium = store.medium().clone();
+    let sealed = support::wait_until(Duration::from_secs(30), || {
+        let medium = medium.clone();
+        async move {
+            tokio::task::spawn_blocking(move || !medium.list().unwrap().is_empty())
+                .await
+                .unwrap()
+        }
+    })
+    .await;
+    assert!(sealed, "no pack was sealed");
+    let report = gc::collect(&store, manifests.as_ref(), no_grace(false), &mut Quiet)
+        .await
+        .unwrap();
+    assert!(report.orphan_packs_deleted >= 1, "{report:?}");
+    let manifest = manifest_of(&blocks);
+    let key = manifest.key;
+    let err = session
+        .commit_manifest(manifest, manifests.clone(), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Unavailable(m) if m.contains("deleted by the collector")),
+        "{err}"
+    );
+    assert!(manifests.get(key).await.unwrap().is_none());
+    assert_eq!(
+        pack_rows(db.url()).await,
+        0,
+        "the failed commit indexed nothing"
+    );
+}
+
+// Checks STO-3 and STO-10 on the shared index: a dedup hit looked up before the
+// collector quarantined and purged the block fails its commit; one taken before the
+// quarantine only (the pack still there) restores it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dedup_hit_on_a_block_collected_meanwhile_fails_its_commit() {
+    let test = "a_dedup_hit_on_a_block_collected_meanwhile_fails_its_commit";
+    let Some((_db, store, _dir)) = shared_store(test).await else {
+        return;
+    };
+    let manifests: Arc<dyn ManifestStore> =
+        Arc::new(PgManifestStore::new(store.shared().unwrap().pool().clone()));
+    let block = Bytes::from(random_bytes(100 << 10, 7));
+    let key = BlockKey::of(&block);
+    let mut first = store.begin().unwrap();
+    first.append(key, block.clone()).await.unwrap();
+    first.commit().await.unwrap();
+    assert_eq!(store.get(key).await.unwrap().as_ref(), Some(&block));
+
+    // Looked up as stored, then quarantined by a run (no manifest names it): the commit
+    // restores it, since its pack is still there.
+    let mut restorer = store.begin().unwrap();
+    assert_eq!(
+        restorer.append(key, block.clone()).await.unwrap(),
+        graviton::storage::PutOutcome::Duplicate
+    );
+    let run = gc::collect(&store, manifests.as_ref(), no_grace(false), &mut Quiet)
+        .await
+        .unwrap();
+    assert_eq!(run.quarantined, 1, "{run:?}");
+    restorer
+        .commit_manifest(
+            manifest_of(std::slice::from_ref(&block)),
+            manifests.clone(),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.get(key).await.unwrap().as_ref(), Some(&block));
+    manifests
+        .delete(manifest_of(std::slice::from_ref(&block)).key)
+        .await
+        .unwrap();
+
+    // Looked up as stored, then quarantined, retired and purged: the commit fails.
+    let mut late = store.begin().unwrap();
+    assert_eq!(
+        late.append(key, block.clone()).await.unwrap(),
+        graviton::storage::PutOutcome::Duplicate
+    );
+    gc::collect(&store, manifests.as_ref(), no_grace(true), &mut Quiet)
+        .await
+        .unwrap();
+    let purge = gc::collect(&store, manifests.as_ref(), no_grace(true), &mut Quiet)
+        .await
+        .unwrap();
+    assert!(purge.packs_deleted >= 1, "{purge:?}");
+    let manifest = manifest_of(std::slice::from_ref(&block));
+    let blob = manifest.key;
+    let err = late
+        .commit_manifest(manifest, manifests.clone(), None)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
+    assert!(manifests.get(blob).await.unwrap().is_none());
+    assert!(store.get(key).await.unwrap().is_none());
+}
