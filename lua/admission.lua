@@ -27,6 +27,9 @@ end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local now_s = string.format('%d', now)
+-- Server time in microseconds: the floor of fencing tokens (about 1.8e15, exact in a Lua
+-- double up to 2^53). See next_token.
+local now_us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 
 local function split(s)
   local out = {}
@@ -129,11 +132,16 @@ local function set_expiry(id, score)
   exp_dirty[id] = true
 end
 
+-- Fencing tokens never go backwards, even when the stored sequence does (a failover to a
+-- replica that missed the last writes, a restart without persistence): a token is the
+-- larger of the sequence + 1 and the server time in microseconds. Tokens issued at under
+-- one per microsecond stay at the clock, so a new primary whose clock is not behind the
+-- old one's by more than the failover takes issues higher tokens (docs/admission.md).
 local function next_token()
   if fence_value == nil then
     fence_value = tonumber(redis.call('GET', K_FENCE)) or 0
   end
-  fence_value = fence_value + 1
+  fence_value = math.max(fence_value + 1, now_us)
   fence_dirty = true
   return fence_value
 end
@@ -502,7 +510,11 @@ local function policy()
       redis.call('HSET', K_POLICY, field, fmt(tonumber(ARGV[i])))
     end
   end
-  local version = redis.call('HINCRBY', K_POLICY, 'version', 1)
+  -- Versions follow the same rule as fencing tokens, in milliseconds: the larger of the
+  -- stored version + 1 and the server time, so a promoted lagging replica or an emptied
+  -- server still issues a version above every earlier one.
+  local version = math.max((tonumber(redis.call('HGET', K_POLICY, 'version')) or 0) + 1, now)
+  redis.call('HSET', K_POLICY, 'version', fmt(version))
   local outcome = 'set'
   if ARGV[5] == '-' and ARGV[6] == '-' then
     outcome = 'cleared'

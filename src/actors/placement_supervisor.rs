@@ -14,11 +14,11 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent
 use sqlx::postgres::PgConnectOptions;
 use tokio::time::Instant;
 
-use super::backoff::Backoff;
 use super::health::{HealthActor, HealthArgs, HealthMsg, probe_once};
 use super::manager_election::{ElectionArgs, ElectionMode, ElectionMsg, ManagerElection};
 use super::placement::{PlacementActor, PlacementArgs, PlacementMsg};
 use super::shard_manager::ShardManagerArgs;
+use crate::backoff::Restart;
 use crate::ids::NodeId;
 
 const RESTART_INITIAL: Duration = Duration::from_millis(100);
@@ -83,7 +83,7 @@ pub struct SupervisorState {
     placement: Option<ActorRef<PlacementMsg>>,
     health: Option<ActorRef<HealthMsg>>,
     election: Option<ActorRef<ElectionMsg>>,
-    backoff: [Backoff; 3],
+    backoff: [Restart; 3],
 }
 
 fn index(child: Child) -> usize {
@@ -135,7 +135,7 @@ impl Actor for PlacementSupervisor {
         myself: ActorRef<PlacementSupMsg>,
         args: PlacementSupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
-        let backoff = || Backoff::new(RESTART_INITIAL, RESTART_MAX, RESTART_STABLE_AFTER);
+        let backoff = || Restart::new(RESTART_INITIAL, RESTART_MAX, RESTART_STABLE_AFTER);
         let mut state = SupervisorState {
             args,
             placement: None,

@@ -11,9 +11,9 @@ use ractor::rpc::CallResult;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use tokio::time::Instant;
 
-use super::backoff::Backoff;
 use super::handle::SessionRegionHandle;
 use super::session_region::{RegionArgs, RegionMsg, SessionRegion};
+use crate::backoff::Restart;
 use crate::metrics::ActorLabels;
 
 /// Restart delays of crashed children.
@@ -39,7 +39,7 @@ pub struct NodeSupervisor;
 pub struct SupervisorState {
     args: SupervisorArgs,
     region: Option<ActorRef<RegionMsg>>,
-    backoff: Backoff,
+    backoff: Restart,
     shutting_down: bool,
 }
 
@@ -72,7 +72,7 @@ impl Actor for NodeSupervisor {
         let mut state = SupervisorState {
             args,
             region: None,
-            backoff: Backoff::new(RESTART_INITIAL, RESTART_MAX, RESTART_STABLE_AFTER),
+            backoff: Restart::new(RESTART_INITIAL, RESTART_MAX, RESTART_STABLE_AFTER),
             shutting_down: false,
         };
         spawn_region(&myself, &mut state).await?;
