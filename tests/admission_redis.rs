@@ -945,7 +945,7 @@ async fn tokens_and_policy_versions_never_go_backwards_across_failover_and_empty
         transfers: Some(transfers),
     };
     let replicated = on_primary.admit(request(Some(tenant), 1)).await.unwrap();
-    let v1 = on_primary.set_override(&tenant, limit(2)).await.unwrap();
+    let v1 = on_primary.set_override(&tenant, limit(3)).await.unwrap();
     let primary_url = primary.url();
     let synced = wait_until(Duration::from_secs(10), move || {
         let url = primary_url.clone();
@@ -953,7 +953,7 @@ async fn tokens_and_policy_versions_never_go_backwards_across_failover_and_empty
             let mut conn = connection(&url).await;
             let acked: i64 = redis::cmd("WAIT")
                 .arg(1)
-                .arg(500)
+                .arg(200)
                 .query_async(&mut conn)
                 .await
                 .unwrap();
@@ -976,7 +976,7 @@ async fn tokens_and_policy_versions_never_go_backwards_across_failover_and_empty
     for _ in 0..2 {
         lost.push(on_primary.admit(request(Some(tenant), 1)).await.unwrap());
     }
-    let v2 = on_primary.set_override(&tenant, limit(3)).await.unwrap();
+    let v2 = on_primary.set_override(&tenant, limit(4)).await.unwrap();
     assert!(v2 > v1);
     let last_token = lost.last().unwrap().lease().unwrap().fencing_token.value();
     assert!(
@@ -1003,7 +1003,7 @@ async fn tokens_and_policy_versions_never_go_backwards_across_failover_and_empty
         promoted_token > last_token,
         "token {promoted_token} after failover is above {last_token}"
     );
-    let v3 = on_replica.set_override(&tenant, limit(4)).await.unwrap();
+    let v3 = on_replica.set_override(&tenant, limit(3)).await.unwrap();
     assert!(v3 > v2, "policy version {v3} after failover is above {v2}");
 
     // Restart with no data at all.
@@ -1021,7 +1021,7 @@ async fn tokens_and_policy_versions_never_go_backwards_across_failover_and_empty
         fresh_token > promoted_token,
         "token {fresh_token} after an empty restart"
     );
-    let v4 = on_replica.set_override(&tenant, limit(5)).await.unwrap();
+    let v4 = on_replica.set_override(&tenant, limit(4)).await.unwrap();
     assert!(v4 > v3, "policy version {v4} after an empty restart");
     drop((replicated, lost, fresh));
 }
