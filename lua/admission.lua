@@ -210,6 +210,22 @@ local function occupancy(tenant, backend, v)
   return { fmt(v['s:b']), fmt(v['s:c']), tb, tc, bc }
 end
 
+-- Load the policy fields of `names` that are not cached yet, with one HMGET.
+local function load_policy(names)
+  local missing = {}
+  for i = 1, #names do
+    if policy_cache[names[i]] == nil then
+      missing[#missing + 1] = names[i]
+    end
+  end
+  if #missing > 0 then
+    local raw = redis.call('HMGET', K_POLICY, unpack(missing))
+    for i = 1, #missing do
+      policy_cache[missing[i]] = tonumber(raw[i]) or false
+    end
+  end
+end
+
 -- Policy hash fields (cached for the call).
 local function policy_field(name)
   local value = policy_cache[name]
@@ -238,9 +254,8 @@ end
 -- Remove a lease and give back everything it reserved. Returns false if absent.
 local function drop_lease(id, kind, outcome)
   local raw = get_lease(id)
-  if get_expiry(id) then
-    set_expiry(id, false)
-  end
+  -- Clear the expiry without reading it first (ZREM of an absent member is a no-op).
+  set_expiry(id, false)
   if not raw then
     return false
   end
@@ -328,6 +343,8 @@ local function acquire_one(a, d)
   end
 
   -- Live overrides win over the defaults the caller passed.
+  load_policy({ 'version', 'svc:b', 'svc:c', 't:' .. tenant .. ':b', 't:' .. tenant .. ':c',
+    'b:' .. backend .. ':c' })
   local version = policy_version()
   local svc_b = policy_field('svc:b') or tonumber(d[1])
   local svc_c = policy_field('svc:c') or tonumber(d[2])
