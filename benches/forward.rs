@@ -79,7 +79,7 @@ fn main() {
             if !(is_ready(&client, &owner.url).await && is_ready(&client, &front.url).await) {
                 return false;
             }
-            let Ok(status) = graviton::placement::cluster_status(db.url()).await else {
+            let Ok(status) = graviton::cli::cluster_status(db.url()).await else {
                 return false;
             };
             let counts: Vec<usize> = status.nodes.iter().map(|n| n.shards).collect();
@@ -91,11 +91,11 @@ fn main() {
         .await;
         assert!(ready, "nodes not ready");
         // A session owned by "owner".
-        let status = graviton::placement::cluster_status(db.url()).await.expect("status");
+        let status = graviton::cli::cluster_status(db.url()).await.expect("status");
         let key = loop {
             let key = SessionKey { tenant: TenantId::new_random(), session: SessionId::new_random() };
             let shard = shard_of(&key, SHARDS);
-            if status.shards.iter().any(|s| s.shard == shard && s.owner.as_ref().is_some_and(|o| o.0 == "owner")) {
+            if status.shards.iter().any(|s| s.shard == shard && s.owner.as_ref().is_some_and(|o| o.as_str() == "owner")) {
                 break key;
             }
         };

@@ -14,7 +14,7 @@ fn main() {
         .build()
         .expect("runtime");
     let _guard = runtime.enter();
-    let cluster = Cluster::single_node(NodeId("bench".into()), 1024);
+    let cluster = Cluster::single_node(NodeId::parse("bench").unwrap(), 1024);
     let keys: Vec<SessionKey> = (0..4096)
         .map(|_| SessionKey {
             tenant: TenantId::new_random(),

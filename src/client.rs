@@ -14,8 +14,8 @@ use futures_util::StreamExt;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::cas::BlobKey;
-use crate::http::upload::UploadResponse;
 use crate::ids::SessionKey;
+use crate::upload::UploadReceipt as UploadResponse;
 
 /// Default server for client commands (`GRAVITON_SERVER` overrides).
 pub const SERVER_DEFAULT: &str = "http://127.0.0.1:7070";

@@ -114,10 +114,64 @@ pub struct SessionKey {
     pub session: SessionId,
 }
 
-/// A node of the cluster (`node.id` in the config).
+/// Longest node id, in bytes.
+pub const MAX_NODE_ID_LEN: usize = 128;
+
+/// Why a node id did not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NodeIdError {
+    #[error("must be 1 to {MAX_NODE_ID_LEN} characters")]
+    Length,
+    #[error("only ASCII letters, digits, '-', '_' and '.' are allowed")]
+    Character,
+}
+
+/// A node of the cluster (`node.id` in the config): 1 to 128 ASCII letters, digits,
+/// '-', '_' and '.'. Only [`NodeId::parse`] makes one, so every `NodeId` in the process
+/// (from the config, a PostgreSQL row, a control message or a header) obeys the rule.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct NodeId(pub String);
+#[serde(try_from = "String", into = "String")]
+pub struct NodeId(String);
+
+impl NodeId {
+    pub fn parse(text: impl Into<String>) -> Result<Self, NodeIdError> {
+        let text = text.into();
+        if text.is_empty() || text.len() > MAX_NODE_ID_LEN {
+            return Err(NodeIdError::Length);
+        }
+        if !text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        {
+            return Err(NodeIdError::Character);
+        }
+        Ok(Self(text))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for NodeId {
+    type Err = NodeIdError;
+    fn from_str(text: &str) -> Result<Self, NodeIdError> {
+        Self::parse(text)
+    }
+}
+
+impl TryFrom<String> for NodeId {
+    type Error = NodeIdError;
+    fn try_from(text: String) -> Result<Self, NodeIdError> {
+        Self::parse(text)
+    }
+}
+
+impl From<NodeId> for String {
+    fn from(id: NodeId) -> String {
+        id.0
+    }
+}
 
 impl fmt::Display for NodeId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -128,6 +182,20 @@ impl fmt::Display for NodeId {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_ids_follow_one_rule_when_parsed_and_deserialized() {
+        assert_eq!(NodeId::parse("node-a_1.x").unwrap().as_str(), "node-a_1.x");
+        assert_eq!(NodeId::parse(""), Err(NodeIdError::Length));
+        assert_eq!(NodeId::parse("n".repeat(129)), Err(NodeIdError::Length));
+        assert!(NodeId::parse("n".repeat(128)).is_ok());
+        for bad in ["a b", "a/b", "é", "a\n"] {
+            assert_eq!(NodeId::parse(bad), Err(NodeIdError::Character), "{bad}");
+        }
+        assert!(serde_json::from_str::<NodeId>("\"a b\"").is_err());
+        let id: NodeId = serde_json::from_str("\"node-b\"").unwrap();
+        assert_eq!(serde_json::to_string(&id).unwrap(), "\"node-b\"");
+    }
 
     #[test]
     fn canonical_uuids_of_any_version_parse() {

@@ -14,10 +14,14 @@
 //!   over the pure modules. Bytes never travel through actor mailboxes.
 //! - [`control`]: node-to-node control plane (envelopes, transport over ractor_cluster).
 //! - [`auth`]: JWT bearer verification (issuers, JWKS, the caller's organization).
+//! - [`placement`]: which node owns a session: pure rules, the routing port, the runtime.
+//! - [`upload`]: owner-local ingest: the [`upload::UploadService`] both the public and the
+//!   internal listener call, and the [`upload::UploadClaim`] that holds an upload's guards.
 //! - [`http`]: the axum/hyper server: public API, ops endpoints, error mapping.
 //! - [`metrics`]: the Prometheus registry and the metric handles.
 //! - [`node`]: assembles one running node and shuts it down.
 //! - [`client`]: the HTTP client used by `graviton put` and `graviton get`.
+//! - [`cli`]: CLI commands that act on a cluster's database directly.
 //! - `lua/` and `sql/` at the crate root hold the Redis script and PostgreSQL migrations.
 
 pub mod actors;
@@ -25,6 +29,7 @@ pub mod admission;
 pub mod auth;
 pub mod backoff;
 pub mod cas;
+pub mod cli;
 pub mod client;
 pub mod config;
 pub mod control;
@@ -36,3 +41,4 @@ pub mod placement;
 pub mod session;
 pub mod storage;
 pub mod telemetry;
+pub mod upload;

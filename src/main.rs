@@ -140,7 +140,7 @@ fn database_url(config: Option<&std::path::Path>) -> anyhow::Result<(Config, Str
     Ok((config, url))
 }
 
-fn print_status(status: &graviton::placement::ClusterStatus) {
+fn print_status(status: &graviton::cli::ClusterStatus) {
     println!(
         "shards {}  manager term {}  manager {}  unassigned {}  moving {}",
         status.shard_count,
@@ -217,11 +217,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Manager { config } => {
             let config = Config::load(Some(&config))?;
             graviton::telemetry::init(config.log.format, &config.log.level);
-            let node = graviton::ids::NodeId(config.node.id.clone());
+            let node = graviton::ids::NodeId::parse(config.node.id.as_str())
+                .map_err(|e| anyhow::anyhow!("node.id in the config: {e}"))?;
             match graviton::placement::run_standalone_manager(node, &config.cluster).await {
                 Ok(manager) => {
                     tracing::info!(
-                        term = manager.term().await,
+                        term = manager.term().await.0,
                         "standalone shard manager acting"
                     );
                     tokio::select! {
@@ -248,7 +249,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Migrate { config } => {
             let (_, url) = database_url(config.as_deref())?;
-            graviton::placement::migrate(&url).await?;
+            graviton::cli::migrate(&url).await?;
             println!("migrations applied");
             Ok(ExitCode::SUCCESS)
         }
@@ -256,7 +257,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             command: ClusterCommand::Status { config, json },
         } => {
             let (_, url) = database_url(config.as_deref())?;
-            let status = graviton::placement::cluster_status(&url).await?;
+            let status = graviton::cli::cluster_status(&url).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&status)?);
             } else {
@@ -266,8 +267,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Drain { node, config } => {
             let (_, url) = database_url(config.as_deref())?;
-            let node = graviton::ids::NodeId(node);
-            if graviton::placement::request_drain(&url, &node).await? {
+            let node = graviton::ids::NodeId::parse(node).map_err(|e| {
+                anyhow::anyhow!(
+                    "the node id {e} (node ids are the `node.id` values of the cluster's nodes)"
+                )
+            })?;
+            if graviton::cli::request_drain(&url, &node).await? {
                 println!("drain of {node} requested; its shards move on the manager's next round");
                 Ok(ExitCode::SUCCESS)
             } else {

@@ -75,7 +75,7 @@ pub struct Metrics {
     pub forwarded_uploads: Counter,
     /// Session uploads by routing decision: local, remote.
     pub routing: Family<KindLabels, Counter>,
-    /// Routing failures by stage: resolve, permit, forward_config.
+    /// Routing failures by stage: resolve, owner_address, forward_config.
     pub routing_failures: Family<KindLabels, Counter>,
     /// Shard counts by kind: configured, assigned, local, moving (refreshed on scrape).
     pub shards: Family<KindLabels, Gauge>,
@@ -222,13 +222,13 @@ impl Metrics {
     }
 
     /// Copy the placement snapshot into the gauges and counters (called on scrape).
-    pub fn sync_placement(&self, snapshot: &crate::placement::ClusterSnapshot) {
+    pub fn sync_placement(&self, snapshot: &crate::placement::PlacementSnapshot) {
         let shard = |kind| self.shards.get_or_create(&KindLabels { kind });
         shard("configured").set(i64::from(snapshot.configured_shards));
         shard("assigned").set(snapshot.assigned_shards as i64);
         shard("local").set(snapshot.local_shards as i64);
         shard("moving").set(snapshot.moving_shards as i64);
-        self.manager_term.set(snapshot.manager_term);
+        self.manager_term.set(snapshot.manager_term.0);
         self.observed_nodes.set(snapshot.nodes.len() as i64);
         self.placement_ready.set(i64::from(snapshot.health.ready));
         let c = &snapshot.counters;

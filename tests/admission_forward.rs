@@ -107,7 +107,7 @@ async fn a_forwarded_upload_takes_one_lease_and_owner_refusals_reach_the_client(
                     return false;
                 }
             }
-            let status = graviton::placement::cluster_status(&db_url).await.unwrap();
+            let status = graviton::cli::cluster_status(&db_url).await.unwrap();
             status.unassigned_shards == 0 && status.nodes.iter().all(|n| n.shards > 0)
         }
     })
@@ -117,7 +117,7 @@ async fn a_forwarded_upload_takes_one_lease_and_owner_refusals_reach_the_client(
         "cluster did not converge:\n{}",
         nodes[0].log_text()
     );
-    let status = graviton::placement::cluster_status(&db_url).await.unwrap();
+    let status = graviton::cli::cluster_status(&db_url).await.unwrap();
     // A session owned by node-b, sent to node-a.
     let owned_by_b = || loop {
         let key = SessionKey {
@@ -130,7 +130,7 @@ async fn a_forwarded_upload_takes_one_lease_and_owner_refusals_reach_the_client(
             .iter()
             .find(|s| s.shard == shard)
             .and_then(|s| s.owner.clone());
-        if owner.is_some_and(|o| o.0 == "node-b") {
+        if owner.is_some_and(|o| o.as_str() == "node-b") {
             return key;
         }
     };

@@ -20,13 +20,13 @@ fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
 }
 
-async fn owners(url: &str) -> graviton::placement::ClusterStatus {
-    graviton::placement::cluster_status(url)
+async fn owners(url: &str) -> graviton::cli::ClusterStatus {
+    graviton::cli::cluster_status(url)
         .await
         .expect("cluster status")
 }
 
-fn owner_of(status: &graviton::placement::ClusterStatus, key: &SessionKey) -> Option<NodeId> {
+fn owner_of(status: &graviton::cli::ClusterStatus, key: &SessionKey) -> Option<NodeId> {
     let shard = shard_of(key, SHARDS);
     status
         .shards
@@ -67,14 +67,14 @@ fn session() -> SessionKey {
 
 /// Sessions until every node owns at least one of them.
 fn sessions_covering(
-    status: &graviton::placement::ClusterStatus,
+    status: &graviton::cli::ClusterStatus,
     nodes: &[&str],
 ) -> HashMap<String, SessionKey> {
     let mut found = HashMap::new();
     while found.len() < nodes.len() {
         let key = session();
         if let Some(owner) = owner_of(status, &key) {
-            found.entry(owner.0).or_insert(key);
+            found.entry(owner.to_string()).or_insert(key);
         }
     }
     found
@@ -205,7 +205,7 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
             .await
             .nodes
             .iter()
-            .any(|n| n.id.0 == "node-b" && n.shards == 0)
+            .any(|n| n.id.as_str() == "node-b" && n.shards == 0)
     })
     .await;
     assert!(drained, "drain did not move node-b's shards");
@@ -245,7 +245,7 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
             .await
             .nodes
             .iter()
-            .filter(|n| n.id.0 == manager)
+            .filter(|n| n.id.as_str() == manager)
             .all(|n| n.shards == 0)
     })
     .await;

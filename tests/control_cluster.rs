@@ -35,7 +35,7 @@ fn free_port() -> u16 {
 }
 
 fn node(id: &str) -> NodeId {
-    NodeId(id.to_string())
+    NodeId::parse(id).unwrap()
 }
 
 /// A handler answering "I own it" with its node id, and the process id as the epoch
@@ -390,7 +390,7 @@ fn child_node_entry() {
         let me = start(id, port, TOKEN).await;
         if !peers.is_empty() {
             me.set_peers(peers.clone());
-            for (peer, _) in peers.iter().filter(|(p, _)| p.0 != id) {
+            for (peer, _) in peers.iter().filter(|(p, _)| p.as_str() != id) {
                 let owner = owner_within(&me, peer, Duration::from_secs(20)).await;
                 assert_eq!(&owner.owner, peer);
                 println!("REACHED {peer}");

@@ -25,13 +25,13 @@ fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
 }
 
-async fn status(url: &str) -> graviton::placement::ClusterStatus {
-    graviton::placement::cluster_status(url)
+async fn status(url: &str) -> graviton::cli::ClusterStatus {
+    graviton::cli::cluster_status(url)
         .await
         .expect("cluster status")
 }
 
-fn owner_of(status: &graviton::placement::ClusterStatus, key: &SessionKey) -> Option<NodeId> {
+fn owner_of(status: &graviton::cli::ClusterStatus, key: &SessionKey) -> Option<NodeId> {
     let shard = shard_of(key, SHARDS);
     status
         .shards
@@ -156,7 +156,7 @@ async fn mtls_cluster_forwards_refuses_uncertified_peers_and_drains_over_http() 
             tenant: TenantId::new_random(),
             session: SessionId::new_random(),
         };
-        if owner_of(&table, &key).is_some_and(|o| o.0 == "node-b") {
+        if owner_of(&table, &key).is_some_and(|o| o.as_str() == "node-b") {
             break key;
         }
     };
@@ -265,7 +265,7 @@ async fn mtls_cluster_forwards_refuses_uncertified_peers_and_drains_over_http() 
             .await
             .nodes
             .iter()
-            .any(|n| n.id.0 == "node-b" && n.shards == 0)
+            .any(|n| n.id.as_str() == "node-b" && n.shards == 0)
     })
     .await;
     assert!(drained, "drain did not move node-b's shards");

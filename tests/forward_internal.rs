@@ -2,18 +2,19 @@
 //! before the body is read. Requests are written by hand on a raw `TcpStream` so a
 //! response can be observed while the declared body is still incomplete.
 
+#[allow(unused_imports)]
+mod support;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
-use graviton::config::Secret;
 use graviton::http::ApiError;
-use graviton::http::internal::{
-    self, CURRENT_OWNER_HEADER, EpochVerdict, IngestRequest, InternalState, OwnerIngest,
-};
+use graviton::http::internal::{CURRENT_OWNER_HEADER, IngestRequest, OwnerIngest};
 use graviton::ids::{NodeId, SessionKey};
+use graviton::placement::{Epoch, EpochVerdict, ShardId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -33,7 +34,7 @@ impl OwnerIngest for CountingIngest {
     fn ingest(
         &self,
         request: IngestRequest,
-    ) -> BoxFuture<'static, Result<serde_json::Value, ApiError>> {
+    ) -> BoxFuture<'static, Result<axum::response::Response, ApiError>> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         let bytes = self.bytes.clone();
         Box::pin(async move {
@@ -45,37 +46,31 @@ impl OwnerIngest for CountingIngest {
                 total += frame.len() as u64;
                 bytes.fetch_add(frame.len() as u64, Ordering::SeqCst);
             }
-            Ok(
+            Ok(created(
                 serde_json::json!({ "size": total, "content_type": request.content_type, "epoch": request.epoch }),
-            )
+            ))
         })
     }
 }
 
+/// The owner's 201 with a JSON body (what `upload::created` answers, minus the receipt).
+fn created(body: serde_json::Value) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    (axum::http::StatusCode::CREATED, axum::Json(body)).into_response()
+}
+
 async fn owner(ingest: CountingIngest) -> std::net::SocketAddr {
-    let epochs = |_key: &SessionKey, _shard: u32, epoch: u64| {
-        if epoch >= 5 {
+    let epochs = |_key: &SessionKey, _shard: ShardId, epoch: Epoch| {
+        if epoch >= Epoch(5) {
             EpochVerdict::Current
         } else {
             EpochVerdict::Stale {
-                current_owner: Some(NodeId("node-c".into())),
-                current_epoch: 5,
+                current_owner: Some(NodeId::parse("node-c").unwrap()),
+                current_epoch: Epoch(5),
             }
         }
     };
-    let state = InternalState {
-        token: Secret::new(TOKEN),
-        epochs: Arc::new(epochs),
-        ingest: Arc::new(ingest),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(internal::serve(
-        listener,
-        internal::router(state),
-        std::future::pending(),
-    ));
-    addr
+    support::node::serve_internal(TOKEN, epochs, ingest).await
 }
 
 struct RawResponse {

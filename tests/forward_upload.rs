@@ -1,6 +1,9 @@
 //! Forwarding over real loopback sockets: client → front node (axum, forwarder) →
 //! owner's internal listener (axum). Bodies are verified with BLAKE3 at the owner.
 
+#[allow(unused_imports)]
+mod support;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,11 +19,10 @@ use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use graviton::config::Secret;
 use graviton::http::ApiError;
-use graviton::http::forward::{ForwardOptions, Forwarder, OwnerResolver, OwnerTarget, StaleEpoch};
-use graviton::http::internal::{
-    self, EpochCheck, EpochVerdict, IngestRequest, InternalState, OwnerIngest,
-};
+use graviton::http::forward::{ForwardOptions, Forwarder, OwnerResolver};
+use graviton::http::internal::{EpochCheck, IngestRequest, OwnerIngest};
 use graviton::ids::{NodeId, SessionKey};
+use graviton::placement::{Epoch, EpochVerdict, OwnerTarget, RouteError, ShardId, StaleEpoch};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const TOKEN: &str = "internal-token-0123456789abcdefghijklmnopqrstuvwxyz";
@@ -78,7 +80,7 @@ impl OwnerIngest for HashingOwner {
     fn ingest(
         &self,
         request: IngestRequest,
-    ) -> BoxFuture<'static, Result<serde_json::Value, ApiError>> {
+    ) -> BoxFuture<'static, Result<axum::response::Response, ApiError>> {
         let owner = self.clone();
         owner.calls.fetch_add(1, Ordering::SeqCst);
         Box::pin(async move {
@@ -116,13 +118,13 @@ impl OwnerIngest for HashingOwner {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
             }
-            Ok(serde_json::json!({
+            Ok(created(serde_json::json!({
                 "hash": hasher.finalize().to_hex().to_string(),
                 "size": size,
-                "owner": owner.name.0,
+                "owner": owner.name.as_str(),
                 "content_length": request.content_length,
                 "epoch": request.epoch,
-            }))
+            })))
         })
     }
 }
@@ -130,7 +132,7 @@ impl OwnerIngest for HashingOwner {
 impl HashingOwner {
     fn new(name: &str) -> Self {
         Self {
-            name: NodeId(name.into()),
+            name: NodeId::parse(name).unwrap(),
             calls: Arc::default(),
             received: Arc::default(),
             max_in_flight: Arc::default(),
@@ -142,16 +144,22 @@ impl HashingOwner {
     }
 }
 
+/// The owner's 201 with a JSON body.
+fn created(body: serde_json::Value) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    (axum::http::StatusCode::CREATED, axum::Json(body)).into_response()
+}
+
 /// Start an owner whose current epoch is `epoch`; older epochs are told `moved_to`.
 async fn start_owner(ingest: HashingOwner, epoch: u64, moved_to: &str) -> SocketAddr {
-    let moved_to = NodeId(moved_to.into());
-    let epochs = move |_: &SessionKey, _: u32, presented: u64| {
-        if presented == epoch {
+    let moved_to = NodeId::parse(moved_to).unwrap();
+    let epochs = move |_: &SessionKey, _: ShardId, presented: Epoch| {
+        if presented == Epoch(epoch as i64) {
             EpochVerdict::Current
         } else {
             EpochVerdict::Stale {
                 current_owner: Some(moved_to.clone()),
-                current_epoch: epoch + 1,
+                current_epoch: Epoch(epoch as i64 + 1),
             }
         }
     };
@@ -159,19 +167,7 @@ async fn start_owner(ingest: HashingOwner, epoch: u64, moved_to: &str) -> Socket
 }
 
 async fn start_owner_with(ingest: HashingOwner, epochs: impl EpochCheck) -> SocketAddr {
-    let state = InternalState {
-        token: Secret::new(TOKEN),
-        epochs: Arc::new(epochs),
-        ingest: Arc::new(ingest),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(internal::serve(
-        listener,
-        internal::router(state),
-        std::future::pending(),
-    ));
-    addr
+    support::node::serve_internal(TOKEN, epochs, ingest).await
 }
 
 /// Re-resolution answers a fixed target and counts calls.
@@ -185,7 +181,7 @@ impl OwnerResolver for FixedResolver {
         &'a self,
         _: &'a SessionKey,
         stale: &'a StaleEpoch,
-    ) -> BoxFuture<'a, Result<OwnerTarget, ApiError>> {
+    ) -> BoxFuture<'a, Result<OwnerTarget, RouteError>> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         assert!(
             stale.current_owner.is_some(),
@@ -266,10 +262,10 @@ async fn start_front(
 
 fn target(node: &str, addr: SocketAddr, epoch: u64) -> OwnerTarget {
     OwnerTarget {
-        node: NodeId(node.into()),
+        node: NodeId::parse(node).unwrap(),
         internal_addr: addr,
-        shard: 3,
-        epoch,
+        shard: ShardId(3),
+        epoch: Epoch(epoch as i64),
     }
 }
 
@@ -623,13 +619,13 @@ async fn a_stale_post_after_a_passing_preflight_retries_with_the_untouched_body(
     let new = HashingOwner::new("node-c");
     let checks = Arc::new(AtomicU64::new(0));
     let seen = checks.clone();
-    let old_addr = start_owner_with(old.clone(), move |_: &SessionKey, _: u32, _: u64| {
+    let old_addr = start_owner_with(old.clone(), move |_: &SessionKey, _: ShardId, _: Epoch| {
         if seen.fetch_add(1, Ordering::SeqCst) == 0 {
             EpochVerdict::Current // the pre-flight
         } else {
             EpochVerdict::Stale {
-                current_owner: Some(NodeId("node-c".into())),
-                current_epoch: 3,
+                current_owner: Some(NodeId::parse("node-c").unwrap()),
+                current_epoch: Epoch(3),
             }
         }
     })

@@ -102,8 +102,9 @@ async fn slowloris_clients_are_disconnected_while_others_are_served() {
 #[tokio::test]
 async fn internal_listener_cuts_slowloris_clients_too() {
     // The internal router served the way a cluster node serves it (`serve_with`).
-    use graviton::http::internal::{self, EpochVerdict, InternalState};
+    use graviton::http::internal::{self, InternalState};
     use graviton::http::listener::{ConnectionLimits, ServeOptions};
+    use graviton::placement::{Epoch, EpochVerdict, ShardId};
     struct NoIngest;
     impl internal::OwnerIngest for NoIngest {
         fn ingest(
@@ -111,14 +112,14 @@ async fn internal_listener_cuts_slowloris_clients_too() {
             _: internal::IngestRequest,
         ) -> futures_util::future::BoxFuture<
             'static,
-            Result<serde_json::Value, graviton::http::ApiError>,
+            Result<axum::response::Response, graviton::http::ApiError>,
         > {
             Box::pin(async { Err(graviton::http::ApiError::internal("unused")) })
         }
     }
     let state = InternalState {
         token: graviton::config::Secret::new("test-internal-token-0123456789abcdefghijkl"),
-        epochs: std::sync::Arc::new(|_: &_, _: u32, _: u64| EpochVerdict::Current),
+        epochs: std::sync::Arc::new(|_: &_, _: ShardId, _: Epoch| EpochVerdict::Current),
         ingest: std::sync::Arc::new(NoIngest),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -21,12 +21,12 @@ impl Drop for Manager {
 }
 
 /// The cluster status, or an empty one while the database is not bootstrapped yet.
-async fn status(url: &str) -> graviton::placement::ClusterStatus {
-    match graviton::placement::cluster_status(url).await {
+async fn status(url: &str) -> graviton::cli::ClusterStatus {
+    match graviton::cli::cluster_status(url).await {
         Ok(status) => status,
-        Err(_) => graviton::placement::ClusterStatus {
+        Err(_) => graviton::cli::ClusterStatus {
             shard_count: 0,
-            manager_term: 0,
+            manager_term: graviton::placement::Term(0),
             manager_node: None,
             nodes: Vec::new(),
             unassigned_shards: usize::MAX,
@@ -135,7 +135,7 @@ async fn a_standalone_manager_that_loses_its_lock_takes_it_again_and_keeps_actin
                 && s.moving_shards == 0
                 && s.nodes
                     .iter()
-                    .any(|n| n.id.0 == "node-a" && n.shards == SHARDS as usize)
+                    .any(|n| n.id.as_str() == "node-a" && n.shards == SHARDS as usize)
         }
     })
     .await;

@@ -420,7 +420,7 @@ async fn a_fenced_commit_is_refused_once_the_shard_moved() {
     let store = PgManifestStore::new(pool.clone());
     let fence = CommitFence {
         shard: ShardId(3),
-        node: NodeId("a".into()),
+        node: NodeId::parse("a").unwrap(),
         epoch: Epoch(4),
     };
     let first = manifest_of(b"fenced commit one", &[17], 1);

@@ -2,7 +2,6 @@
 //! on one database, with distinct node ids and fast timings (heartbeat 100ms, self-fence
 //! 400ms, node TTL 1s, polling 250ms). Every wait is a poll with a generous deadline.
 
-mod placement_util;
 #[allow(unused_imports)]
 mod support;
 
@@ -10,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use graviton::ids::NodeId;
 use graviton::placement::{self, ClusterError, HealthStatus, NodeState};
-use graviton::storage::pg::StoreError;
-use placement_util::{eventually, owned, random_key, settled, start_node};
+use graviton::storage::pg::PlacementStoreError;
 use support::TestDatabase;
+use support::placement::{eventually, owned, random_key, settled, start_node};
 
 const GENEROUS: Duration = Duration::from_secs(15);
 
@@ -38,7 +37,7 @@ async fn three_nodes_share_shards_evenly_with_one_manager() {
         c.leading_term().await,
     ];
     assert_eq!(
-        terms.iter().filter(|t| **t > 0).count(),
+        terms.iter().filter(|t| t.0 > 0).count(),
         1,
         "exactly one manager: {terms:?}"
     );
@@ -58,7 +57,11 @@ async fn three_nodes_share_shards_evenly_with_one_manager() {
         assert_eq!(owners.iter().filter(|o| o.is_local).count(), 1);
         assert_eq!(
             owners[0].internal_addr,
-            format!("{}.internal:7071", owners[0].node)
+            Some(
+                support::placement::internal_addr(owners[0].node.as_str())
+                    .parse()
+                    .unwrap()
+            )
         );
         let ingestible = [&a, &b, &c]
             .iter()
@@ -76,7 +79,7 @@ async fn three_nodes_share_shards_evenly_with_one_manager() {
     assert_eq!(snapshot.configured_shards, 64);
     assert_eq!(snapshot.assigned_shards, 64);
     assert_eq!(snapshot.nodes.len(), 3);
-    assert!(snapshot.manager_term >= 1);
+    assert!(snapshot.manager_term.0 >= 1);
     assert!(snapshot.counters.table_reads > 0 && snapshot.counters.heartbeats > 0);
     assert_eq!(snapshot.local_shards, a.owned_shards().len());
     let json = serde_json::to_string(&snapshot).unwrap();
@@ -85,7 +88,7 @@ async fn three_nodes_share_shards_evenly_with_one_manager() {
         "{json}"
     );
 
-    let status = placement::cluster_status(db.url()).await.unwrap();
+    let status = graviton::cli::cluster_status(db.url()).await.unwrap();
     assert_eq!(status.shard_count, 64);
     assert_eq!(status.unassigned_shards, 0);
     assert_eq!(status.nodes.iter().map(|n| n.shards).sum::<usize>(), 64);
@@ -109,7 +112,7 @@ async fn drain_moves_shards_immediately() {
     let epochs_before: Vec<_> = a.view().table().shards.iter().map(|s| s.epoch).collect();
 
     let started = Instant::now();
-    assert!(a.drain(&NodeId("c".into())).await.unwrap());
+    assert!(a.drain(&NodeId::parse("c").unwrap()).await.unwrap());
     eventually(GENEROUS, "c empty and a, b balanced, on every node", || {
         settled(&[&a, &b, &c], &["a", "b"]) && owned(&a, "c") == 0
     })
@@ -121,7 +124,10 @@ async fn drain_moves_shards_immediately() {
     for (entry, before) in table.shards.iter().zip(&epochs_before) {
         assert!(entry.epoch.0 == before.0 || entry.epoch.0 == before.0 + 1);
     }
-    assert_eq!(table.nodes[&NodeId("c".into())].state, NodeState::Draining);
+    assert_eq!(
+        table.nodes[&NodeId::parse("c").unwrap()].state,
+        NodeState::Draining
+    );
     eventually(GENEROUS, "drained node unassigned", || {
         c.health().status == HealthStatus::Unassigned
     })
@@ -156,7 +162,7 @@ async fn silent_node_loses_its_shards_after_the_ttl() {
     })
     .await;
 
-    let c_id = NodeId("c".into());
+    let c_id = NodeId::parse("c").unwrap();
     let former: Vec<i32> = a
         .view()
         .table()
@@ -177,7 +183,7 @@ async fn silent_node_loses_its_shards_after_the_ttl() {
     );
     // Evidence from the database clock: every one of c's shards was rewritten more than
     // node_ttl after c's last heartbeat.
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     let min_gap_ms: f64 = sqlx::query_scalar(
         "SELECT EXTRACT(EPOCH FROM min(s.updated_at - n.heartbeat_at))::float8 * 1000
          FROM placement_shards s, placement_nodes n WHERE n.id = 'c' AND s.shard = ANY($1)",
@@ -191,7 +197,7 @@ async fn silent_node_loses_its_shards_after_the_ttl() {
         "a shard moved {min_gap_ms}ms after c's last heartbeat"
     );
     assert_eq!(
-        a.view().table().nodes[&NodeId("c".into())].state,
+        a.view().table().nodes[&NodeId::parse("c").unwrap()].state,
         NodeState::Dead
     );
     for h in [a, b] {
@@ -208,7 +214,7 @@ async fn manager_failover_to_a_standby_with_a_higher_term() {
     let a = start_node(db.url(), "a", |_| {}).await;
     let b = start_node(db.url(), "b", |_| {}).await;
     eventually(GENEROUS, "balanced", || settled(&[&a, &b], &["a", "b"])).await;
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     let term1 = store.meta().await.unwrap().manager_term;
     let (leader, standby) = if a.leading_term().await == term1 {
         (a, b)
@@ -216,7 +222,7 @@ async fn manager_failover_to_a_standby_with_a_higher_term() {
         (b, a)
     };
     assert_eq!(leader.leading_term().await, term1);
-    assert_eq!(standby.leading_term().await, 0);
+    assert_eq!(standby.leading_term().await.0, 0);
 
     // 1. Kill the leader's lock connection from the server side.
     let killed = Instant::now();
@@ -245,7 +251,7 @@ async fn manager_failover_to_a_standby_with_a_higher_term() {
     // The old term can no longer write.
     assert!(matches!(
         store.fenced(term1).await,
-        Err(StoreError::Fenced { .. })
+        Err(PlacementStoreError::Fenced { .. })
     ));
     // The old leader stepped down: exactly one node leads, under the newest term.
     let since = Instant::now();
@@ -253,7 +259,7 @@ async fn manager_failover_to_a_standby_with_a_higher_term() {
         let current = store.meta().await.unwrap().manager_term;
         let mut terms = [leader.leading_term().await, standby.leading_term().await];
         terms.sort();
-        if terms == [0, current] {
+        if terms == [placement::Term(0), current] {
             break;
         }
         assert!(
@@ -266,7 +272,7 @@ async fn manager_failover_to_a_standby_with_a_higher_term() {
 
     // 2. Stop the current leader's process-level actors: the other node takes over.
     let current = store.meta().await.unwrap().manager_node.unwrap();
-    let (gone, survivor) = if leader.node_id().0 == current {
+    let (gone, survivor) = if leader.node_id().as_str() == current {
         (leader, standby)
     } else {
         (standby, leader)
@@ -287,10 +293,10 @@ async fn manager_failover_to_a_standby_with_a_higher_term() {
     );
     assert_eq!(
         store.meta().await.unwrap().manager_node.as_deref(),
-        Some(survivor.node_id().0.as_str())
+        Some(survivor.node_id().as_str())
     );
     // The new manager acts: the stopped node's shards end up on the survivor.
-    let name = survivor.node_id().0.clone();
+    let name = survivor.node_id().to_string();
     eventually(GENEROUS, "survivor owns everything", || {
         owned(&survivor, &name) == 64
     })
@@ -304,13 +310,13 @@ async fn second_standalone_manager_fails_closed() {
     let Some(db) = TestDatabase::create("second_standalone_manager_fails_closed").await else {
         return;
     };
-    let config = placement_util::config(db.url(), "m1");
-    let first = placement::run_standalone_manager(NodeId("m1".into()), &config)
+    let config = support::placement::config(db.url(), "m1");
+    let first = placement::run_standalone_manager(NodeId::parse("m1").unwrap(), &config)
         .await
         .unwrap();
     let term1 = first.term().await;
-    assert!(term1 >= 1);
-    let err = placement::run_standalone_manager(NodeId("m2".into()), &config)
+    assert!(term1.0 >= 1);
+    let err = placement::run_standalone_manager(NodeId::parse("m2").unwrap(), &config)
         .await
         .err()
         .expect("second manager must fail");
@@ -322,7 +328,7 @@ async fn second_standalone_manager_fails_closed() {
     eventually(GENEROUS, "node n owns all shards", || owned(&n, "n") == 64).await;
 
     first.shutdown().await;
-    let second = placement::run_standalone_manager(NodeId("m2".into()), &config)
+    let second = placement::run_standalone_manager(NodeId::parse("m2").unwrap(), &config)
         .await
         .unwrap();
     assert!(second.term().await > term1);
@@ -352,14 +358,14 @@ async fn observer_heals_lost_notifications_within_the_polling_bound() {
     let mut worst = Duration::ZERO;
     for victim in ["b", "a"] {
         assert!(
-            placement::request_drain(db.url(), &NodeId(victim.into()))
+            graviton::cli::request_drain(db.url(), &NodeId::parse(victim).unwrap())
                 .await
                 .unwrap()
         );
         // Wait on the listening nodes, then time how long the observer lags behind.
         eventually(GENEROUS, "listeners see the drain", || {
             let t = a.view().table();
-            t.moving() == 0 && t.owned_by(&NodeId(victim.into())) == 0
+            t.moving() == 0 && t.owned_by(&NodeId::parse(victim).unwrap()) == 0
         })
         .await;
         let seen = a.view().table().shards.clone();
@@ -420,16 +426,16 @@ async fn shard_count_mismatch_refuses_to_start() {
         return;
     };
     let a = start_node(db.url(), "a", |_| {}).await;
-    let mut config = placement_util::config(db.url(), "b");
+    let mut config = support::placement::config(db.url(), "b");
     config.shard_count = 128;
-    let err = placement::Cluster::connect_and_start(NodeId("b".into()), &config, "test")
+    let err = placement::Cluster::connect_and_start(NodeId::parse("b").unwrap(), &config, "test")
         .await
         .err()
         .expect("must refuse");
     assert!(
         matches!(
             err,
-            ClusterError::Store(StoreError::ShardCountMismatch {
+            ClusterError::Store(PlacementStoreError::ShardCountMismatch {
                 configured: 128,
                 stored: 64
             })
@@ -478,7 +484,7 @@ async fn readiness_follows_placement() {
 
     // Placement unreadable: unavailable, not ready, last success kept; then recovery.
     let good = b.health().last_successful_at_ms.unwrap();
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     sqlx::query("ALTER TABLE placement_shards RENAME TO placement_shards_hidden")
         .execute(store.pool())
         .await
@@ -507,7 +513,7 @@ async fn readiness_follows_placement() {
 
 #[tokio::test]
 async fn single_node_mode_owns_everything_without_postgres() {
-    let handle = placement::Cluster::single_node(NodeId("local".into()), 1024);
+    let handle = placement::Cluster::single_node(NodeId::parse("local").unwrap(), 1024);
     let key = random_key();
     let owner = handle.resolve(&key).unwrap();
     assert!(owner.is_local);
@@ -523,9 +529,9 @@ async fn unsafe_timings_refuse_to_start() {
     let Some(db) = TestDatabase::create("unsafe_timings_refuse_to_start").await else {
         return;
     };
-    let mut config = placement_util::config(db.url(), "a");
+    let mut config = support::placement::config(db.url(), "a");
     config.node_ttl = graviton::config::HumanDuration::millis(300); // below self_fence (400ms)
-    let err = placement::Cluster::connect_and_start(NodeId("a".into()), &config, "test")
+    let err = placement::Cluster::connect_and_start(NodeId::parse("a").unwrap(), &config, "test")
         .await
         .err()
         .expect("must refuse");
@@ -543,18 +549,18 @@ async fn timings_that_disagree_with_the_cluster_refuse_to_start() {
         return;
     };
     // Stored: self_fence 400ms, node_ttl 1s.
-    let a = placement_util::start_node(db.url(), "a", |_| {}).await;
+    let a = support::placement::start_node(db.url(), "a", |_| {}).await;
     let start = |config: graviton::placement::ClusterConfig, name: &'static str| async move {
-        placement::Cluster::connect_and_start(NodeId(name.into()), &config, "test").await
+        placement::Cluster::connect_and_start(NodeId::parse(name).unwrap(), &config, "test").await
     };
 
-    let mut late_fence = placement_util::config(db.url(), "b");
+    let mut late_fence = support::placement::config(db.url(), "b");
     late_fence.self_fence = HumanDuration::millis(800);
     late_fence.node_ttl = HumanDuration::secs(2);
     let err = start(late_fence, "b").await.err().expect("must refuse");
     assert!(err.to_string().contains("cluster.self_fence"), "{err}");
 
-    let mut quick_manager = placement_util::config(db.url(), "c");
+    let mut quick_manager = support::placement::config(db.url(), "c");
     quick_manager.self_fence = HumanDuration::millis(200);
     quick_manager.node_ttl = HumanDuration::millis(500);
     let err = start(quick_manager.clone(), "c")
@@ -584,19 +590,19 @@ async fn a_drain_lets_a_running_ingest_finish_before_its_shard_moves() {
     let grace = |c: &mut graviton::placement::ClusterConfig| {
         c.handoff_grace = HumanDuration::secs(30);
     };
-    let a = placement_util::start_node(db.url(), "a", grace).await;
-    let b = placement_util::start_node(db.url(), "b", grace).await;
-    placement_util::eventually(Duration::from_secs(20), "balanced", || {
-        placement_util::settled(&[&a, &b], &["a", "b"])
+    let a = support::placement::start_node(db.url(), "a", grace).await;
+    let b = support::placement::start_node(db.url(), "b", grace).await;
+    support::placement::eventually(Duration::from_secs(20), "balanced", || {
+        support::placement::settled(&[&a, &b], &["a", "b"])
     })
     .await;
-    let a_id = NodeId("a".into());
+    let a_id = NodeId::parse("a").unwrap();
     let shard = a.view().owned_shards()[0];
     let epoch = a.view().table().get(shard).unwrap().epoch;
     let running = a.begin_ingest(shard, epoch).expect("a owns the shard");
 
     assert!(a.drain(&a_id).await.unwrap());
-    placement_util::eventually(Duration::from_secs(20), "every other shard left a", || {
+    support::placement::eventually(Duration::from_secs(20), "every other shard left a", || {
         let t = a.view().table();
         t.owned_by(&a_id) == 1 && t.get(shard).unwrap().moving_to.is_some()
     })
@@ -610,9 +616,9 @@ async fn a_drain_lets_a_running_ingest_finish_before_its_shard_moves() {
     );
 
     drop(running); // the upload finished: a acknowledges, the move completes
-    placement_util::eventually(Duration::from_secs(20), "the shard moved to b", || {
+    support::placement::eventually(Duration::from_secs(20), "the shard moved to b", || {
         let entry = b.view().table().get(shard).cloned().unwrap();
-        entry.owner == Some(NodeId("b".into())) && entry.moving_to.is_none()
+        entry.owner == Some(NodeId::parse("b").unwrap()) && entry.moving_to.is_none()
     })
     .await;
     a.shutdown().await;

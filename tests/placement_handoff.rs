@@ -8,7 +8,6 @@
 //! checker asserts that no two nodes' intervals for the same session overlap, and that
 //! epochs only grow across owners.
 
-mod placement_util;
 #[allow(unused_imports)]
 mod support;
 
@@ -18,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use graviton::ids::{NodeId, SessionKey};
 use graviton::placement::ClusterHandle;
-use placement_util::{eventually, random_key, settled, start_node};
 use rand::Rng;
 use support::TestDatabase;
+use support::placement::{eventually, random_key, settled, start_node};
 
 const GENEROUS: Duration = Duration::from_secs(20);
 
@@ -40,7 +39,7 @@ fn spawn_worker(
     stop: Arc<AtomicBool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let node = handle.node_id().0.clone();
+        let node = handle.node_id().to_string();
         while !stop.load(Ordering::SeqCst) {
             let i = rand::rng().random_range(0..sessions.len());
             let key = &sessions[i];
@@ -169,7 +168,7 @@ async fn no_two_nodes_ingest_a_session_at_once() {
     tokio::time::sleep(Duration::from_millis(300)).await; // let ingest traffic build up
 
     // 1. Drain c.
-    a.drain(&NodeId("c".into())).await.unwrap();
+    a.drain(&NodeId::parse("c").unwrap()).await.unwrap();
     eventually(GENEROUS, "c drained", || {
         settled(&[&a, &b, &c], &["a", "b"])
     })
@@ -181,10 +180,10 @@ async fn no_two_nodes_ingest_a_session_at_once() {
     let d = Arc::new(start_node(db.url(), "d", tweak).await);
     workers.add(&d, 3);
     eventually(GENEROUS, "rebalance under way", || {
-        placement_util::owned(&a, "d") > 0
+        support::placement::owned(&a, "d") > 0
     })
     .await;
-    let admin = placement_util::store(db.url()).await;
+    let admin = support::placement::store(db.url()).await;
     let term_before = admin.meta().await.unwrap().manager_term;
     sqlx::query(
         "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted
@@ -237,7 +236,7 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
     let a = Arc::new(start_node(db.url(), "a", |_| {}).await);
     // b connects as its own role so that only b can be cut off.
     let role = format!("node_b_{}", support::unique_suffix());
-    let admin = placement_util::store(db.url()).await;
+    let admin = support::placement::store(db.url()).await;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "CREATE ROLE {role} LOGIN SUPERUSER"
     )))
@@ -272,7 +271,7 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
     let stale = b.view().table();
     let moved_after = eventually(GENEROUS, "b's shards moved to a", || {
         let t = a.view().table();
-        t.owned_by(&NodeId("b".into())) == 0 && t.moving() == 0
+        t.owned_by(&NodeId::parse("b").unwrap()) == 0 && t.moving() == 0
     })
     .await;
     println!(
@@ -281,7 +280,7 @@ async fn partitioned_node_fences_itself_before_its_shards_move() {
         cut.elapsed().max(moved_after).as_millis()
     );
     // b still believes (stale table) that it owns its shards, yet admits nothing.
-    let b_id = NodeId("b".into());
+    let b_id = NodeId::parse("b").unwrap();
     let mine: Vec<_> = stale
         .shards
         .iter()
@@ -325,7 +324,7 @@ async fn a_node_declared_dead_rejoins_fenced_until_it_rereads_the_table() {
     let a = Arc::new(start_node(db.url(), "a", |_| {}).await);
     // b connects as an ordinary role, so that a REVOKE applies to it.
     let role = format!("node_b_{}", support::unique_suffix());
-    let admin = placement_util::store(db.url()).await;
+    let admin = support::placement::store(db.url()).await;
     for sql in [
         format!("CREATE ROLE {role} LOGIN"),
         format!("GRANT USAGE, CREATE ON SCHEMA public TO {role}"),
@@ -366,7 +365,7 @@ async fn a_node_declared_dead_rejoins_fenced_until_it_rereads_the_table() {
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
     ))
     .await;
-    let b_id = NodeId("b".into());
+    let b_id = NodeId::parse("b").unwrap();
     eventually(GENEROUS, "b's shards moved to a", || {
         let t = a.view().table();
         t.owned_by(&b_id) == 0 && t.moving() == 0

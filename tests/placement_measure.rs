@@ -4,7 +4,6 @@
 //!
 //! Run: `GRAVITON_REQUIRE_SERVICES=1 cargo nextest run --test placement_measure --no-capture`
 
-mod placement_util;
 #[allow(unused_imports)]
 mod support;
 
@@ -13,17 +12,17 @@ use std::time::{Duration, Instant};
 
 use graviton::ids::{NodeId, SessionKey};
 use graviton::placement::{Cluster, ClusterConfig};
-use placement_util::{eventually, random_key};
 use support::TestDatabase;
+use support::placement::{eventually, random_key};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_owner_resolution_cost() {
     let Some(db) = TestDatabase::create("local_owner_resolution_cost").await else {
         return;
     };
-    let handle = placement_util::start_node(db.url(), "a", |c| c.shard_count = 1024).await;
+    let handle = support::placement::start_node(db.url(), "a", |c| c.shard_count = 1024).await;
     eventually(Duration::from_secs(15), "a owns all 1024 shards", || {
-        placement_util::owned(&handle, "a") == 1024
+        support::placement::owned(&handle, "a") == 1024
     })
     .await;
     let keys: Vec<SessionKey> = (0..4096).map(|_| random_key()).collect();
@@ -81,20 +80,20 @@ async fn manager_failover_with_default_settings() {
             ..ClusterConfig::default()
         };
         c.database_url = Some(graviton::config::Secret::new(db.url()));
-        c.internal_addr = format!("{name}:7071");
+        c.internal_addr = support::placement::internal_addr(name);
         c.shard_count = 1024;
         c
     };
-    let a = Cluster::connect_and_start(NodeId("a".into()), &defaults("a"), "test")
+    let a = Cluster::connect_and_start(NodeId::parse("a").unwrap(), &defaults("a"), "test")
         .await
         .unwrap();
-    let b = Cluster::connect_and_start(NodeId("b".into()), &defaults("b"), "test")
+    let b = Cluster::connect_and_start(NodeId::parse("b").unwrap(), &defaults("b"), "test")
         .await
         .unwrap();
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     let deadline = Duration::from_secs(30);
     eventually(deadline, "someone manages", || {
-        a.view().table().manager_term > 0 || b.view().table().manager_term > 0
+        a.view().table().manager_term.0 > 0 || b.view().table().manager_term.0 > 0
     })
     .await;
     let term1 = store.meta().await.unwrap().manager_term;
@@ -124,7 +123,7 @@ async fn manager_failover_with_default_settings() {
 
     // Stop the current manager's node: the other one must act.
     let current = store.meta().await.unwrap().manager_node.unwrap();
-    let (gone, survivor) = if leader.node_id().0 == current {
+    let (gone, survivor) = if leader.node_id().as_str() == current {
         (leader, standby)
     } else {
         (standby, leader)

@@ -1,7 +1,6 @@
 //! The placement store against real PostgreSQL: bootstrap, shard-count fencing, manager
 //! term fencing, heartbeats by the database clock, revocation acknowledgements.
 
-mod placement_util;
 #[allow(unused_imports)]
 mod support;
 
@@ -9,13 +8,13 @@ use std::time::Duration;
 
 use graviton::ids::NodeId;
 use graviton::placement::{Epoch, NodeState, ShardId};
-use graviton::storage::pg::StoreError;
+use graviton::storage::pg::PlacementStoreError;
 use graviton::storage::pg::placement::NodeRegistration;
 use support::TestDatabase;
 
 fn registration(id: &str) -> NodeRegistration {
     NodeRegistration {
-        id: NodeId(id.into()),
+        id: NodeId::parse(id).unwrap(),
         public_addr: format!("{id}:1"),
         internal_addr: format!("{id}:2"),
         control_addr: format!("{id}:3"),
@@ -29,14 +28,14 @@ async fn bootstrap_is_idempotent_and_shard_count_is_fixed() {
     else {
         return;
     };
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     assert_eq!(store.bootstrap(64).await.unwrap().shard_count, 64);
     assert_eq!(store.bootstrap(64).await.unwrap().shard_count, 64);
     let err = store.bootstrap(128).await.unwrap_err();
     assert!(
         matches!(
             err,
-            StoreError::ShardCountMismatch {
+            PlacementStoreError::ShardCountMismatch {
                 configured: 128,
                 stored: 64
             }
@@ -52,12 +51,18 @@ async fn zombie_manager_writes_are_refused() {
     let Some(db) = TestDatabase::create("zombie_manager_writes_are_refused").await else {
         return;
     };
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     store.bootstrap(8).await.unwrap();
     store.register_node(&registration("a")).await.unwrap();
-    let old = store.bump_term(&NodeId("m1".into())).await.unwrap();
-    let new = store.bump_term(&NodeId("m2".into())).await.unwrap();
-    assert_eq!(new, old + 1);
+    let old = store
+        .bump_term(&NodeId::parse("m1").unwrap())
+        .await
+        .unwrap();
+    let new = store
+        .bump_term(&NodeId::parse("m2").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(new.0, old.0 + 1);
 
     // The old manager's write is refused outright.
     let err = store
@@ -66,24 +71,29 @@ async fn zombie_manager_writes_are_refused() {
         .err()
         .expect("old term must be fenced");
     assert!(
-        matches!(err, StoreError::Fenced { held, current } if held == old && current == new),
+        matches!(err, PlacementStoreError::Fenced { held, current } if held == old && current == new),
         "{err}"
     );
     let err = graviton::actors::shard_manager::run_round(&store, old, 1000, 8)
         .await
         .unwrap_err();
-    assert!(matches!(err, StoreError::Fenced { .. }));
+    assert!(matches!(err, PlacementStoreError::Fenced { .. }));
 
     // A write that passed the check holds the term: a concurrent bump waits for it, and
     // afterwards the same term is refused.
     let mut tx = store.fenced(new).await.unwrap();
     let epoch = tx
-        .assign_now(ShardId(0), Epoch(0), &NodeId("a".into()))
+        .assign_now(ShardId(0), Epoch(0), &NodeId::parse("a").unwrap())
         .await
         .unwrap();
     assert_eq!(epoch, Some(Epoch(1)));
     let store2 = store.clone();
-    let bump = tokio::spawn(async move { store2.bump_term(&NodeId("m3".into())).await.unwrap() });
+    let bump = tokio::spawn(async move {
+        store2
+            .bump_term(&NodeId::parse("m3").unwrap())
+            .await
+            .unwrap()
+    });
     // Wait until PostgreSQL reports the bump blocked on a lock, then check it is still
     // pending: it cannot finish before the fenced transaction ends.
     let since = std::time::Instant::now();
@@ -115,23 +125,23 @@ async fn zombie_manager_writes_are_refused() {
     );
     tx.commit("shards").await.unwrap();
     let newest = bump.await.unwrap();
-    assert_eq!(newest, new + 1);
+    assert_eq!(newest.0, new.0 + 1);
     assert!(matches!(
         store.fenced(new).await,
-        Err(StoreError::Fenced { .. })
+        Err(PlacementStoreError::Fenced { .. })
     ));
 
     // Epochs only move forward through the conditional update.
     let mut tx = store.fenced(newest).await.unwrap();
     assert_eq!(
-        tx.assign_now(ShardId(0), Epoch(0), &NodeId("a".into()))
+        tx.assign_now(ShardId(0), Epoch(0), &NodeId::parse("a").unwrap())
             .await
             .unwrap(),
         None,
         "stale epoch"
     );
     assert_eq!(
-        tx.assign_now(ShardId(0), Epoch(1), &NodeId("a".into()))
+        tx.assign_now(ShardId(0), Epoch(1), &NodeId::parse("a").unwrap())
             .await
             .unwrap(),
         Some(Epoch(2))
@@ -150,9 +160,9 @@ async fn heartbeats_use_the_database_clock_and_dead_nodes_must_reregister() {
     else {
         return;
     };
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     store.bootstrap(8).await.unwrap();
-    let a = NodeId("a".into());
+    let a = NodeId::parse("a").unwrap();
     let inc = store.register_node(&registration("a")).await.unwrap();
     assert_eq!(
         store.heartbeat(&a, inc).await.unwrap(),
@@ -168,7 +178,7 @@ async fn heartbeats_use_the_database_clock_and_dead_nodes_must_reregister() {
         .execute(store.pool())
         .await
         .unwrap();
-    let term = store.bump_term(&NodeId("m".into())).await.unwrap();
+    let term = store.bump_term(&NodeId::parse("m").unwrap()).await.unwrap();
     let mut tx = store.fenced(term).await.unwrap();
     assert!(tx.mark_dead_if_silent(&a, 5_000).await.unwrap());
     tx.commit("nodes").await.unwrap();
@@ -194,9 +204,9 @@ async fn acknowledgement_is_bound_to_owner_epoch_and_incarnation() {
     else {
         return;
     };
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     store.bootstrap(4).await.unwrap();
-    let (a, b) = (NodeId("a".into()), NodeId("b".into()));
+    let (a, b) = (NodeId::parse("a").unwrap(), NodeId::parse("b").unwrap());
     let inc_a = store.register_node(&registration("a")).await.unwrap();
     store.register_node(&registration("b")).await.unwrap();
     let term = store.bump_term(&a).await.unwrap();
@@ -268,9 +278,9 @@ async fn batched_acknowledgements_skip_stale_entries() {
     let Some(db) = TestDatabase::create("batched_acknowledgements_skip_stale_entries").await else {
         return;
     };
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     store.bootstrap(4).await.unwrap();
-    let (a, b) = (NodeId("a".into()), NodeId("b".into()));
+    let (a, b) = (NodeId::parse("a").unwrap(), NodeId::parse("b").unwrap());
     let inc_a = store.register_node(&registration("a")).await.unwrap();
     store.register_node(&registration("b")).await.unwrap();
     let term = store.bump_term(&a).await.unwrap();
@@ -322,9 +332,9 @@ async fn reregistration_keeps_a_drain_and_refusals_say_why() {
         return;
     };
     use graviton::storage::pg::placement::HeartbeatReply;
-    let store = placement_util::store(db.url()).await;
+    let store = support::placement::store(db.url()).await;
     store.bootstrap(8).await.unwrap();
-    let a = NodeId("a".into());
+    let a = NodeId::parse("a").unwrap();
     let inc = store.register_node(&registration("a")).await.unwrap();
     assert!(store.request_drain(&a).await.unwrap());
     // Another process registers the same id: the first one's heartbeat is superseded.
@@ -356,7 +366,7 @@ async fn reregistration_keeps_a_drain_and_refusals_say_why() {
     );
     assert_eq!(
         store
-            .heartbeat_reply(&NodeId("nobody".into()), 1)
+            .heartbeat_reply(&NodeId::parse("nobody").unwrap(), 1)
             .await
             .unwrap(),
         HeartbeatReply::Missing

@@ -1,30 +1,29 @@
 //! The placement supervisor restarts a crashed placement, health or election actor, and
 //! the node keeps heartbeating, routing and standing for manager afterwards.
 
-mod placement_util;
 #[allow(unused_imports)]
 mod support;
 
 use std::time::Duration;
 
 use graviton::placement::PlacementChild;
-use placement_util::eventually;
 use support::TestDatabase;
+use support::placement::eventually;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crashed_placement_actors_are_restarted() {
     let Some(db) = TestDatabase::create("crashed_placement_actors_are_restarted").await else {
         return;
     };
-    let handle = placement_util::start_node(db.url(), "a", |c| c.shard_count = 16).await;
+    let handle = support::placement::start_node(db.url(), "a", |c| c.shard_count = 16).await;
     eventually(
         Duration::from_secs(15),
         "a owns all shards and is ready",
-        || placement_util::owned(&handle, "a") == 16 && handle.health().ready,
+        || support::placement::owned(&handle, "a") == 16 && handle.health().ready,
     )
     .await;
     let term_before = handle.leading_term().await;
-    assert!(term_before > 0, "the only node leads");
+    assert!(term_before.0 > 0, "the only node leads");
 
     // Placement actor: after a crash, heartbeats resume (counter grows) and no fence sticks.
     let beats = handle.snapshot().counters.heartbeats;
@@ -56,7 +55,7 @@ async fn crashed_placement_actors_are_restarted() {
     // Election: a restarted election wins the lock again, under a higher term.
     handle.inject_actor_failure(PlacementChild::Election);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let mut term_after = 0;
+    let mut term_after = graviton::placement::Term(0);
     while tokio::time::Instant::now() < deadline {
         term_after = handle.leading_term().await;
         if term_after > term_before {

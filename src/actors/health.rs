@@ -116,7 +116,7 @@ mod tests {
     #[tokio::test]
     async fn actor_publishes_probes_of_the_view() {
         let view = Arc::new(LocalView::new(
-            NodeId("a".into()),
+            NodeId::parse("a").unwrap(),
             2,
             Duration::from_secs(60),
         ));
@@ -139,7 +139,7 @@ mod tests {
         let shards = (0..2)
             .map(|s| ShardEntry {
                 shard: ShardId(s),
-                owner: Some(NodeId("a".into())),
+                owner: Some(NodeId::parse("a").unwrap()),
                 epoch: Epoch(1),
                 moving_to: None,
                 revoke_acked: false,
@@ -148,7 +148,7 @@ mod tests {
         view.publish(ShardTable {
             shards,
             nodes: Default::default(),
-            manager_term: 1,
+            manager_term: crate::placement::Term(1),
         });
         view.heartbeat_ok(std::time::Instant::now());
         while view.health().status != HealthStatus::Healthy {

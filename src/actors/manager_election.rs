@@ -28,6 +28,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::actors::shard_manager::{ShardManager, ShardManagerArgs, ShardManagerMsg};
 use crate::ids::NodeId;
+use crate::placement::Term;
 use crate::storage::pg::placement::{MANAGER_LOCK_KEY, PlacementStore};
 
 /// What to do when the lock is not (or no longer) held.
@@ -44,7 +45,7 @@ pub enum ElectionMsg {
     /// Try the lock (follower) or ping it (leader).
     Tick,
     /// Report the current term (0 when not leading).
-    Term(ractor::RpcReplyPort<i64>),
+    Term(ractor::RpcReplyPort<Term>),
 }
 
 pub struct ElectionArgs {
@@ -63,7 +64,7 @@ pub struct ManagerElection;
 pub struct ElectionState {
     args: ElectionArgs,
     conn: Option<PgConnection>,
-    leading: Option<(i64, ActorRef<ShardManagerMsg>)>,
+    leading: Option<(Term, ActorRef<ShardManagerMsg>)>,
     timer: Option<AbortOnDropHandle<()>>,
     timer_period: Duration,
 }
@@ -125,7 +126,7 @@ impl ManagerElection {
         };
         match Actor::spawn_linked(None, ShardManager, args, myself.get_cell()).await {
             Ok((manager, _)) => {
-                tracing::info!(component = "manager_election", node_id = %state.args.node, term, "won the manager lock");
+                tracing::info!(component = "manager_election", node_id = %state.args.node, term = term.0, "won the manager lock");
                 state.leading = Some((term, manager));
                 let period = state.args.lock_ping_interval;
                 Self::schedule(myself, state, period);
@@ -142,7 +143,7 @@ impl ManagerElection {
     async fn step_down(state: &mut ElectionState) {
         if let Some((term, manager)) = state.leading.take() {
             manager.kill();
-            tracing::warn!(component = "manager_election", node_id = %state.args.node, term, "stepped down");
+            tracing::warn!(component = "manager_election", node_id = %state.args.node, term = term.0, "stepped down");
         }
         if let Some(mut conn) = state.conn.take() {
             let _ = tokio::time::timeout(
@@ -211,7 +212,7 @@ impl Actor for ManagerElection {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             ElectionMsg::Term(reply) => {
-                let _ = reply.send(state.leading.as_ref().map_or(0, |(t, _)| *t));
+                let _ = reply.send(state.leading.as_ref().map_or(Term(0), |(t, _)| *t));
             }
             ElectionMsg::Tick if state.leading.is_some() => {
                 let ping = state.args.lock_ping_interval;

@@ -10,6 +10,8 @@
 //!   term-fenced shard manager); see docs/locality.md.
 //! - [`lease_holder`]: `LeaseHolder`, one per admitted transfer: renews its cluster lease,
 //!   reports loss, releases it on stop.
+//! - [`restart`]: the one restart routine both supervisors use (which events mean a
+//!   child is gone, and the backoff before it starts again).
 //! - [`handle`]: typed handles (`SessionRegionHandle`, `IngestTicket`) that callers use
 //!   instead of message enums.
 //!
@@ -22,6 +24,7 @@ pub mod lease_holder;
 pub mod manager_election;
 pub mod placement;
 pub mod placement_supervisor;
+pub mod restart;
 pub mod session_owner;
 pub mod session_region;
 pub mod shard_manager;

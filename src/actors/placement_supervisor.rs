@@ -12,18 +12,14 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use sqlx::postgres::PgConnectOptions;
-use tokio::time::Instant;
 
 use super::health::{HealthActor, HealthArgs, HealthMsg, probe_once};
 use super::manager_election::{ElectionArgs, ElectionMode, ElectionMsg, ManagerElection};
 use super::placement::{PlacementActor, PlacementArgs, PlacementMsg};
+use super::restart::{Restart, exited};
 use super::shard_manager::ShardManagerArgs;
-use crate::backoff::Restart;
 use crate::ids::NodeId;
 
-const RESTART_INITIAL: Duration = Duration::from_millis(100);
-const RESTART_MAX: Duration = Duration::from_secs(5);
-const RESTART_STABLE_AFTER: Duration = Duration::from_secs(30);
 const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// What is needed to (re)start a standby election.
@@ -67,7 +63,7 @@ pub enum Child {
 pub enum PlacementSupMsg {
     Restart(Child),
     /// The manager term this node leads under (0 when not leading).
-    Term(RpcReplyPort<i64>),
+    Term(RpcReplyPort<crate::placement::Term>),
     /// Ask the placement actor to re-read the table now.
     Refresh,
     /// Fault injection for tests and drills: kill a child as if it had crashed.
@@ -83,7 +79,17 @@ pub struct SupervisorState {
     placement: Option<ActorRef<PlacementMsg>>,
     health: Option<ActorRef<HealthMsg>>,
     election: Option<ActorRef<ElectionMsg>>,
-    backoff: [Restart; 3],
+    restart: [Restart; 3],
+}
+
+impl Child {
+    fn name(self) -> &'static str {
+        match self {
+            Child::Placement => "placement",
+            Child::Health => "health",
+            Child::Election => "manager_election",
+        }
+    }
 }
 
 fn index(child: Child) -> usize {
@@ -121,7 +127,7 @@ async fn spawn_child(
             state.election = Some(actor);
         }
     }
-    state.backoff[index(child)].started(Instant::now());
+    state.restart[index(child)].started();
     Ok(())
 }
 
@@ -135,13 +141,12 @@ impl Actor for PlacementSupervisor {
         myself: ActorRef<PlacementSupMsg>,
         args: PlacementSupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
-        let backoff = || Restart::new(RESTART_INITIAL, RESTART_MAX, RESTART_STABLE_AFTER);
         let mut state = SupervisorState {
             args,
             placement: None,
             health: None,
             election: None,
-            backoff: [backoff(), backoff(), backoff()],
+            restart: Default::default(),
         };
         for child in [Child::Placement, Child::Health, Child::Election] {
             spawn_child(&myself, &mut state, child).await?;
@@ -186,18 +191,22 @@ impl Actor for PlacementSupervisor {
                 match spawn_child(&myself, state, child).await {
                     Ok(()) => tracing::info!(?child, "placement child restarted"),
                     Err(err) => {
-                        let delay = state.backoff[index(child)].next_delay(Instant::now());
-                        tracing::error!(?child, error = %err, ?delay, "placement child failed to restart; retrying");
-                        myself.send_after(delay, move || PlacementSupMsg::Restart(child));
+                        let why = format!("restart failed: {err}");
+                        state.restart[index(child)].schedule(
+                            &myself,
+                            child.name(),
+                            &why,
+                            move || PlacementSupMsg::Restart(child),
+                        );
                     }
                 }
             }
             PlacementSupMsg::Term(reply) => {
                 let term = match &state.election {
                     Some(election) => {
-                        ractor::call_t!(election, ElectionMsg::Term, 2000).unwrap_or(0)
+                        ractor::call_t!(election, ElectionMsg::Term, 2000).unwrap_or_default()
                     }
-                    None => 0,
+                    None => crate::placement::Term(0),
                 };
                 let _ = reply.send(term);
             }
@@ -221,14 +230,9 @@ impl Actor for PlacementSupervisor {
         event: SupervisionEvent,
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
-        let (cell, why) = match &event {
-            SupervisionEvent::ActorTerminated(cell, _, reason) => {
-                (cell, reason.clone().unwrap_or_else(|| "stopped".into()))
-            }
-            SupervisionEvent::ActorFailed(cell, err) => (cell, format!("failed: {err}")),
-            _ => return Ok(()),
+        let Some((id, why)) = exited(&event) else {
+            return Ok(());
         };
-        let id = cell.get_id();
         let child = if state.placement.as_ref().is_some_and(|a| a.get_id() == id) {
             state.placement = None;
             Child::Placement
@@ -241,9 +245,9 @@ impl Actor for PlacementSupervisor {
         } else {
             return Ok(());
         };
-        let delay = state.backoff[index(child)].next_delay(Instant::now());
-        tracing::warn!(?child, reason = %why, ?delay, "placement child exited; restarting");
-        myself.send_after(delay, move || PlacementSupMsg::Restart(child));
+        state.restart[index(child)].schedule(&myself, child.name(), &why, move || {
+            PlacementSupMsg::Restart(child)
+        });
         Ok(())
     }
 }

@@ -24,9 +24,11 @@ use tokio_util::task::AbortOnDropHandle;
 
 use crate::ids::NodeId;
 use crate::placement::handoff::{self, Action};
-use crate::placement::model::{NodeState, ShardEntry};
+use crate::placement::model::{NodeState, ShardEntry, Term};
 use crate::placement::rebalance;
-use crate::storage::pg::placement::{FencedTx, NOTIFY_CHANNEL, PlacementStore, StoreError};
+use crate::storage::pg::placement::{
+    FencedTx, NOTIFY_CHANNEL, PlacementStore, PlacementStoreError,
+};
 
 #[derive(Debug, ractor_cluster::RactorMessage)]
 pub enum ShardManagerMsg {
@@ -38,7 +40,7 @@ pub enum ShardManagerMsg {
 #[derive(Clone)]
 pub struct ShardManagerArgs {
     pub store: PlacementStore,
-    pub term: i64,
+    pub term: Term,
     pub node_ttl: Duration,
     pub move_budget: u32,
     pub rebalance_interval: Duration,
@@ -78,7 +80,7 @@ impl Actor for ShardManager {
     ) -> Result<ShardManagerState, ActorProcessingErr> {
         tracing::info!(
             component = "shard_manager",
-            term = args.term,
+            term = args.term.0,
             "shard manager acting"
         );
         let mut tasks = vec![AbortOnDropHandle::new(
@@ -123,12 +125,12 @@ impl Actor for ShardManager {
                             ));
                         }
                     }
-                    Err(err @ StoreError::Fenced { .. }) => {
-                        tracing::warn!(component = "shard_manager", term = args.term, error = %err, "fenced; stepping down");
+                    Err(err @ PlacementStoreError::Fenced { .. }) => {
+                        tracing::warn!(component = "shard_manager", term = args.term.0, error = %err, "fenced; stepping down");
                         return Err(Box::new(err));
                     }
                     Err(err) => {
-                        tracing::warn!(component = "shard_manager", term = args.term, error = %err, "round failed");
+                        tracing::warn!(component = "shard_manager", term = args.term.0, error = %err, "round failed");
                     }
                 }
             }
@@ -154,13 +156,13 @@ impl Actor for ShardManager {
 /// One planning round at `term` (see the module docs). Public for tests.
 pub async fn run_round(
     store: &PlacementStore,
-    term: i64,
+    term: Term,
     ttl_ms: i64,
     budget: usize,
-) -> Result<RoundOutcome, StoreError> {
+) -> Result<RoundOutcome, PlacementStoreError> {
     let table = store.read_table().await?;
     if table.manager_term != term {
-        return Err(StoreError::Fenced {
+        return Err(PlacementStoreError::Fenced {
             held: term,
             current: table.manager_term,
         });
@@ -271,7 +273,7 @@ async fn owner_confirmed_gone(
     tx: &mut FencedTx,
     locked: &mut HashMap<NodeId, Option<NodeState>>,
     owner: Option<&NodeId>,
-) -> Result<bool, StoreError> {
+) -> Result<bool, PlacementStoreError> {
     let Some(owner) = owner else { return Ok(true) };
     let state = match locked.get(owner) {
         Some(state) => *state,

@@ -8,18 +8,12 @@
 use std::time::Duration;
 
 use ractor::rpc::CallResult;
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
-use tokio::time::Instant;
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 
 use super::handle::SessionRegionHandle;
+use super::restart::{Restart, exited};
 use super::session_region::{RegionArgs, RegionMsg, SessionRegion};
-use crate::backoff::Restart;
 use crate::metrics::ActorLabels;
-
-/// Restart delays of crashed children.
-const RESTART_INITIAL: Duration = Duration::from_millis(50);
-const RESTART_MAX: Duration = Duration::from_secs(5);
-const RESTART_STABLE_AFTER: Duration = Duration::from_secs(30);
 
 pub struct SupervisorArgs {
     /// Registered name of the session region (unique per node in a process).
@@ -39,7 +33,7 @@ pub struct NodeSupervisor;
 pub struct SupervisorState {
     args: SupervisorArgs,
     region: Option<ActorRef<RegionMsg>>,
-    backoff: Restart,
+    restart: Restart,
     shutting_down: bool,
 }
 
@@ -55,7 +49,7 @@ async fn spawn_region(
     )
     .await?;
     state.region = Some(region);
-    state.backoff.started(Instant::now());
+    state.restart.started();
     Ok(())
 }
 
@@ -72,7 +66,7 @@ impl Actor for NodeSupervisor {
         let mut state = SupervisorState {
             args,
             region: None,
-            backoff: Restart::new(RESTART_INITIAL, RESTART_MAX, RESTART_STABLE_AFTER),
+            restart: Restart::default(),
             shutting_down: false,
         };
         spawn_region(&myself, &mut state).await?;
@@ -91,9 +85,10 @@ impl Actor for NodeSupervisor {
                     return Ok(());
                 }
                 if let Err(err) = spawn_region(&myself, state).await {
-                    let delay = state.backoff.next_delay(Instant::now());
-                    tracing::error!(error = %err, ?delay, "session region failed to restart; retrying");
-                    myself.send_after(delay, || SupervisorMsg::RestartRegion);
+                    let why = format!("restart failed: {err}");
+                    state.restart.schedule(&myself, "session_region", &why, || {
+                        SupervisorMsg::RestartRegion
+                    });
                 } else {
                     tracing::info!("session region restarted");
                 }
@@ -117,18 +112,14 @@ impl Actor for NodeSupervisor {
         event: SupervisionEvent,
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
-        let (cell, why) = match &event {
-            SupervisionEvent::ActorTerminated(cell, _, reason) => {
-                (cell, reason.clone().unwrap_or_else(|| "stopped".into()))
-            }
-            SupervisionEvent::ActorFailed(cell, err) => (cell, format!("failed: {err}")),
-            _ => return Ok(()),
+        let Some((id, why)) = exited(&event) else {
+            return Ok(());
         };
-        let is_region = state
-            .region
-            .as_ref()
-            .is_some_and(|r| r.get_id() == cell.get_id());
-        if !is_region {
+        if state.region.as_ref().is_none_or(|r| r.get_id() != id) {
+            // Another child (the placement group restarts its own children) exited.
+            if !state.shutting_down {
+                tracing::debug!(reason = %why, "a supervised group exited");
+            }
             return Ok(());
         }
         state.region = None;
@@ -144,9 +135,9 @@ impl Actor for NodeSupervisor {
                 actor: "session_region",
             })
             .inc();
-        let delay = state.backoff.next_delay(Instant::now());
-        tracing::warn!(reason = %why, ?delay, "session region exited; restarting");
-        myself.send_after(delay, || SupervisorMsg::RestartRegion);
+        state.restart.schedule(&myself, "session_region", &why, || {
+            SupervisorMsg::RestartRegion
+        });
         Ok(())
     }
 }
@@ -171,6 +162,12 @@ impl SupervisorHandle {
 
     pub fn sessions(&self) -> SessionRegionHandle {
         self.region.clone()
+    }
+
+    /// The root of the node's actor tree: groups that supervise their own children (the
+    /// placement group) are linked under it, so one tree holds every long-lived actor.
+    pub fn root(&self) -> ActorCell {
+        self.actor.get_cell()
     }
 
     /// Stop children (no restarts), then the supervisor itself.

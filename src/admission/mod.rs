@@ -10,7 +10,8 @@
 //! Stateful parts: [`budget`] (the local `TransferBudget`), [`metrics`], [`acquire`] (the
 //! wait for a cluster lease: polls, back-off, timeout decision, abandon), [`lease`] (the
 //! `LeaseBackend` port of the `LeaseHolder` actor, and [`Outcome`]), [`handover`] (permits
-//! parked between a forwarder's pre-flight and its POST), and [`service`] (the
+//! parked between a forwarder's pre-flight and its POST), [`transfer`] (what each transfer
+//! asks for), and [`service`] (the
 //! [`Admission`] facade, which drives `storage::redis` and the `LeaseHolder` actor).
 //! The protocol is described in `docs/admission.md`.
 
@@ -23,6 +24,7 @@ pub mod handover;
 pub mod lease;
 pub mod metrics;
 pub mod service;
+pub mod transfer;
 
 pub use crate::storage::redis::reply::{Dimension, FencingToken, LeaseId, Occupancy};
 pub use budget::{LocalPermit, LocalSnapshot, TransferBudget};
@@ -34,3 +36,4 @@ pub use metrics::AdmissionMetrics;
 pub use service::{
     Admission, AdmissionPermit, AdmissionSnapshot, LeaseInfo, TenantOverride, TransferRequest,
 };
+pub use transfer::BACKEND;

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{HumanDuration, Problem};
+use crate::config::problem::Problem;
+use crate::config::units::HumanDuration;
 
 /// Default claim carrying the organization (tenant) UUID.
 pub const ORG_CLAIM_DEFAULT: &str = "org_id";

@@ -6,8 +6,9 @@
 //! (`GRAVITON_NODE__LISTEN=0.0.0.0:7070`, `GRAVITON_SESSIONS__MAX_HOT=10000`). Unknown
 //! keys are errors, and every error names the offending key.
 
-mod secret;
-mod units;
+pub mod problem;
+pub mod secret;
+pub mod units;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -16,6 +17,7 @@ use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 
+pub use problem::Problem;
 pub use secret::Secret;
 pub use units::{ByteSize, HumanDuration, UnitError};
 
@@ -198,28 +200,6 @@ pub enum ConfigError {
     Invalid(Vec<Problem>),
 }
 
-/// One validation failure: the dotted key and what is wrong with it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Problem {
-    pub key: &'static str,
-    pub message: String,
-}
-
-impl std::fmt::Display for Problem {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.key, self.message)
-    }
-}
-
-impl Problem {
-    pub fn new(key: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            key,
-            message: message.into(),
-        }
-    }
-}
-
 impl Config {
     /// Load defaults, then `file` (when given; it must exist), then the environment, and
     /// validate the result.
@@ -263,19 +243,8 @@ impl Config {
     /// Every validation problem at once, so an operator fixes the file in one pass.
     pub fn problems(&self) -> Vec<Problem> {
         let mut problems = Vec::new();
-        if self.node.id.trim().is_empty() {
-            problems.push(Problem::new("node.id", "must not be empty"));
-        }
-        if !self
-            .node
-            .id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-        {
-            problems.push(Problem::new(
-                "node.id",
-                "only ASCII letters, digits, '-', '_' and '.' are allowed",
-            ));
+        if let Err(err) = crate::ids::NodeId::parse(self.node.id.as_str()) {
+            problems.push(Problem::new("node.id", err.to_string()));
         }
         if self.storage.data_dir.as_os_str().is_empty() {
             problems.push(Problem::new("storage.data_dir", "must not be empty"));

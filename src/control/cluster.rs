@@ -47,7 +47,7 @@ const HOSTNAME: &str = "graviton";
 
 /// The pg group of a node's control actor.
 pub fn control_group(node: &NodeId) -> String {
-    format!("graviton.control.{}", node.0)
+    format!("graviton.control.{node}")
 }
 
 /// Raw MessagePack bytes on the wire; decoded (with the cap) by the receiver.
@@ -404,7 +404,10 @@ impl Actor for PeerDialer {
             }
             DialerMsg::SessionReady { session, peer_name } => {
                 let Some(name) = peer_name else { return Ok(()) };
-                let peer = NodeId(name.split('@').next().unwrap_or_default().to_string());
+                let Ok(peer) = NodeId::parse(name.split('@').next().unwrap_or_default()) else {
+                    tracing::warn!("a peer announced an invalid node name; ignoring its session");
+                    return Ok(());
+                };
                 let mut table = lock(&state.shared);
                 table.sessions.insert(session, peer.clone());
                 if let Some(entry) = table.listed.get_mut(&peer) {
@@ -488,14 +491,13 @@ impl ClusterTransport {
         handler: Arc<dyn ControlHandler>,
         tls: Option<ControlTls>,
     ) -> Result<Self, StartError> {
-        envelope::validate_node_id(&options.node).map_err(|e| StartError(e.to_string()))?;
         let encryption = tls
             .as_ref()
             .map(|t| ractor_cluster::IncomingEncryptionMode::Tls(t.acceptor.clone()));
         let server = NodeServer::new(
             options.listen.port(),
             options.token.expose().to_string(),
-            options.node.0.clone(),
+            options.node.to_string(),
             HOSTNAME.to_string(),
             encryption,
             Some(ractor_cluster::node::NodeConnectionMode::Isolated),

@@ -26,7 +26,7 @@ pub const MAX_ENVELOPE_BYTES: usize = 64 * 1024;
 /// Deepest nesting accepted while decoding.
 pub const MAX_DEPTH: usize = 16;
 /// Longest node id accepted in an envelope.
-pub const MAX_NODE_ID_LEN: usize = 128;
+pub use crate::ids::MAX_NODE_ID_LEN;
 /// Longest free-text error message carried in a reply.
 pub const MAX_MESSAGE_LEN: usize = 1024;
 
@@ -253,36 +253,18 @@ fn invalid(field: &'static str, reason: &'static str) -> EnvelopeError {
     EnvelopeError::Invalid { field, reason }
 }
 
-/// Node ids: 1..=128 of ASCII letters, digits, '-', '_' and '.' (as in `node.id`).
-pub fn validate_node_id(node: &NodeId) -> Result<(), EnvelopeError> {
-    let text = node.0.as_str();
-    if text.is_empty() || text.len() > MAX_NODE_ID_LEN {
-        return Err(invalid("node", "must be 1 to 128 characters"));
-    }
-    if !text
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-    {
-        return Err(invalid(
-            "node",
-            "only ASCII letters, digits, '-', '_' and '.'",
-        ));
-    }
-    Ok(())
-}
-
 fn validate_request(msg: &Envelope) -> Result<(), EnvelopeError> {
     match msg {
         Envelope::ResolveSession(_) | Envelope::ActivateSession(_) => Ok(()),
         Envelope::AssignmentChanged { .. } => Ok(()),
-        Envelope::Drain { node } => validate_node_id(node),
+        // Node ids are valid by construction (`NodeId::parse`, also when decoded).
+        Envelope::Drain { .. } => Ok(()),
     }
 }
 
 fn validate_reply(msg: &Reply) -> Result<(), EnvelopeError> {
     match msg {
         Reply::Owner(owner) => {
-            validate_node_id(&owner.owner)?;
             if owner.owner_internal_addr.port() == 0 {
                 return Err(invalid("owner_internal_addr", "port must not be 0"));
             }
@@ -335,7 +317,7 @@ mod tests {
 
     fn owner_reply() -> Reply {
         Reply::Owner(OwnerReply {
-            owner: NodeId("node-b".into()),
+            owner: NodeId::parse("node-b").unwrap(),
             owner_internal_addr: "127.0.0.1:7071".parse().unwrap(),
             shard_epoch: 3,
             hot_state: Some(HotStateSnapshot {
@@ -438,17 +420,16 @@ mod tests {
             Err(EnvelopeError::Malformed(_))
         ));
 
-        let bad = Envelope::Drain {
-            node: NodeId("a b".into()),
-        };
-        assert!(matches!(
-            encode_request(&bad),
-            Err(EnvelopeError::Invalid { .. })
-        ));
-        let bytes = encode(&bad).unwrap();
+        // A node id that breaks the rule does not decode.
+        #[derive(Serialize, Clone)]
+        #[serde(tag = "type", rename_all = "snake_case")]
+        enum RawDrain<'a> {
+            Drain { node: &'a str },
+        }
+        let bytes = encode(&RawDrain::Drain { node: "a b" }).unwrap();
         assert!(matches!(
             decode_request(&bytes),
-            Err(EnvelopeError::Invalid { .. })
+            Err(EnvelopeError::Malformed(_))
         ));
     }
 
@@ -490,7 +471,9 @@ mod tests {
             arb_request().prop_map(Envelope::ActivateSession),
             (any::<u64>(), any::<Option<u64>>())
                 .prop_map(|(term, epoch_hint)| Envelope::AssignmentChanged { term, epoch_hint }),
-            "[A-Za-z0-9._-]{1,128}".prop_map(|n| Envelope::Drain { node: NodeId(n) }),
+            "[A-Za-z0-9._-]{1,128}".prop_map(|n| Envelope::Drain {
+                node: NodeId::parse(n).unwrap()
+            }),
         ]
     }
 
@@ -527,7 +510,7 @@ mod tests {
         )
             .prop_map(|(owner, addr, shard_epoch, hot_state)| {
                 Reply::Owner(OwnerReply {
-                    owner: NodeId(owner),
+                    owner: NodeId::parse(owner).unwrap(),
                     owner_internal_addr: addr,
                     shard_epoch,
                     hot_state,

@@ -241,7 +241,7 @@ mod tests {
     use crate::control::envelope::{OwnerReply, ReplyErrorCode, SessionRequest};
 
     fn owner_of(node: &str) -> Arc<dyn ControlHandler> {
-        let node = NodeId(node.to_string());
+        let node = NodeId::parse(node).unwrap();
         Arc::new(FnHandler(move |request| match request {
             Envelope::ActivateSession(req) | Envelope::ResolveSession(req) => {
                 Reply::Owner(OwnerReply {
@@ -267,28 +267,31 @@ mod tests {
     #[tokio::test]
     async fn calls_reach_the_peer_handler_through_the_codec() {
         let net = InMemoryNetwork::new();
-        let a = net.join(NodeId("a".into()), owner_of("a"));
-        let _b = net.join(NodeId("b".into()), owner_of("b"));
-        a.set_peers(vec![(NodeId("b".into()), "127.0.0.1:1".parse().unwrap())]);
+        let a = net.join(NodeId::parse("a").unwrap(), owner_of("a"));
+        let _b = net.join(NodeId::parse("b").unwrap(), owner_of("b"));
+        a.set_peers(vec![(
+            NodeId::parse("b").unwrap(),
+            "127.0.0.1:1".parse().unwrap(),
+        )]);
         let reply = a
-            .call(&NodeId("b".into()), req(), Duration::from_secs(1))
+            .call(&NodeId::parse("b").unwrap(), req(), Duration::from_secs(1))
             .await
             .unwrap();
         match reply {
             Reply::Owner(owner) => {
-                assert_eq!(owner.owner.0, "b");
+                assert_eq!(owner.owner.as_str(), "b");
                 assert_eq!(owner.shard_epoch, 4);
             }
             other => panic!("unexpected {other:?}"),
         }
-        assert_eq!(a.connected_peers(), vec![NodeId("b".into())]);
+        assert_eq!(a.connected_peers(), vec![NodeId::parse("b").unwrap()]);
     }
 
     #[tokio::test]
     async fn unknown_departed_and_slow_peers_are_typed_errors() {
         let net = InMemoryNetwork::new();
-        let a = net.join(NodeId("a".into()), owner_of("a"));
-        let b = NodeId("b".into());
+        let a = net.join(NodeId::parse("a").unwrap(), owner_of("a"));
+        let b = NodeId::parse("b").unwrap();
         assert_eq!(
             a.call(&b, req(), Duration::from_secs(1)).await,
             Err(ControlError::UnknownPeer(b.clone()))

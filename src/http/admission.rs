@@ -1,10 +1,9 @@
 //! Admission at the HTTP edge: admitting uploads and downloads before their bytes move,
 //! charging download egress per chunk, and the admin endpoints.
 //!
-//! - Uploads: the receiving node charges the request quota; the node that ingests admits
-//!   an `upload`. A forwarded upload holds one cluster lease: the owner admits it in the
-//!   forwarder's pre-flight (sized for the ingest plus the relay) and the forwarding node
-//!   takes local permits only for its relay. All of it happens before the body is read.
+//! - Uploads: the receiving node charges the request quota; the upload service admits the
+//!   transfer where its bytes are held (`admission::transfer` says what each transfer
+//!   asks for). All of it happens before the body is read.
 //! - Downloads (`GET`): request quota and admission before the manifest is read; each
 //!   outgoing chunk is charged to the egress quota just before it is sent. A refused charge
 //!   or a lost lease ends the stream with an error, so the client sees an aborted transfer,
@@ -20,22 +19,15 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 
 use super::headers::{TENANT_HEADER, single_value};
 use super::{ApiError, AppState};
-use crate::admission::{
-    Admission, AdmissionPermit, AdmissionSnapshot, Footprint, Operation, Outcome, TenantOverride,
-    TransferRequest,
-};
-use crate::cas::chunker::MAX_CHUNK;
+use crate::admission::{Admission, AdmissionPermit, AdmissionSnapshot, Outcome, TenantOverride};
 use crate::ids::TenantId;
-
-/// Backend label of the embedded filesystem store.
-pub const BACKEND: &str = "fs";
 
 /// A boxed error for streamed bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -57,66 +49,6 @@ pub async fn charge_request(app: &AppState, tenant: Option<&TenantId>) -> Result
         app.admission.charge_request(tenant).await?;
     }
     Ok(())
-}
-
-/// Admit one transfer (local permits, then the cluster lease).
-pub async fn admit(
-    app: &AppState,
-    operation: Operation,
-    tenant: Option<TenantId>,
-) -> Result<AdmissionPermit, ApiError> {
-    let permit = app
-        .admission
-        .admit(TransferRequest {
-            operation,
-            tenant,
-            backend: BACKEND.to_string(),
-            footprint: Footprint::for_operation(operation, MAX_CHUNK as u64),
-        })
-        .await?;
-    Ok(permit)
-}
-
-/// The relay's share of a forwarded upload: local permits only. The owner holds the one
-/// cluster lease of the transfer, sized to cover the relay too (see [`admit_forwarded`]).
-pub async fn admit_relay(app: &AppState, tenant: TenantId) -> Result<AdmissionPermit, ApiError> {
-    let operation = Operation::ForwardedUpload;
-    let permit = app
-        .admission
-        .admit_local(TransferRequest {
-            operation,
-            tenant: Some(tenant),
-            backend: BACKEND.to_string(),
-            footprint: Footprint::for_operation(operation, MAX_CHUNK as u64),
-        })
-        .await?;
-    Ok(permit)
-}
-
-/// The owner's admission of a forwarded upload, made in the forwarder's pre-flight: local
-/// permits for the ingest and one cluster lease for the ingest plus the relay.
-pub async fn admit_forwarded(
-    app: &AppState,
-    tenant: TenantId,
-) -> Result<AdmissionPermit, ApiError> {
-    let permit = app
-        .admission
-        .admit_spanning(
-            TransferRequest {
-                operation: Operation::Upload,
-                tenant: Some(tenant),
-                backend: BACKEND.to_string(),
-                footprint: Footprint::for_operation(Operation::Upload, MAX_CHUNK as u64),
-            },
-            Footprint::for_operation(Operation::ForwardedUpload, MAX_CHUNK as u64),
-        )
-        .await?;
-    Ok(permit)
-}
-
-/// The error a transfer ends with when its cluster lease is lost mid-way.
-pub fn lease_lost() -> ApiError {
-    crate::admission::Error::Unavailable("lease_lost".into()).into()
 }
 
 struct Charged<S> {
@@ -201,11 +133,7 @@ pub(crate) fn require_admin(app: &AppState, headers: &HeaderMap) -> Result<(), A
             "admin endpoints are disabled",
         ));
     };
-    let presented = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
+    let presented = super::headers::bearer_token(headers).unwrap_or("");
     if token.matches(presented.as_bytes()) {
         Ok(())
     } else {
@@ -266,7 +194,10 @@ pub async fn snapshot(
 ) -> Result<Json<AdmissionSnapshot>, ApiError> {
     require_admin(&app, &headers)?;
     let tenant = query.tenant.as_deref().map(tenant_path).transpose()?;
-    let backend = query.backend.as_deref().unwrap_or(BACKEND);
+    let backend = query
+        .backend
+        .as_deref()
+        .unwrap_or(crate::admission::BACKEND);
     Ok(Json(
         app.admission
             .snapshot(tenant.as_ref(), Some(backend))

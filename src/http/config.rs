@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use super::listener::ConnectionLimits;
-use crate::config::{ByteSize, HumanDuration, Problem};
+use crate::config::problem::Problem;
+use crate::config::units::{ByteSize, HumanDuration};
 
 /// `[http]` section.
 #[derive(Debug, Clone, Serialize, Deserialize)]

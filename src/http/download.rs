@@ -21,7 +21,6 @@ use crate::cas::BlobKey;
 use crate::cas::range::{RangeRequest, parse_range};
 use crate::cas::read::read_blob;
 use crate::metrics::{Metrics, OutcomeLabels};
-use crate::storage::StoreError;
 
 /// `DELETE /v1/blobs/{key}` (admin token): removes the manifest only. Blocks are shared
 /// by every blob (and tenant) that contains them; the collector reclaims those no
@@ -41,13 +40,7 @@ pub async fn delete_blob(
             "blob_not_found",
             "no blob with this key",
         )),
-        Err(err) => {
-            tracing::error!(error = %err, "manifest delete failed");
-            Err(
-                ApiError::unavailable("storage_unavailable", "storage is temporarily unavailable")
-                    .with_retry_after(std::time::Duration::from_secs(5)),
-            )
-        }
+        Err(err) => Err(err.into()),
     }
 }
 
@@ -73,7 +66,11 @@ pub async fn run_gc(
             "this node does not keep blocks in packs",
         ));
     };
-    let options = crate::storage::pack::cli::gc_options(&app.config, query.dry_run, query.purge);
+    let options = crate::storage::pack::gc::GcOptions::from_config(
+        &app.config.storage.gc,
+        query.dry_run,
+        query.purge,
+    );
     match crate::storage::pack::gc::collect(
         store,
         app.manifests.as_ref(),
@@ -92,7 +89,7 @@ pub async fn run_gc(
             tracing::error!(error = %err, "collector run failed");
             Err(
                 ApiError::unavailable("storage_unavailable", "the collector run failed")
-                    .with_retry_after(std::time::Duration::from_secs(30)),
+                    .with_retry_after(super::error::RETRY_GC),
             )
         }
     }
@@ -120,7 +117,11 @@ pub async fn get_blob(
         if let Some(tenant) = &tenant {
             app.admission.check_egress(tenant).await?;
         }
-        Some(super::admission::admit(&app, Operation::Download, tenant).await?)
+        Some(
+            app.admission
+                .admit_transfer(Operation::Download, tenant)
+                .await?,
+        )
     };
     let manifest = match app.manifests.get(key).await {
         Ok(Some(manifest)) => Arc::new(manifest),
@@ -130,18 +131,7 @@ pub async fn get_blob(
                 "no blob with this key",
             ));
         }
-        Err(StoreError::Corrupt(detail)) => {
-            tracing::error!(%detail, "corrupt manifest");
-            return Err(ApiError::internal("the blob's manifest is corrupt"));
-        }
-        Err(err) => {
-            tracing::error!(error = %err, "manifest store failed");
-            return Err(ApiError::unavailable(
-                "storage_unavailable",
-                "storage is temporarily unavailable",
-            )
-            .with_retry_after(std::time::Duration::from_secs(5)));
-        }
+        Err(err) => return Err(err.into()),
     };
     let etag = key.etag();
     if let Some(candidates) = headers

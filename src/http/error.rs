@@ -3,6 +3,10 @@
 //! Every error body is JSON `{"error": "<stable code>", "message": "..."}`. Codes are part
 //! of the API contract (docs/api.md); messages are for humans and never carry limits,
 //! secrets or tenant ids.
+//!
+//! Every `From<domain error> for ApiError` lives here: uploads ([`UploadError`], with
+//! the ingest, session and store errors it wraps), routing ([`RouteError`]), admission
+//! ([`admission::Error`]) and the stores. The `Retry-After` of each kind of temporary refusal is a named constant below.
 
 use std::time::Duration;
 
@@ -12,6 +16,23 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
 use crate::admission;
+use crate::cas::ingest::IngestError;
+use crate::placement::RouteError;
+use crate::session::SessionError;
+use crate::storage::StoreError;
+use crate::upload::UploadError;
+
+/// `Retry-After` when ownership is in motion: a shard moving, a stale owner, a full
+/// session table. A new table arrives within about one heartbeat.
+pub const RETRY_OWNERSHIP: Duration = Duration::from_secs(1);
+/// `Retry-After` when a store (blocks, manifests) is unavailable.
+pub const RETRY_STORAGE: Duration = Duration::from_secs(5);
+/// `Retry-After` when a collector run failed.
+pub const RETRY_GC: Duration = Duration::from_secs(30);
+/// `Retry-After` while a drain cannot be requested (the placement store is unreachable).
+pub const RETRY_DRAIN: Duration = Duration::from_secs(2);
+/// `Retry-After` while a token issuer's keys cannot be fetched.
+pub const RETRY_AUTH: Duration = Duration::from_secs(5);
 
 /// An error answered to an HTTP client.
 #[derive(Debug, Clone)]
@@ -66,6 +87,128 @@ impl ApiError {
 
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+
+    /// 413: the blob is larger than `upload.max_blob_size` (declared or streamed).
+    pub fn blob_too_large() -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "blob_too_large",
+            "the blob is larger than this server accepts",
+        )
+    }
+
+    /// 503 `storage_unavailable`, logged with its cause.
+    fn storage_unavailable(err: &StoreError) -> Self {
+        tracing::error!(error = %err, "block or manifest store failed");
+        ApiError::unavailable("storage_unavailable", "storage is temporarily unavailable")
+            .with_retry_after(RETRY_STORAGE)
+    }
+
+    /// 503 `shard_moved`: retry with the same session; it reaches the new owner.
+    fn shard_moved() -> Self {
+        ApiError::unavailable(
+            "shard_moved",
+            "this session's shard moved during the upload; retry with the same session",
+        )
+        .with_retry_after(RETRY_OWNERSHIP)
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(err: StoreError) -> Self {
+        match err {
+            StoreError::Fenced { .. } => ApiError::shard_moved(),
+            StoreError::Corrupt(detail) => {
+                tracing::error!(%detail, "corrupt stored data");
+                ApiError::internal("stored data is corrupt")
+            }
+            err => ApiError::storage_unavailable(&err),
+        }
+    }
+}
+
+impl From<IngestError> for ApiError {
+    fn from(err: IngestError) -> Self {
+        match err {
+            IngestError::TooLarge { .. } => ApiError::blob_too_large(),
+            IngestError::LengthMismatch { declared, received } => ApiError::bad_request(
+                "length_mismatch",
+                format!("the body carried {received} bytes but Content-Length declared {declared}"),
+            ),
+            IngestError::BodyIdle(after) => ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "body_timeout",
+                format!("no body data arrived for {}s", after.as_secs()),
+            ),
+            IngestError::Body(_) => {
+                ApiError::bad_request("body_incomplete", "the request body ended early or failed")
+            }
+            // During an upload a corrupt store is an unavailable store, not a bad blob.
+            IngestError::Store(err @ StoreError::Corrupt(_)) => ApiError::storage_unavailable(&err),
+            IngestError::Store(err) => err.into(),
+            IngestError::Pipeline(detail) => {
+                tracing::error!(%detail, "ingest pipeline failure");
+                ApiError::internal("the upload failed inside the server")
+            }
+        }
+    }
+}
+
+impl From<SessionError> for ApiError {
+    fn from(err: SessionError) -> Self {
+        match err {
+            SessionError::Busy => ApiError::new(
+                StatusCode::CONFLICT,
+                "session_busy",
+                "another upload of this session is in progress",
+            ),
+            SessionError::AtCapacity => ApiError::unavailable(
+                "session_capacity",
+                "too many active upload sessions on this node",
+            )
+            .with_retry_after(RETRY_OWNERSHIP),
+            SessionError::Unavailable(detail) => {
+                tracing::warn!(%detail, "session owner unavailable");
+                ApiError::unavailable("session_unavailable", "the session owner is unavailable")
+                    .with_retry_after(RETRY_OWNERSHIP)
+            }
+        }
+    }
+}
+
+impl From<UploadError> for ApiError {
+    fn from(err: UploadError) -> Self {
+        match err {
+            UploadError::Admission(err) => err.into(),
+            UploadError::Session(err) => err.into(),
+            UploadError::Ingest(err) => err.into(),
+            UploadError::ShardUnavailable => ApiError::unavailable(
+                "shard_unavailable",
+                "this session's shard is moving or its owner is fenced; retry shortly",
+            )
+            .with_retry_after(RETRY_OWNERSHIP),
+            UploadError::ShardMoved => ApiError::shard_moved(),
+            UploadError::LeaseLost => {
+                crate::admission::Error::Unavailable("lease_lost".into()).into()
+            }
+        }
+    }
+}
+
+impl From<RouteError> for ApiError {
+    fn from(err: RouteError) -> Self {
+        match err {
+            RouteError::Unresolved(err) => ApiError::unavailable(
+                "placement_unavailable",
+                format!("no owner for this session right now: {err}"),
+            ),
+            RouteError::NoInternalAddr(_) => ApiError::unavailable(
+                "owner_unavailable",
+                "the session's owner has no reachable internal address",
+            ),
+        }
+        .with_retry_after(RETRY_OWNERSHIP)
     }
 }
 
@@ -189,6 +332,61 @@ mod tests {
                 (503, "admission_unavailable")
             );
             assert!(api.retry_after.is_some());
+        }
+    }
+
+    /// Every upload error the service counts as server-side is answered with a 5xx, and
+    /// every other one with a 4xx (the upload metrics and the answers agree).
+    #[test]
+    fn upload_errors_are_5xx_exactly_when_server_side() {
+        use crate::admission::Error as Adm;
+        let errors = vec![
+            UploadError::Admission(Adm::NeverFits(crate::admission::Dimension::TenantBytes)),
+            UploadError::Admission(Adm::QuotaExceeded {
+                kind: crate::admission::QuotaKind::Requests,
+                retry_after: Duration::from_secs(1),
+            }),
+            UploadError::Admission(Adm::TimedOut("tenant")),
+            UploadError::Admission(Adm::Saturated("tenant")),
+            UploadError::Admission(Adm::Unavailable("io".into())),
+            UploadError::Admission(Adm::NotDistributed),
+            UploadError::Admission(Adm::InvalidOverride("x")),
+            UploadError::Session(SessionError::Busy),
+            UploadError::Session(SessionError::AtCapacity),
+            UploadError::Session(SessionError::Unavailable("x".into())),
+            UploadError::Ingest(IngestError::TooLarge { limit: 1 }),
+            UploadError::Ingest(IngestError::LengthMismatch {
+                declared: 2,
+                received: 1,
+            }),
+            UploadError::Ingest(IngestError::BodyIdle(Duration::from_secs(1))),
+            UploadError::Ingest(IngestError::Body("x".into())),
+            UploadError::Ingest(IngestError::Store(StoreError::Corrupt("x".into()))),
+            UploadError::Ingest(IngestError::Store(StoreError::Unavailable("x".into()))),
+            UploadError::Ingest(IngestError::Pipeline("x".into())),
+            UploadError::ShardUnavailable,
+            UploadError::ShardMoved,
+            UploadError::LeaseLost,
+        ];
+        for err in errors {
+            let server_side = err.is_server_side();
+            let label = format!("{err:?}");
+            let api: ApiError = err.into();
+            assert_eq!(api.status.is_server_error(), server_side, "{label}");
+        }
+    }
+
+    #[test]
+    fn a_fenced_commit_and_a_revocation_both_answer_shard_moved_with_retry_after() {
+        let fenced: ApiError = UploadError::Ingest(IngestError::Store(StoreError::Fenced {
+            shard: 3,
+            epoch: 7,
+        }))
+        .into();
+        let revoked: ApiError = UploadError::ShardMoved.into();
+        for api in [fenced, revoked] {
+            assert_eq!((api.status.as_u16(), api.code), (503, "shard_moved"));
+            assert_eq!(api.retry_after, Some(RETRY_OWNERSHIP));
         }
     }
 

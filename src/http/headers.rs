@@ -108,17 +108,38 @@ pub fn content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Why an `Authorization` header holds no bearer token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BearerError {
+    /// No `Authorization` header, or more than one.
+    Missing,
+    /// Not `Bearer <token>` (another scheme, an empty token, not visible ASCII).
+    Malformed,
+}
+
+/// The bearer token of the one `Authorization: Bearer <token>` header (the scheme is
+/// case-insensitive). Every bearer check (tokens, the admin token, the internal token)
+/// reads it here.
+pub fn bearer_token(headers: &HeaderMap) -> Result<&str, BearerError> {
+    let mut values = headers.get_all(header::AUTHORIZATION).iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return Err(BearerError::Missing);
+    };
+    let text = value.to_str().map_err(|_| BearerError::Malformed)?;
+    let (scheme, token) = text.split_once(' ').ok_or(BearerError::Malformed)?;
+    if !scheme.eq_ignore_ascii_case("bearer") || token.trim().is_empty() {
+        return Err(BearerError::Malformed);
+    }
+    Ok(token.trim())
+}
+
 /// All header checks of `POST /v1/blobs`, in order, plus the size limit.
 pub fn upload_headers(headers: &HeaderMap, max_blob_size: u64) -> Result<UploadHeaders, ApiError> {
     let content_length = content_length(headers)?;
     if let Some(length) = content_length
         && length > max_blob_size
     {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "blob_too_large",
-            "the blob is larger than this server accepts",
-        ));
+        return Err(ApiError::blob_too_large());
     }
     content_type(headers)?;
     let session = session_key(headers)?;
@@ -143,6 +164,58 @@ mod tests {
 
     const T: &str = "0b4e7a1c-9a8e-4f5e-8d8f-2c3b4a5d6e7f";
     const S: &str = "01890a5d-ac96-774b-bcce-b302099a8057";
+
+    #[test]
+    fn bearer_extraction_refuses_other_schemes_and_duplicates() {
+        use axum::http::HeaderValue;
+        let mut headers = HeaderMap::new();
+        assert_eq!(bearer_token(&headers), Err(BearerError::Missing));
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic abc"));
+        assert_eq!(bearer_token(&headers), Err(BearerError::Malformed));
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer  "));
+        assert_eq!(bearer_token(&headers), Err(BearerError::Malformed));
+        headers.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("bearer a.b.c"),
+        );
+        assert_eq!(bearer_token(&headers), Ok("a.b.c"));
+        headers.append(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer x.y.z"),
+        );
+        assert_eq!(bearer_token(&headers), Err(BearerError::Missing));
+    }
+
+    #[test]
+    fn digits_only() {
+        assert_eq!(parse_digits(b"0"), Some(0));
+        assert_eq!(parse_digits(b"007"), Some(7));
+        assert_eq!(parse_digits(b"18446744073709551615"), Some(u64::MAX));
+        for bad in [
+            &b""[..],
+            b"+1",
+            b"-1",
+            b" 1",
+            b"1 ",
+            b"1e3",
+            b"0x1",
+            b"18446744073709551616",
+            "١".as_bytes(),
+        ] {
+            assert_eq!(parse_digits(bad), None, "{bad:?}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn digits_round_trip_and_anything_else_is_refused(n in proptest::prelude::any::<u64>(), junk in "[^0-9]{1,4}", at in 0usize..20) {
+            let text = n.to_string();
+            proptest::prop_assert_eq!(parse_digits(text.as_bytes()), Some(n));
+            let cut = at.min(text.len());
+            let bad = format!("{}{}{}", &text[..cut], junk, &text[cut..]);
+            proptest::prop_assert_eq!(parse_digits(bad.as_bytes()), None);
+        }
+    }
 
     #[test]
     fn content_length_accepts_only_digits() {

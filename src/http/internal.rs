@@ -8,7 +8,8 @@
 //!   admits the transfer ([`OwnerIngest::reserve`]): a refusal is answered here (status,
 //!   `Retry-After`, and the error code in `X-Graviton-Error`, since a HEAD answer has no
 //!   body); an admission is parked and named by `X-Graviton-Admission-Reservation`.
-//! - `POST /internal/v1/sessions/{tenant}/{session}/blobs`: owner ingest; 201 + JSON.
+//! - `POST /internal/v1/sessions/{tenant}/{session}/blobs`: owner ingest; the same 201
+//!   (JSON receipt, `Location`, `ETag`) as a direct upload.
 //!   With `X-Graviton-Admission-Reservation` the ingest adopts the pre-flight's
 //!   admission instead of admitting again (one lease per transfer).
 //!
@@ -19,6 +20,10 @@
 //! [`EpochCheck`] → 409 `stale_epoch` naming the current owner (JSON body and the
 //! `X-Graviton-Current-Owner` / `X-Graviton-Current-Epoch` headers, which also survive
 //! on HEAD). Only then is the body handed to the caller's [`OwnerIngest`].
+//!
+//! In a node both seams are bound to the real thing: [`EpochCheck`] to the placement
+//! routing port (`ClusterHandle::check_forwarded`, advisory: the commit fence binds) and
+//! [`OwnerIngest`] to the `upload::UploadService`, the same service direct uploads use.
 //!
 //! Failure model: errors are JSON `{"error","message"}` (see `http::error`); the token
 //! and tenant ids never appear in responses or logs above debug.
@@ -36,8 +41,10 @@ use serde::Serialize;
 
 use crate::config::Secret;
 use crate::http::ApiError;
-use crate::http::headers::parse_digits;
+use crate::http::headers::{bearer_token, parse_digits};
 use crate::ids::{NodeId, SessionId, SessionKey, TenantId};
+use crate::placement::{ClusterHandle, Epoch, EpochVerdict, LocalRoute, ShardId};
+use crate::upload::UploadService;
 
 /// Header carrying the internal token.
 pub const INTERNAL_TOKEN_HEADER: &str = "x-graviton-internal-token";
@@ -61,38 +68,32 @@ pub fn ingest_path(key: &SessionKey) -> String {
     format!("/internal/v1/sessions/{}/{}/blobs", key.tenant, key.session)
 }
 
-/// Verdict of an epoch check.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum EpochVerdict {
-    /// This node owns the shard at this epoch: ingest may proceed.
-    Current,
-    /// The caller routed by an old epoch (or this node no longer owns the shard).
-    Stale {
-        current_owner: Option<NodeId>,
-        current_epoch: u64,
-    },
-}
-
 /// Implemented by the node's placement: does this node own `shard` at `epoch`?
 /// `key` is given so the implementation can verify that `shard` is the key's shard.
 pub trait EpochCheck: Send + Sync + 'static {
-    fn check(&self, key: &SessionKey, shard: u32, epoch: u64) -> EpochVerdict;
+    fn check(&self, key: &SessionKey, shard: ShardId, epoch: Epoch) -> EpochVerdict;
 }
 
 impl<F> EpochCheck for F
 where
-    F: Fn(&SessionKey, u32, u64) -> EpochVerdict + Send + Sync + 'static,
+    F: Fn(&SessionKey, ShardId, Epoch) -> EpochVerdict + Send + Sync + 'static,
 {
-    fn check(&self, key: &SessionKey, shard: u32, epoch: u64) -> EpochVerdict {
+    fn check(&self, key: &SessionKey, shard: ShardId, epoch: Epoch) -> EpochVerdict {
         self(key, shard, epoch)
+    }
+}
+
+impl EpochCheck for ClusterHandle {
+    fn check(&self, key: &SessionKey, shard: ShardId, epoch: Epoch) -> EpochVerdict {
+        self.check_forwarded(key, shard, epoch)
     }
 }
 
 /// A forwarded upload that passed every check; its body is still unread.
 pub struct IngestRequest {
     pub key: SessionKey,
-    pub shard: u32,
-    pub epoch: u64,
+    pub shard: ShardId,
+    pub epoch: Epoch,
     /// `Content-Type` as sent (default `application/octet-stream`).
     pub content_type: String,
     /// `Content-Length` when the forwarder knew it.
@@ -102,13 +103,10 @@ pub struct IngestRequest {
     pub body: Body,
 }
 
-/// Implemented by the node: the owner-local CAS ingest. Returns the JSON result
-/// (answered with 201) or an [`ApiError`].
+/// Implemented by the node's upload service: the owner-local ingest. Returns the answer
+/// (201 with the receipt) or an [`ApiError`].
 pub trait OwnerIngest: Send + Sync + 'static {
-    fn ingest(
-        &self,
-        request: IngestRequest,
-    ) -> BoxFuture<'static, Result<serde_json::Value, ApiError>>;
+    fn ingest(&self, request: IngestRequest) -> BoxFuture<'static, Result<Response, ApiError>>;
 
     /// Admit the upload in the pre-flight, before the forwarder reads the client's body;
     /// `Some(id)` names the parked admission the POST will adopt. The default admits
@@ -121,6 +119,46 @@ pub trait OwnerIngest: Send + Sync + 'static {
     /// Drop a parked admission whose POST was refused before ingest.
     fn discard(&self, key: &SessionKey, reservation: &str) {
         let _ = (key, reservation);
+    }
+}
+
+impl OwnerIngest for Arc<UploadService> {
+    fn ingest(&self, request: IngestRequest) -> BoxFuture<'static, Result<Response, ApiError>> {
+        let uploads = self.clone();
+        Box::pin(async move {
+            let route = LocalRoute {
+                key: request.key,
+                shard: request.shard,
+                epoch: request.epoch,
+            };
+            // The pre-flight's admission, when it is still parked; without one (an older
+            // forwarder, or a reservation that expired) the service admits itself.
+            let admitted = request
+                .reservation
+                .as_deref()
+                .and_then(|id| uploads.adopt_reservation(&request.key, id));
+            let body = request.body.into_data_stream();
+            let receipt = UploadService::ingest(
+                &uploads,
+                Some(route),
+                admitted,
+                None,
+                request.content_length,
+                body,
+            )
+            .await?;
+            Ok(super::upload::created(receipt))
+        })
+    }
+
+    fn reserve(&self, key: &SessionKey) -> BoxFuture<'static, Result<Option<String>, ApiError>> {
+        let uploads = self.clone();
+        let key = *key;
+        Box::pin(async move { Ok(Some(uploads.reserve_forwarded(&key).await?)) })
+    }
+
+    fn discard(&self, key: &SessionKey, reservation: &str) {
+        self.discard_reservation(key, reservation);
     }
 }
 
@@ -197,8 +235,8 @@ pub async fn serve_with(
 /// The parsed, validated head of a forwarded upload.
 struct Checked {
     key: SessionKey,
-    shard: u32,
-    epoch: u64,
+    shard: ShardId,
+    epoch: Epoch,
     content_type: String,
     content_length: Option<u64>,
 }
@@ -208,22 +246,22 @@ struct StaleBody<'a> {
     error: &'static str,
     message: &'static str,
     current_owner: Option<&'a str>,
-    current_epoch: u64,
+    current_epoch: i64,
 }
 
-fn stale_response(current_owner: Option<NodeId>, current_epoch: u64) -> Response {
+fn stale_response(current_owner: Option<NodeId>, current_epoch: Epoch) -> Response {
     let body = StaleBody {
         error: STALE_EPOCH,
         message: "the shard epoch is stale; re-resolve the owner",
-        current_owner: current_owner.as_ref().map(|n| n.0.as_str()),
-        current_epoch,
+        current_owner: current_owner.as_ref().map(|n| n.as_str()),
+        current_epoch: current_epoch.0,
     };
     let mut response = (StatusCode::CONFLICT, Json(body)).into_response();
     let headers = response.headers_mut();
-    if let Some(owner) = current_owner.and_then(|n| HeaderValue::from_str(&n.0).ok()) {
+    if let Some(owner) = current_owner.and_then(|n| HeaderValue::from_str(n.as_str()).ok()) {
         headers.insert(CURRENT_OWNER_HEADER, owner);
     }
-    headers.insert(CURRENT_EPOCH_HEADER, HeaderValue::from(current_epoch));
+    headers.insert(CURRENT_EPOCH_HEADER, HeaderValue::from(current_epoch.0));
     response
 }
 
@@ -231,8 +269,7 @@ fn presented_token(headers: &HeaderMap) -> Option<&[u8]> {
     if let Some(value) = headers.get(INTERNAL_TOKEN_HEADER) {
         return Some(value.as_bytes());
     }
-    let auth = headers.get(header::AUTHORIZATION)?.as_bytes();
-    auth.strip_prefix(b"Bearer ")
+    bearer_token(headers).ok().map(str::as_bytes)
 }
 
 fn numeric_header<T: TryFrom<u64>>(
@@ -255,7 +292,7 @@ enum Refusal {
     Api(ApiError),
     Stale {
         current_owner: Option<NodeId>,
-        current_epoch: u64,
+        current_epoch: Epoch,
     },
 }
 
@@ -308,10 +345,13 @@ fn check(
                 ))
             })?,
     };
-    let shard: u32 =
-        numeric_header(headers, SHARD_HEADER, "invalid_shard").map_err(Refusal::Api)?;
-    let epoch: u64 =
-        numeric_header(headers, SHARD_EPOCH_HEADER, "invalid_epoch").map_err(Refusal::Api)?;
+    let shard = ShardId(
+        numeric_header::<u32>(headers, SHARD_HEADER, "invalid_shard").map_err(Refusal::Api)?,
+    );
+    let epoch = Epoch(
+        numeric_header::<i64>(headers, SHARD_EPOCH_HEADER, "invalid_epoch")
+            .map_err(Refusal::Api)?,
+    );
     match state.epochs.check(&key, shard, epoch) {
         EpochVerdict::Current => {}
         EpochVerdict::Stale {
@@ -319,9 +359,9 @@ fn check(
             current_epoch,
         } => {
             tracing::debug!(
-                shard,
-                epoch,
-                current_epoch,
+                shard = shard.0,
+                epoch = epoch.0,
+                current_epoch = current_epoch.0,
                 "internal ingest refused: stale epoch"
             );
             return Err(Refusal::Stale {
@@ -398,7 +438,7 @@ async fn ingest(
         body,
     };
     match state.ingest.ingest(request).await {
-        Ok(result) => (StatusCode::CREATED, Json(result)).into_response(),
+        Ok(response) => response,
         Err(error) => error.into_response(),
     }
 }
@@ -408,39 +448,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn digits_only() {
-        assert_eq!(parse_digits(b"0"), Some(0));
-        assert_eq!(parse_digits(b"007"), Some(7));
-        assert_eq!(parse_digits(b"18446744073709551615"), Some(u64::MAX));
-        for bad in [
-            &b""[..],
-            b"+1",
-            b"-1",
-            b" 1",
-            b"1 ",
-            b"1e3",
-            b"0x1",
-            b"18446744073709551616",
-            "١".as_bytes(),
-        ] {
-            assert_eq!(parse_digits(bad), None, "{bad:?}");
-        }
-    }
-
-    proptest::proptest! {
-        #[test]
-        fn digits_round_trip_and_anything_else_is_refused(n in proptest::prelude::any::<u64>(), junk in "[^0-9]{1,4}", at in 0usize..20) {
-            let text = n.to_string();
-            proptest::prop_assert_eq!(parse_digits(text.as_bytes()), Some(n));
-            let cut = at.min(text.len());
-            let bad = format!("{}{}{}", &text[..cut], junk, &text[cut..]);
-            proptest::prop_assert_eq!(parse_digits(bad.as_bytes()), None);
-        }
-    }
-
-    #[test]
     fn stale_response_names_the_owner_in_body_and_headers() {
-        let response = stale_response(Some(NodeId("node-c".into())), 9);
+        let response = stale_response(Some(NodeId::parse("node-c").unwrap()), Epoch(9));
         assert_eq!(response.status(), StatusCode::CONFLICT);
         assert_eq!(response.headers()[CURRENT_OWNER_HEADER], "node-c");
         assert_eq!(response.headers()[CURRENT_EPOCH_HEADER], "9");

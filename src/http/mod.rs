@@ -49,6 +49,8 @@ pub struct AppState {
     pub blocks: Arc<dyn BlockStore>,
     pub manifests: Arc<dyn ManifestStore>,
     pub sessions: SessionRegionHandle,
+    /// Owner-local ingest, shared by the public and the internal listener.
+    pub uploads: Arc<crate::upload::UploadService>,
     pub metrics: Metrics,
     pub admission: crate::admission::Admission,
     pub readiness: ops::Readiness,

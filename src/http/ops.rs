@@ -77,7 +77,7 @@ pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
 
 /// Operator snapshot. Never carries tenant or session values.
 #[derive(Debug, Serialize)]
-pub struct ClusterSnapshot {
+pub struct NodeOverview {
     pub node: String,
     pub mode: &'static str,
     pub version: &'static str,
@@ -86,7 +86,7 @@ pub struct ClusterSnapshot {
     pub shards: ShardCounts,
     pub sessions: SessionCounts,
     /// Placement detail: health, manager term, epochs, observed nodes, counters.
-    pub placement: crate::placement::ClusterSnapshot,
+    pub placement: crate::placement::PlacementSnapshot,
 }
 
 #[derive(Debug, Serialize)]
@@ -106,7 +106,7 @@ pub struct SessionCounts {
 pub async fn cluster(State(app): State<Arc<AppState>>) -> Response {
     let stats = app.sessions.stats().await.ok();
     let placement = app.cluster.snapshot();
-    let snapshot = ClusterSnapshot {
+    let snapshot = NodeOverview {
         node: app.node_id.to_string(),
         mode: if app.config.cluster.enabled {
             "cluster"
@@ -165,7 +165,8 @@ pub async fn drain(
             "this node runs in embedded mode; there is nothing to drain to",
         ));
     }
-    let node = crate::ids::NodeId(node);
+    let node = crate::ids::NodeId::parse(node)
+        .map_err(|e| ApiError::bad_request("invalid_node_id", format!("the node id {e}")))?;
     match app.cluster.drain(&node).await {
         Ok(true) => {
             tracing::info!(%node, "drain requested over the admin API");
@@ -188,7 +189,7 @@ pub async fn drain(
                 "placement_unavailable",
                 "the placement store is unavailable; retry",
             )
-            .with_retry_after(std::time::Duration::from_secs(2)))
+            .with_retry_after(super::error::RETRY_DRAIN))
         }
     }
 }

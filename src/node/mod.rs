@@ -5,14 +5,15 @@
 //! listeners. In embedded mode (`cluster.enabled = false`) every shard is local and
 //! nothing outside the process is needed. In cluster mode the node joins the PostgreSQL
 //! placement, serves the internal owner-ingest listener, runs the ractor_cluster control
-//! plane, and forwards uploads of sessions it does not own (glue in [`cluster`]).
+//! plane, and forwards uploads of sessions it does not own (glue in [`peers`]).
 //!
 //! `shutdown` (also on SIGTERM/SIGINT): in cluster mode first drains this node's shards to
 //! the others, then marks the node not ready, stops accepting connections, gives in-flight
 //! requests `node.shutdown_grace` to finish, aborts what is left (aborted uploads write no
 //! manifest), and stops the control plane, placement and actors.
 
-pub mod cluster;
+pub mod peers;
+pub mod tasks;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -79,6 +80,7 @@ pub struct RunningNode {
     server: tokio::task::JoinHandle<std::io::Result<()>>,
     supervisor: SupervisorHandle,
     cluster_parts: Option<ClusterParts>,
+    tasks: tasks::BackgroundTasks,
 }
 
 /// What only cluster mode runs.
@@ -127,7 +129,25 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         metrics.register_with(|registry| gc_metrics.register(registry));
         (store, gc_metrics)
     });
-    let node_id = NodeId(config.node.id.clone());
+    // `Config::problems` checked `node.id` with the same rule.
+    let node_id = NodeId::parse(config.node.id.as_str())
+        .map_err(|e| StartError::Cluster(format!("node.id: {e}")))?;
+    let supervisor = SupervisorHandle::start(SupervisorArgs {
+        region_name: format!(
+            "graviton.{}.{}.session-region",
+            node_id,
+            uuid::Uuid::new_v4().simple()
+        ),
+        region: RegionArgs {
+            max_hot: config.sessions.max_hot,
+            idle_timeout: config.sessions.idle_timeout.get(),
+            sweep_interval: config.sessions.sweep_interval.get(),
+            metrics: metrics.clone(),
+        },
+    })
+    .await
+    .map_err(|e| StartError::Actors(e.to_string()))?;
+
     let cluster_mode = config.cluster.enabled;
     let mut shared_manifests: Option<Arc<dyn ManifestStore>> = None;
     let cluster: Arc<ClusterHandle> = if cluster_mode {
@@ -151,15 +171,22 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
             // Cluster nodes share manifests through PostgreSQL so any node serves any blob.
             shared_manifests = Some(Arc::new(PgManifestStore::new(pool.clone())));
         }
-        let handle = Cluster::start(
+        // The placement group is linked under the node supervisor: one actor tree.
+        let started = Cluster::start_under(
+            Some(supervisor.root()),
             node_id.clone(),
             &cluster_config,
             env!("CARGO_PKG_VERSION"),
             pool,
         )
-        .await
-        .map_err(|e| StartError::Cluster(e.to_string()))?;
-        Arc::new(handle)
+        .await;
+        match started {
+            Ok(handle) => Arc::new(handle),
+            Err(err) => {
+                supervisor.shutdown().await;
+                return Err(StartError::Cluster(err.to_string()));
+            }
+        }
     } else {
         Arc::new(Cluster::single_node(
             node_id.clone(),
@@ -187,22 +214,6 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     } else {
         None
     };
-
-    let supervisor = SupervisorHandle::start(SupervisorArgs {
-        region_name: format!(
-            "graviton.{}.{}.session-region",
-            node_id,
-            uuid::Uuid::new_v4().simple()
-        ),
-        region: RegionArgs {
-            max_hot: config.sessions.max_hot,
-            idle_timeout: config.sessions.idle_timeout.get(),
-            sweep_interval: config.sessions.sweep_interval.get(),
-            metrics: metrics.clone(),
-        },
-    })
-    .await
-    .map_err(|e| StartError::Actors(e.to_string()))?;
 
     let listen = config.node.listen;
     let listener = TcpListener::bind(listen)
@@ -234,12 +245,28 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     let edge = crate::http::EdgeMetrics::default();
     metrics.register_with(|registry| edge.register(registry));
 
+    let uploads = Arc::new(crate::upload::UploadService::new(
+        crate::upload::UploadParts {
+            node: node_id.clone(),
+            blocks: blocks.clone(),
+            manifests: manifests.clone(),
+            sessions: supervisor.sessions(),
+            admission: admission.clone(),
+            cluster: cluster.clone(),
+            limits: crate::upload::UploadLimits {
+                max_blob_size: config.upload.max_blob_size.bytes(),
+                body_idle_timeout: config.upload.body_idle_timeout.get(),
+            },
+            metrics: metrics.clone(),
+        },
+    ));
     let state = Arc::new(AppState {
         node_id: node_id.clone(),
         config: Arc::new(config),
         blocks,
         manifests,
         sessions: supervisor.sessions(),
+        uploads,
         metrics,
         admission,
         readiness: Readiness::default(),
@@ -250,10 +277,14 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         edge,
         packs,
     });
-    crate::storage::pack::gc::spawn_schedule(&state);
+    let mut tasks = tasks::BackgroundTasks::new(CancellationToken::new());
+    let weak = Arc::downgrade(&state);
+    tasks.spawn("collector schedule", move |stop| {
+        tasks::collect_on_schedule(weak.clone(), stop)
+    });
 
     let cluster_parts = if cluster_mode {
-        Some(start_cluster_parts(&state).await?)
+        Some(start_cluster_parts(&state, &mut tasks).await?)
     } else {
         None
     };
@@ -283,11 +314,15 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         server,
         supervisor,
         cluster_parts,
+        tasks,
     })
 }
 
 /// Internal listener, control plane and peer feed of a cluster node.
-async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, StartError> {
+async fn start_cluster_parts(
+    state: &Arc<AppState>,
+    tasks: &mut tasks::BackgroundTasks,
+) -> Result<ClusterParts, StartError> {
     let config = &state.config;
     let token = config.control.internal_token.clone().ok_or_else(|| {
         StartError::Control("control.internal_token is required in cluster mode".into())
@@ -306,8 +341,8 @@ async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, Star
     let stop = CancellationToken::new();
     let router = internal::router(internal::InternalState {
         token,
-        epochs: Arc::new(cluster::PlacementEpochs(state.cluster.clone())),
-        ingest: Arc::new(cluster::NodeIngest(state.clone())),
+        epochs: state.cluster.clone(),
+        ingest: Arc::new(state.uploads.clone()),
     });
     let tls = if config.http.internal_tls.enabled() {
         Some(
@@ -332,7 +367,7 @@ async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, Star
 
     let options = ClusterOptions::from_config(state.node_id.clone(), &config.control)
         .map_err(|e| StartError::Control(e.to_string()))?;
-    let handler = Arc::new(cluster::NodeControl {
+    let handler = Arc::new(peers::NodeControl {
         app: state.clone(),
         internal_addr,
     });
@@ -347,17 +382,14 @@ async fn start_cluster_parts(state: &Arc<AppState>) -> Result<ClusterParts, Star
             .map_err(|e| StartError::Control(e.to_string()))?,
     );
     let transport: Arc<dyn ControlTransport> = control.clone();
-    tokio::spawn(cluster::keep_peers_current(
-        state.cluster.clone(),
-        transport,
-        config.cluster.poll_interval.get(),
-        stop.clone(),
-    ));
-    tokio::spawn(cluster::release_lost_sessions(
-        state.cluster.clone(),
-        state.sessions.clone(),
-        stop.clone(),
-    ));
+    let (cluster, every) = (state.cluster.clone(), config.cluster.poll_interval.get());
+    tasks.spawn("peer feed", move |stop| {
+        peers::keep_peers_current(cluster.clone(), transport.clone(), every, stop)
+    });
+    let (cluster, sessions) = (state.cluster.clone(), state.sessions.clone());
+    tasks.spawn("release of lost sessions", move |stop| {
+        peers::release_lost_sessions(cluster.clone(), sessions.clone(), stop)
+    });
     Ok(ClusterParts {
         internal,
         internal_addr,
@@ -413,6 +445,7 @@ impl RunningNode {
                 ShutdownOutcome::Aborted
             }
         };
+        self.tasks.shutdown(grace).await;
         if let Some(parts) = self.cluster_parts.take() {
             parts.stop.cancel();
             let _ = tokio::time::timeout(grace, parts.internal).await;

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{HumanDuration, Problem, Secret};
+use crate::config::problem::Problem;
+use crate::config::secret::Secret;
+use crate::config::units::HumanDuration;
 
 /// Default shard count of a new cluster (fixed for the cluster's life once bootstrapped).
 pub const SHARD_COUNT_DEFAULT: u32 = 1024;
@@ -228,6 +230,12 @@ impl ClusterConfig {
                 problems.push(Problem::new(
                     "cluster.internal_addr",
                     "is required when cluster.enabled = true",
+                ));
+            } else if self.internal_addr.parse::<std::net::SocketAddr>().is_err() {
+                // Peers forward to this address as it is; host names are not resolved.
+                problems.push(Problem::new(
+                    "cluster.internal_addr",
+                    "must be an IP address and port (for example 10.0.0.5:7071); host names are not resolved",
                 ));
             }
         }

@@ -110,16 +110,16 @@ mod tests {
     fn entry(owner: Option<&str>, moving: Option<&str>, acked: bool) -> ShardEntry {
         ShardEntry {
             shard: ShardId(3),
-            owner: owner.map(|o| NodeId(o.into())),
+            owner: owner.map(|o| NodeId::parse(o).unwrap()),
             epoch: Epoch(7),
-            moving_to: moving.map(|o| NodeId(o.into())),
+            moving_to: moving.map(|o| NodeId::parse(o).unwrap()),
             revoke_acked: acked,
         }
     }
 
     #[test]
     fn only_the_settled_owner_at_the_current_epoch_ingests() {
-        let a = NodeId("a".into());
+        let a = NodeId::parse("a").unwrap();
         assert!(may_ingest(
             &entry(Some("a"), None, false),
             &a,
@@ -155,7 +155,7 @@ mod tests {
 
     #[test]
     fn running_permits_survive_a_revocation_only_within_the_grace_and_never_a_fence() {
-        let a = NodeId("a".into());
+        let a = NodeId::parse("a").unwrap();
         let moving = entry(Some("a"), Some("b"), false);
         assert!(permit_valid(Some(&moving), &a, Epoch(7), false, true));
         assert!(!permit_valid(Some(&moving), &a, Epoch(7), false, false));
@@ -174,7 +174,7 @@ mod tests {
 
     #[test]
     fn ack_waits_for_in_flight_ingest() {
-        let a = NodeId("a".into());
+        let a = NodeId::parse("a").unwrap();
         let e = entry(Some("a"), Some("b"), false);
         assert!(!should_ack(&e, &a, 1));
         assert!(should_ack(&e, &a, 0));
@@ -222,31 +222,31 @@ mod tests {
     fn live_owners_are_revoked_never_overwritten() {
         let mv = Move {
             shard: ShardId(3),
-            from: Some(NodeId("a".into())),
-            to: NodeId("b".into()),
+            from: Some(NodeId::parse("a").unwrap()),
+            to: NodeId::parse("b").unwrap(),
             forced: true,
         };
         let e = entry(Some("a"), None, false);
         assert_eq!(
             action_for(&e, &mv, Some(NodeState::Draining)),
             Action::Revoke {
-                to: NodeId("b".into())
+                to: NodeId::parse("b").unwrap()
             }
         );
         assert_eq!(
             action_for(&e, &mv, Some(NodeState::Dead)),
             Action::AssignNow {
-                to: NodeId("b".into())
+                to: NodeId::parse("b").unwrap()
             }
         );
         assert_eq!(
             action_for(&entry(None, None, false), &mv, None),
             Action::AssignNow {
-                to: NodeId("b".into())
+                to: NodeId::parse("b").unwrap()
             }
         );
         let back = Move {
-            to: NodeId("a".into()),
+            to: NodeId::parse("a").unwrap(),
             ..mv
         };
         assert_eq!(
@@ -297,7 +297,7 @@ mod tests {
         }
 
         fn id(i: usize) -> NodeId {
-            NodeId(format!("n{i}"))
+            NodeId::parse(format!("n{i}")).unwrap()
         }
 
         struct World {

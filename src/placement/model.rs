@@ -32,6 +32,20 @@ impl fmt::Display for Epoch {
     }
 }
 
+/// The manager term: bumped each time a node wins the manager lock. Every manager write
+/// is fenced by it (a write under an older term is refused).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct Term(pub i64);
+
+impl fmt::Display for Term {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
 /// Lifecycle of a node row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -106,7 +120,7 @@ pub struct ShardTable {
     pub shards: Vec<ShardEntry>,
     pub nodes: BTreeMap<NodeId, NodeInfo>,
     /// The manager term current when the table was read.
-    pub manager_term: i64,
+    pub manager_term: Term,
 }
 
 impl ShardTable {

@@ -129,7 +129,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn n(i: usize) -> NodeId {
-        NodeId(format!("n{i}"))
+        NodeId::parse(format!("n{i}")).unwrap()
     }
 
     fn nodes(states: &[NodeState]) -> BTreeMap<NodeId, NodeState> {

@@ -19,6 +19,8 @@
 //!   [`LocalView::registered`] lifts this part. A table read before the re-registration
 //!   may still list shards the manager has since given to another node (LOC-1).
 
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -39,8 +41,8 @@ pub struct Owner {
     pub shard: ShardId,
     pub epoch: Epoch,
     pub is_local: bool,
-    /// The owner's internal (forwarding) address; empty if unknown.
-    pub internal_addr: String,
+    /// The owner's internal (forwarding) address; `None` if unknown or unparsable.
+    pub internal_addr: Option<SocketAddr>,
     /// A move of this shard is in progress: the owner no longer admits new ingest.
     pub moving: bool,
 }
@@ -102,6 +104,9 @@ pub struct LocalView {
     self_fence: Duration,
     origin: Instant,
     table: RwLock<Arc<ShardTable>>,
+    /// The nodes' internal addresses, parsed once per published table (written under the
+    /// `table` write lock).
+    internal_addrs: RwLock<Arc<HashMap<NodeId, SocketAddr>>>,
     /// Nanoseconds since `origin` until which ingest is allowed; 0 = fenced.
     fence_deadline_ns: AtomicU64,
     /// Registration generation: odd while unregistered (at start, and between a lost
@@ -140,6 +145,7 @@ impl LocalView {
             self_fence,
             origin: Instant::now(),
             table: RwLock::new(Arc::new(ShardTable::default())),
+            internal_addrs: RwLock::default(),
             fence_deadline_ns: AtomicU64::new(0),
             generation: AtomicU64::new(1),
             table_generation: AtomicU64::new(0),
@@ -193,11 +199,12 @@ impl LocalView {
         let table = self.table();
         let entry = table.get(shard).ok_or(ResolveError::NotLoaded)?;
         let node = entry.owner.clone().ok_or(ResolveError::Unassigned(shard))?;
-        let internal_addr = table
-            .nodes
+        let internal_addr = self
+            .internal_addrs
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
             .get(&node)
-            .map(|n| n.internal_addr.clone())
-            .unwrap_or_default();
+            .copied();
         Ok(Owner {
             is_local: node == self.node,
             node,
@@ -299,6 +306,15 @@ impl LocalView {
                     seen.store(0, Ordering::SeqCst);
                 }
             }
+            let addrs = table
+                .nodes
+                .iter()
+                .filter_map(|(id, n)| Some((id.clone(), n.internal_addr.parse().ok()?)))
+                .collect();
+            *self
+                .internal_addrs
+                .write()
+                .unwrap_or_else(|e| e.into_inner()) = Arc::new(addrs);
             *guard = Arc::new(table);
             // Under the write lock, so no permit is issued between the swap and this.
             self.table_generation.fetch_max(ticket.0, Ordering::SeqCst);
@@ -465,22 +481,22 @@ mod tests {
         let shards = (0..4)
             .map(|s| ShardEntry {
                 shard: ShardId(s),
-                owner: Some(NodeId(owner.into())),
+                owner: Some(NodeId::parse(owner).unwrap()),
                 epoch: Epoch(epoch),
-                moving_to: moving.map(|m| NodeId(m.into())),
+                moving_to: moving.map(|m| NodeId::parse(m).unwrap()),
                 revoke_acked: false,
             })
             .collect();
         ShardTable {
             shards,
             nodes: Default::default(),
-            manager_term: 1,
+            manager_term: crate::placement::Term(1),
         }
     }
 
     fn view() -> Arc<LocalView> {
         let view = Arc::new(LocalView::new(
-            NodeId("a".into()),
+            NodeId::parse("a").unwrap(),
             4,
             Duration::from_secs(60),
         ));
@@ -531,7 +547,7 @@ mod tests {
     #[tokio::test]
     async fn a_revocation_lets_running_ingest_finish_within_the_grace() {
         let view = Arc::new(
-            LocalView::new(NodeId("a".into()), 4, Duration::from_secs(60))
+            LocalView::new(NodeId::parse("a").unwrap(), 4, Duration::from_secs(60))
                 .with_handoff_grace(Duration::from_millis(300)),
         );
         view.publish(table("a", None, 1));
@@ -562,7 +578,7 @@ mod tests {
     #[tokio::test]
     async fn the_self_fence_revokes_permits_when_heartbeats_stop() {
         let view = Arc::new(LocalView::new(
-            NodeId("a".into()),
+            NodeId::parse("a").unwrap(),
             4,
             Duration::from_millis(50),
         ));
@@ -632,8 +648,8 @@ mod tests {
         view.publish(table("b", Some("a"), 2));
         let owner = view.resolve(&key).unwrap();
         assert!(!owner.is_local && owner.moving);
-        assert_eq!(owner.node, NodeId("b".into()));
-        let empty = LocalView::new(NodeId("a".into()), 4, Duration::from_secs(1));
+        assert_eq!(owner.node, NodeId::parse("b").unwrap());
+        let empty = LocalView::new(NodeId::parse("a").unwrap(), 4, Duration::from_secs(1));
         assert_eq!(empty.resolve(&key), Err(ResolveError::NotLoaded));
     }
 }

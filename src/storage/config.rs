@@ -2,7 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ByteSize, HumanDuration, Problem, Secret};
+use crate::config::problem::Problem;
+use crate::config::secret::Secret;
+use crate::config::units::{ByteSize, HumanDuration};
 
 /// Where packs live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]

@@ -15,8 +15,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use graviton::cli::ClusterStatus;
 use graviton::ids::SessionKey;
-use graviton::placement::ClusterStatus;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use tokio_util::sync::CancellationToken;
@@ -84,7 +84,7 @@ impl Cluster {
     pub async fn start(scenario: &str, n: usize, standalone_manager: bool) -> Option<Self> {
         let mut roles = Roles::new(&admin_url());
         let db = TestDatabase::create(scenario).await?;
-        graviton::placement::migrate(db.url())
+        graviton::cli::migrate(db.url())
             .await
             .expect("migrate as admin");
         let pg = Pg {
@@ -163,9 +163,7 @@ impl Cluster {
     }
 
     pub async fn status(&self) -> Option<ClusterStatus> {
-        graviton::placement::cluster_status(self.db.url())
-            .await
-            .ok()
+        graviton::cli::cluster_status(self.db.url()).await.ok()
     }
 
     /// Current owner of `key`'s shard in PostgreSQL.
@@ -177,7 +175,7 @@ impl Cluster {
             .iter()
             .find(|s| s.shard.0 == shard)
             .and_then(|s| s.owner.clone())
-            .map(|o| o.0)
+            .map(|o| o.to_string())
     }
 
     pub async fn shards_of(&self, node: &str) -> HashSet<u32> {
@@ -186,7 +184,7 @@ impl Cluster {
             .map(|s| {
                 s.shards
                     .iter()
-                    .filter(|e| e.owner.as_ref().is_some_and(|o| o.0 == node))
+                    .filter(|e| e.owner.as_ref().is_some_and(|o| o.as_str() == node))
                     .map(|e| e.shard.0)
                     .collect()
             })
@@ -259,11 +257,14 @@ impl Cluster {
             && status.shards.iter().all(|s| {
                 s.owner
                     .as_ref()
-                    .is_some_and(|o| running.contains(o.0.as_str()))
+                    .is_some_and(|o| running.contains(o.as_str()))
             })
-            && running
-                .iter()
-                .all(|id| status.nodes.iter().any(|n| n.id.0 == *id && n.shards > 0))
+            && running.iter().all(|id| {
+                status
+                    .nodes
+                    .iter()
+                    .any(|n| n.id.as_str() == *id && n.shards > 0)
+            })
             && self.pg.manager_lock_held().await
     }
 
@@ -288,7 +289,7 @@ impl Cluster {
                     status.as_ref().map(|s| s
                         .nodes
                         .iter()
-                        .map(|n| format!("{}:{:?}:{}", n.id.0, n.state, n.shards))
+                        .map(|n| format!("{}:{:?}:{}", n.id, n.state, n.shards))
                         .collect::<Vec<_>>()),
                 ),
             ));

@@ -2,6 +2,8 @@
 //!
 //! * [`RedisServer`]: a private `redis-server` on a free loopback port, one per test, that a
 //!   fault test can stop and restart on the same port.
+//! * [`placement`]: placement nodes on one database, with table predicates to poll for.
+//! * [`wait_until`] / [`eventually`]: the polling helper.
 //! * [`TestDatabase`]: a fresh PostgreSQL database per test on the server named by
 //!   `GRAVITON_TEST_DATABASE_URL` (default: the local server on 127.0.0.1:5432), dropped
 //!   again when the test ends.
@@ -15,6 +17,7 @@
 pub mod cluster;
 pub mod node;
 pub mod pki;
+pub mod placement;
 pub mod postgres;
 pub mod redis;
 
@@ -51,6 +54,7 @@ pub fn unique_suffix() -> String {
 }
 
 /// Poll `check` until it returns true or `timeout` passes; returns whether it became true.
+/// The one polling loop of the harness ([`eventually`] is the synchronous, panicking form).
 pub async fn wait_until<F, Fut>(timeout: std::time::Duration, mut check: F) -> bool
 where
     F: FnMut() -> Fut,
@@ -66,4 +70,21 @@ where
         }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+}
+
+/// Poll the synchronous `check` until it is true; panic naming `what` after `timeout`.
+/// Returns how long it took.
+pub async fn eventually<F>(
+    timeout: std::time::Duration,
+    what: &str,
+    mut check: F,
+) -> std::time::Duration
+where
+    F: FnMut() -> bool,
+{
+    let start = std::time::Instant::now();
+    if !wait_until(timeout, || std::future::ready(check())).await {
+        panic!("timed out after {timeout:?} waiting for: {what}");
+    }
+    start.elapsed()
 }

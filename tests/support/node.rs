@@ -152,3 +152,26 @@ pub async fn raw_exchange(
     }
     (stream, String::from_utf8_lossy(&buf).to_string())
 }
+
+/// Serve an internal (owner-ingest) listener with `token`, `epochs` and `ingest` on a free
+/// loopback port for the rest of the test; returns its address.
+pub async fn serve_internal(
+    token: &str,
+    epochs: impl graviton::http::internal::EpochCheck,
+    ingest: impl graviton::http::internal::OwnerIngest,
+) -> std::net::SocketAddr {
+    use graviton::http::internal;
+    let state = internal::InternalState {
+        token: graviton::config::Secret::new(token),
+        epochs: std::sync::Arc::new(epochs),
+        ingest: std::sync::Arc::new(ingest),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(internal::serve(
+        listener,
+        internal::router(state),
+        std::future::pending(),
+    ));
+    addr
+}

@@ -75,16 +75,6 @@ async fn manifests(config: &Config) -> anyhow::Result<Arc<dyn ManifestStore>> {
     )?))
 }
 
-pub fn gc_options(config: &Config, dry_run: bool, purge: bool) -> GcOptions {
-    GcOptions {
-        min_age: config.storage.gc.min_age.get(),
-        retention: config.storage.gc.retention.get(),
-        compact_below: config.storage.gc.compact_below,
-        dry_run,
-        purge,
-    }
-}
-
 /// `graviton gc [--dry-run] [--purge] [--restore]`.
 pub async fn run_gc(
     config: &Config,
@@ -104,7 +94,7 @@ pub async fn run_gc(
     Ok(gc::collect(
         &store,
         manifests.as_ref(),
-        gc_options(config, dry_run, purge),
+        GcOptions::from_config(&config.storage.gc, dry_run, purge),
         &mut bar,
     )
     .await?)

@@ -47,6 +47,23 @@ pub struct GcOptions {
     pub purge: bool,
 }
 
+impl GcOptions {
+    /// The options of `[storage.gc]`, with the run's own `dry_run` and `purge`.
+    pub fn from_config(
+        config: &crate::storage::config::GcConfig,
+        dry_run: bool,
+        purge: bool,
+    ) -> Self {
+        Self {
+            min_age: config.min_age.get(),
+            retention: config.retention.get(),
+            compact_below: config.compact_below,
+            dry_run,
+            purge,
+        }
+    }
+}
+
 /// What a run did (or, dry, would do).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct GcReport {
@@ -126,33 +143,6 @@ impl GcMetrics {
         self.runs.inc();
         self.duration.observe(report.duration_ms as f64 / 1000.0);
     }
-}
-
-/// Run the collector every `storage.gc.interval` (0: never) while the node runs, with
-/// purge; each run is logged and recorded in the metrics.
-pub fn spawn_schedule(app: &Arc<crate::http::AppState>) {
-    let interval = app.config.storage.gc.interval.get();
-    if interval.is_zero() || app.packs.is_none() {
-        return;
-    }
-    let app = Arc::downgrade(app);
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(interval).await;
-            let Some(app) = app.upgrade() else { return };
-            let Some((store, metrics)) = &app.packs else {
-                return;
-            };
-            let options = super::cli::gc_options(&app.config, false, true);
-            match collect(store, app.manifests.as_ref(), options, &mut Quiet).await {
-                Ok(report) => {
-                    metrics.record(&report);
-                    tracing::info!(?report, "collector run finished");
-                }
-                Err(err) => tracing::warn!(error = %err, "collector run failed"),
-            }
-        }
-    });
 }
 
 static RUNNING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());

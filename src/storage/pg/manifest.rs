@@ -260,7 +260,7 @@ impl ManifestStore for PgManifestStore {
                  FOR SHARE",
             )
             .bind(fence.shard.0 as i32)
-            .bind(&fence.node.0)
+            .bind(fence.node.as_str())
             .bind(fence.epoch.0)
             .fetch_optional(&mut *tx)
             .await

@@ -16,7 +16,7 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 pub use manifest::PgManifestStore;
-pub use placement::{PlacementStore, StoreError};
+pub use placement::{PlacementStore, PlacementStoreError};
 
 /// The embedded migrations of `sql/`.
 pub static MIGRATOR: Migrator = sqlx::migrate!("./sql");
@@ -25,8 +25,8 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./sql");
 pub fn connect_options(
     url: &str,
     statement_timeout: Duration,
-) -> Result<PgConnectOptions, StoreError> {
-    let options = PgConnectOptions::from_str(url).map_err(|_| StoreError::InvalidUrl)?;
+) -> Result<PgConnectOptions, PlacementStoreError> {
+    let options = PgConnectOptions::from_str(url).map_err(|_| PlacementStoreError::InvalidUrl)?;
     let ms = statement_timeout.as_millis().max(1).to_string();
     Ok(options
         .options([("statement_timeout", ms.as_str())])
@@ -38,14 +38,14 @@ pub async fn connect_pool(
     url: &str,
     max_connections: u32,
     statement_timeout: Duration,
-) -> Result<PgPool, StoreError> {
+) -> Result<PgPool, PlacementStoreError> {
     let options = connect_options(url, statement_timeout)?;
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(statement_timeout.max(Duration::from_secs(1)) * 2)
         .connect_with(options)
         .await
-        .map_err(StoreError::Database)
+        .map_err(PlacementStoreError::Database)
 }
 
 /// A lazily connecting pool of its own for one purpose of a node (placement reads,
@@ -69,22 +69,22 @@ pub fn purpose_pool(base: &PgPool, purpose: &str, node: &str, max_connections: u
 pub const MIN_SERVER_VERSION_NUM: i64 = 140_000;
 
 /// Refuse a server older than [`MIN_SERVER_VERSION_NUM`], naming its version.
-pub async fn check_server_version(pool: &PgPool) -> Result<(), StoreError> {
+pub async fn check_server_version(pool: &PgPool) -> Result<(), PlacementStoreError> {
     let (num, text): (String, String) = sqlx::query_as(
         "SELECT current_setting('server_version_num'), current_setting('server_version')",
     )
     .fetch_one(pool)
     .await?;
     if num.parse::<i64>().unwrap_or(0) < MIN_SERVER_VERSION_NUM {
-        return Err(StoreError::UnsupportedServer { found: text });
+        return Err(PlacementStoreError::UnsupportedServer { found: text });
     }
     Ok(())
 }
 
 /// Apply the pending migrations (safe to run concurrently: the migrator takes a lock).
-pub async fn migrate(pool: &PgPool) -> Result<(), StoreError> {
+pub async fn migrate(pool: &PgPool) -> Result<(), PlacementStoreError> {
     MIGRATOR
         .run(pool)
         .await
-        .map_err(|err| StoreError::Migration(err.to_string()))
+        .map_err(|err| PlacementStoreError::Migration(err.to_string()))
 }

@@ -5,7 +5,7 @@
 //! - Every manager write runs in a [`FencedTx`]: the transaction first takes a share lock on
 //!   the meta row and checks `manager_term`; a term bump (which needs the row lock
 //!   exclusively) therefore either happens before the check (the write is refused with
-//!   [`StoreError::Fenced`]) or after the commit. A zombie manager cannot write.
+//!   [`PlacementStoreError::Fenced`]) or after the commit. A zombie manager cannot write.
 //! - Epochs only change through `SET epoch = epoch + 1 ... RETURNING epoch`, conditional
 //!   on the epoch the caller read.
 //! - Every change sends a small NOTIFY on [`NOTIFY_CHANNEL`] (delivered on commit).
@@ -16,7 +16,7 @@ use sqlx::{PgPool, Postgres, Row, Transaction};
 
 use crate::ids::NodeId;
 use crate::placement::config::ClusterTimings;
-use crate::placement::model::{Epoch, NodeInfo, NodeState, ShardEntry, ShardId, ShardTable};
+use crate::placement::model::{Epoch, NodeInfo, NodeState, ShardEntry, ShardId, ShardTable, Term};
 
 /// LISTEN/NOTIFY channel of placement changes. Payloads: `shards`, `nodes`, `ack`, `term`.
 pub const NOTIFY_CHANNEL: &str = "graviton_placement";
@@ -26,7 +26,7 @@ pub const MANAGER_LOCK_KEY: i64 = 0x4752_4156_504c_4d31; // "GRAVPLM1"
 
 /// Errors of the placement store.
 #[derive(Debug, thiserror::Error)]
-pub enum StoreError {
+pub enum PlacementStoreError {
     #[error("invalid PostgreSQL URL")]
     InvalidUrl,
     #[error("PostgreSQL: {0}")]
@@ -34,7 +34,7 @@ pub enum StoreError {
     #[error("migration failed: {0}")]
     Migration(String),
     #[error("manager term {held} is no longer current (current term {current}); write refused")]
-    Fenced { held: i64, current: i64 },
+    Fenced { held: Term, current: Term },
     #[error(
         "the cluster was bootstrapped with {stored} shards but this node is configured with {configured} (cluster.shard_count); the shard count cannot change"
     )]
@@ -76,7 +76,7 @@ pub enum HeartbeatReply {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterMeta {
     pub shard_count: u32,
-    pub manager_term: i64,
+    pub manager_term: Term,
     pub manager_node: Option<String>,
 }
 
@@ -89,7 +89,7 @@ pub struct PlacementStore {
 /// A transaction that holds a share lock on the meta row at a checked manager term.
 pub struct FencedTx {
     tx: Transaction<'static, Postgres>,
-    term: i64,
+    term: Term,
 }
 
 impl PlacementStore {
@@ -102,7 +102,7 @@ impl PlacementStore {
     }
 
     /// Create the meta row and the shard rows if absent; refuse a different shard count.
-    pub async fn bootstrap(&self, shard_count: u32) -> Result<ClusterMeta, StoreError> {
+    pub async fn bootstrap(&self, shard_count: u32) -> Result<ClusterMeta, PlacementStoreError> {
         let mut tx = self.pool.begin().await?;
         sqlx::query("INSERT INTO placement_meta (id, shard_count) VALUES (1, $1) ON CONFLICT (id) DO NOTHING")
             .bind(shard_count as i32)
@@ -113,7 +113,7 @@ impl PlacementStore {
             .await?;
         if stored as u32 != shard_count {
             tx.rollback().await?;
-            return Err(StoreError::ShardCountMismatch {
+            return Err(PlacementStoreError::ShardCountMismatch {
                 configured: shard_count,
                 stored: stored as u32,
             });
@@ -133,7 +133,7 @@ impl PlacementStore {
     pub async fn agree_timings(
         &self,
         proposed: ClusterTimings,
-    ) -> Result<ClusterTimings, StoreError> {
+    ) -> Result<ClusterTimings, PlacementStoreError> {
         let (fence, ttl): (i64, i64) = sqlx::query_as(
             "UPDATE placement_meta SET self_fence_ms = COALESCE(self_fence_ms, $1),
                                        node_ttl_ms = COALESCE(node_ttl_ms, $2)
@@ -143,7 +143,7 @@ impl PlacementStore {
         .bind(proposed.node_ttl.as_millis() as i64)
         .fetch_optional(&self.pool)
         .await?
-        .ok_or(StoreError::NotBootstrapped)?;
+        .ok_or(PlacementStoreError::NotBootstrapped)?;
         let ms = |v: i64| std::time::Duration::from_millis(v.max(0) as u64);
         Ok(ClusterTimings {
             self_fence: ms(fence),
@@ -151,33 +151,40 @@ impl PlacementStore {
         })
     }
 
-    pub async fn meta(&self) -> Result<ClusterMeta, StoreError> {
+    pub async fn meta(&self) -> Result<ClusterMeta, PlacementStoreError> {
         let row = sqlx::query(
             "SELECT shard_count, manager_term, manager_node FROM placement_meta WHERE id = 1",
         )
         .fetch_optional(&self.pool)
         .await?
-        .ok_or(StoreError::NotBootstrapped)?;
+        .ok_or(PlacementStoreError::NotBootstrapped)?;
         Ok(ClusterMeta {
             shard_count: row.try_get::<i32, _>("shard_count")? as u32,
-            manager_term: row.try_get("manager_term")?,
+            manager_term: Term(row.try_get("manager_term")?),
             manager_node: row.try_get("manager_node")?,
         })
     }
 
     /// Register a node at process start: state `joining`, a new incarnation, a fresh
     /// heartbeat. Returns the incarnation, which the node's heartbeats must quote.
-    pub async fn register_node(&self, node: &NodeRegistration) -> Result<i64, StoreError> {
+    pub async fn register_node(&self, node: &NodeRegistration) -> Result<i64, PlacementStoreError> {
         self.register(node, false).await
     }
 
     /// Register again from a running process that lost its registration (declared dead):
     /// like [`Self::register_node`], but a drain requested before stays requested.
-    pub async fn reregister_node(&self, node: &NodeRegistration) -> Result<i64, StoreError> {
+    pub async fn reregister_node(
+        &self,
+        node: &NodeRegistration,
+    ) -> Result<i64, PlacementStoreError> {
         self.register(node, true).await
     }
 
-    async fn register(&self, node: &NodeRegistration, keep_drain: bool) -> Result<i64, StoreError> {
+    async fn register(
+        &self,
+        node: &NodeRegistration,
+        keep_drain: bool,
+    ) -> Result<i64, PlacementStoreError> {
         let mut tx = self.pool.begin().await?;
         let incarnation: i64 = sqlx::query_scalar(
             "INSERT INTO placement_nodes (id, public_addr, internal_addr, control_addr, version, state)
@@ -192,7 +199,7 @@ impl PlacementStore {
                 registered_at = now(), heartbeat_at = now()
              RETURNING incarnation",
         )
-        .bind(&node.id.0)
+        .bind(node.id.as_str())
         .bind(&node.public_addr)
         .bind(&node.internal_addr)
         .bind(&node.control_addr)
@@ -210,7 +217,7 @@ impl PlacementStore {
         &self,
         node: &NodeId,
         incarnation: i64,
-    ) -> Result<HeartbeatReply, StoreError> {
+    ) -> Result<HeartbeatReply, PlacementStoreError> {
         let row = sqlx::query(
             "WITH beat AS (
                 UPDATE placement_nodes SET heartbeat_at = now()
@@ -218,14 +225,15 @@ impl PlacementStore {
              SELECT (SELECT state FROM beat) AS beat_state, n.state, n.incarnation
              FROM placement_nodes n WHERE n.id = $1",
         )
-        .bind(&node.0)
+        .bind(node.as_str())
         .bind(incarnation)
         .fetch_optional(&self.pool)
         .await?;
         let Some(row) = row else {
             return Ok(HeartbeatReply::Missing);
         };
-        let parse = |s: String| NodeState::parse(&s).ok_or(StoreError::Corrupt("node state"));
+        let parse =
+            |s: String| NodeState::parse(&s).ok_or(PlacementStoreError::Corrupt("node state"));
         if let Some(state) = row.try_get::<Option<String>, _>("beat_state")? {
             return Ok(HeartbeatReply::Alive(parse(state)?));
         }
@@ -248,7 +256,7 @@ impl PlacementStore {
         &self,
         node: &NodeId,
         incarnation: i64,
-    ) -> Result<Option<NodeState>, StoreError> {
+    ) -> Result<Option<NodeState>, PlacementStoreError> {
         Ok(match self.heartbeat_reply(node, incarnation).await? {
             HeartbeatReply::Alive(state) => Some(state),
             _ => None,
@@ -257,14 +265,14 @@ impl PlacementStore {
 
     /// Ask for `node` to be drained (state `draining`). Not term-fenced: any node or operator
     /// may request it; the manager acts on it. Returns false for an unknown or dead node.
-    pub async fn request_drain(&self, node: &NodeId) -> Result<bool, StoreError> {
+    pub async fn request_drain(&self, node: &NodeId) -> Result<bool, PlacementStoreError> {
         let mut tx = self.pool.begin().await?;
         let state: Option<String> = sqlx::query_scalar(
             "UPDATE placement_nodes SET state = CASE WHEN state = 'dead' THEN state ELSE 'draining' END,
                     drain_requested = drain_requested OR state <> 'dead'
              WHERE id = $1 RETURNING state",
         )
-        .bind(&node.0)
+        .bind(node.as_str())
         .fetch_optional(&mut *tx)
         .await?;
         notify(&mut tx, "nodes").await?;
@@ -280,7 +288,7 @@ impl PlacementStore {
         node: &NodeId,
         incarnation: i64,
         acks: &[(ShardId, Epoch)],
-    ) -> Result<u64, StoreError> {
+    ) -> Result<u64, PlacementStoreError> {
         if acks.is_empty() {
             return Ok(0);
         }
@@ -294,7 +302,7 @@ impl PlacementStore {
                AND s.moving_to IS NOT NULL AND NOT s.revoke_acked
                AND EXISTS (SELECT 1 FROM placement_nodes WHERE id = $1 AND incarnation = $4)",
         )
-        .bind(&node.0)
+        .bind(node.as_str())
         .bind(&shards)
         .bind(&epochs)
         .bind(incarnation)
@@ -315,7 +323,7 @@ impl PlacementStore {
         epoch: Epoch,
         node: &NodeId,
         incarnation: i64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<bool, PlacementStoreError> {
         let mut tx = self.pool.begin().await?;
         let done = sqlx::query(
             "UPDATE placement_shards SET revoke_acked = true, updated_at = now()
@@ -324,7 +332,7 @@ impl PlacementStore {
         )
         .bind(shard.0 as i32)
         .bind(epoch.0)
-        .bind(&node.0)
+        .bind(node.as_str())
         .bind(incarnation)
         .execute(&mut *tx)
         .await?
@@ -339,7 +347,7 @@ impl PlacementStore {
 
     /// Read meta, nodes (with heartbeat ages by the database clock) and shards in one
     /// consistent snapshot.
-    pub async fn read_table(&self) -> Result<ShardTable, StoreError> {
+    pub async fn read_table(&self) -> Result<ShardTable, PlacementStoreError> {
         let mut tx = self.pool.begin().await?;
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             .execute(&mut *tx)
@@ -348,7 +356,7 @@ impl PlacementStore {
             sqlx::query_scalar("SELECT manager_term FROM placement_meta WHERE id = 1")
                 .fetch_optional(&mut *tx)
                 .await?;
-        let term = term.ok_or(StoreError::NotBootstrapped)?;
+        let term = Term(term.ok_or(PlacementStoreError::NotBootstrapped)?);
         let nodes = read_nodes(&mut tx).await?;
         let rows = sqlx::query(
             "SELECT shard, node_id, epoch, moving_to, revoke_acked FROM placement_shards ORDER BY shard",
@@ -360,13 +368,15 @@ impl PlacementStore {
         for (i, row) in rows.iter().enumerate() {
             let shard: i32 = row.try_get("shard")?;
             if shard as usize != i {
-                return Err(StoreError::Corrupt("shard numbers are not contiguous"));
+                return Err(PlacementStoreError::Corrupt(
+                    "shard numbers are not contiguous",
+                ));
             }
             shards.push(ShardEntry {
                 shard: ShardId(shard as u32),
-                owner: row.try_get::<Option<String>, _>("node_id")?.map(NodeId),
+                owner: node_column(row.try_get("node_id")?, "placement_shards.node_id")?,
                 epoch: Epoch(row.try_get("epoch")?),
-                moving_to: row.try_get::<Option<String>, _>("moving_to")?.map(NodeId),
+                moving_to: node_column(row.try_get("moving_to")?, "placement_shards.moving_to")?,
                 revoke_acked: row.try_get("revoke_acked")?,
             });
         }
@@ -378,7 +388,7 @@ impl PlacementStore {
     }
 
     /// All node rows.
-    pub async fn nodes(&self) -> Result<BTreeMap<NodeId, NodeInfo>, StoreError> {
+    pub async fn nodes(&self) -> Result<BTreeMap<NodeId, NodeInfo>, PlacementStoreError> {
         let mut tx = self.pool.begin().await?;
         let nodes = read_nodes(&mut tx).await?;
         tx.commit().await?;
@@ -386,32 +396,32 @@ impl PlacementStore {
     }
 
     /// Start a new manager term (called right after winning the advisory lock).
-    pub async fn bump_term(&self, manager: &NodeId) -> Result<i64, StoreError> {
+    pub async fn bump_term(&self, manager: &NodeId) -> Result<Term, PlacementStoreError> {
         let mut tx = self.pool.begin().await?;
         let term: Option<i64> = sqlx::query_scalar(
             "UPDATE placement_meta SET manager_term = manager_term + 1, manager_node = $1, term_started_at = now()
              WHERE id = 1 RETURNING manager_term",
         )
-        .bind(&manager.0)
+        .bind(manager.as_str())
         .fetch_optional(&mut *tx)
         .await?;
-        let term = term.ok_or(StoreError::NotBootstrapped)?;
+        let term = Term(term.ok_or(PlacementStoreError::NotBootstrapped)?);
         notify(&mut tx, "term").await?;
         tx.commit().await?;
         Ok(term)
     }
 
-    /// Begin a manager write at `term`; fails with [`StoreError::Fenced`] if the term moved on.
-    pub async fn fenced(&self, term: i64) -> Result<FencedTx, StoreError> {
+    /// Begin a manager write at `term`; fails with [`PlacementStoreError::Fenced`] if the term moved on.
+    pub async fn fenced(&self, term: Term) -> Result<FencedTx, PlacementStoreError> {
         let mut tx = self.pool.begin().await?;
         let current: Option<i64> =
             sqlx::query_scalar("SELECT manager_term FROM placement_meta WHERE id = 1 FOR SHARE")
                 .fetch_optional(&mut *tx)
                 .await?;
-        let current = current.ok_or(StoreError::NotBootstrapped)?;
+        let current = Term(current.ok_or(PlacementStoreError::NotBootstrapped)?);
         if current != term {
             tx.rollback().await?;
-            return Err(StoreError::Fenced {
+            return Err(PlacementStoreError::Fenced {
                 held: term,
                 current,
             });
@@ -421,8 +431,42 @@ impl PlacementStore {
 }
 
 impl FencedTx {
-    pub fn term(&self) -> i64 {
+    pub fn term(&self) -> Term {
         self.term
+    }
+
+    /// One shard-row UPDATE conditional on the epoch the manager read: `$1` is the shard,
+    /// `$2` that epoch, `$3…` the `nodes`. True when the row matched.
+    async fn update_shard(
+        &mut self,
+        sql: &'static str,
+        shard: ShardId,
+        read_epoch: Epoch,
+        nodes: &[&NodeId],
+    ) -> Result<bool, PlacementStoreError> {
+        let mut query = sqlx::query(sql).bind(shard.0 as i32).bind(read_epoch.0);
+        for node in nodes {
+            query = query.bind(node.as_str());
+        }
+        Ok(query.execute(&mut *self.tx).await?.rows_affected() == 1)
+    }
+
+    /// A shard-row UPDATE that moves ownership (`$1` shard, `$2` read epoch, `$3` the new
+    /// owner) and returns the new epoch, `None` when the row did not match.
+    async fn move_shard(
+        &mut self,
+        sql: &'static str,
+        shard: ShardId,
+        read_epoch: Epoch,
+        to: &NodeId,
+    ) -> Result<Option<Epoch>, PlacementStoreError> {
+        let epoch: Option<i64> = sqlx::query_scalar(sql)
+            .bind(shard.0 as i32)
+            .bind(read_epoch.0)
+            .bind(to.as_str())
+            .fetch_optional(&mut *self.tx)
+            .await?;
+        Ok(epoch.map(Epoch))
     }
 
     /// Declare `node` dead if (by the database clock) its heartbeat is older than `ttl_ms`.
@@ -430,12 +474,12 @@ impl FencedTx {
         &mut self,
         node: &NodeId,
         ttl_ms: i64,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<bool, PlacementStoreError> {
         let n = sqlx::query(
             "UPDATE placement_nodes SET state = 'dead'
              WHERE id = $1 AND state <> 'dead' AND heartbeat_at < now() - make_interval(secs => $2::float8 / 1000.0)",
         )
-        .bind(&node.0)
+        .bind(node.as_str())
         .bind(ttl_ms)
         .execute(&mut *self.tx)
         .await?
@@ -444,11 +488,11 @@ impl FencedTx {
     }
 
     /// Promote a joining node to active.
-    pub async fn activate(&mut self, node: &NodeId) -> Result<bool, StoreError> {
+    pub async fn activate(&mut self, node: &NodeId) -> Result<bool, PlacementStoreError> {
         let n = sqlx::query(
             "UPDATE placement_nodes SET state = 'active' WHERE id = $1 AND state = 'joining'",
         )
-        .bind(&node.0)
+        .bind(node.as_str())
         .execute(&mut *self.tx)
         .await?
         .rows_affected();
@@ -461,17 +505,15 @@ impl FencedTx {
         shard: ShardId,
         read_epoch: Epoch,
         to: &NodeId,
-    ) -> Result<Option<Epoch>, StoreError> {
-        let epoch: Option<i64> = sqlx::query_scalar(
+    ) -> Result<Option<Epoch>, PlacementStoreError> {
+        self.move_shard(
             "UPDATE placement_shards SET node_id = $3, epoch = epoch + 1, moving_to = NULL, revoke_acked = false, updated_at = now()
              WHERE shard = $1 AND epoch = $2 RETURNING epoch",
+            shard,
+            read_epoch,
+            to,
         )
-        .bind(shard.0 as i32)
-        .bind(read_epoch.0)
-        .bind(&to.0)
-        .fetch_optional(&mut *self.tx)
-        .await?;
-        Ok(epoch.map(Epoch))
+        .await
     }
 
     /// Request the revocation of a shard from its live owner towards `to`.
@@ -481,19 +523,15 @@ impl FencedTx {
         read_epoch: Epoch,
         owner: &NodeId,
         to: &NodeId,
-    ) -> Result<bool, StoreError> {
-        let n = sqlx::query(
+    ) -> Result<bool, PlacementStoreError> {
+        self.update_shard(
             "UPDATE placement_shards SET moving_to = $4, updated_at = now()
              WHERE shard = $1 AND epoch = $2 AND node_id = $3",
+            shard,
+            read_epoch,
+            &[owner, to],
         )
-        .bind(shard.0 as i32)
-        .bind(read_epoch.0)
-        .bind(&owner.0)
-        .bind(&to.0)
-        .execute(&mut *self.tx)
-        .await?
-        .rows_affected();
-        Ok(n == 1)
+        .await
     }
 
     /// Cancel a move in progress: the owner keeps the shard at the same epoch.
@@ -502,18 +540,15 @@ impl FencedTx {
         shard: ShardId,
         read_epoch: Epoch,
         owner: &NodeId,
-    ) -> Result<bool, StoreError> {
-        let n = sqlx::query(
+    ) -> Result<bool, PlacementStoreError> {
+        self.update_shard(
             "UPDATE placement_shards SET moving_to = NULL, revoke_acked = false, updated_at = now()
              WHERE shard = $1 AND epoch = $2 AND node_id = $3",
+            shard,
+            read_epoch,
+            &[owner],
         )
-        .bind(shard.0 as i32)
-        .bind(read_epoch.0)
-        .bind(&owner.0)
-        .execute(&mut *self.tx)
-        .await?
-        .rows_affected();
-        Ok(n == 1)
+        .await
     }
 
     /// Complete a move: owner := moving_to, `epoch + 1`. The statement itself re-checks that
@@ -523,21 +558,19 @@ impl FencedTx {
         shard: ShardId,
         read_epoch: Epoch,
         to: &NodeId,
-    ) -> Result<Option<Epoch>, StoreError> {
-        let epoch: Option<i64> = sqlx::query_scalar(
+    ) -> Result<Option<Epoch>, PlacementStoreError> {
+        self.move_shard(
             "UPDATE placement_shards s SET node_id = s.moving_to, epoch = s.epoch + 1, moving_to = NULL,
                     revoke_acked = false, updated_at = now()
              WHERE s.shard = $1 AND s.epoch = $2 AND s.moving_to = $3
                AND (s.revoke_acked OR NOT EXISTS (
                     SELECT 1 FROM placement_nodes n WHERE n.id = s.node_id AND n.state <> 'dead'))
              RETURNING s.epoch",
+            shard,
+            read_epoch,
+            to,
         )
-        .bind(shard.0 as i32)
-        .bind(read_epoch.0)
-        .bind(&to.0)
-        .fetch_optional(&mut *self.tx)
-        .await?;
-        Ok(epoch.map(Epoch))
+        .await
     }
 
     /// Lock a node row for the rest of the transaction and return its current state.
@@ -546,32 +579,35 @@ impl FencedTx {
     pub async fn lock_node_state(
         &mut self,
         node: &NodeId,
-    ) -> Result<Option<NodeState>, StoreError> {
+    ) -> Result<Option<NodeState>, PlacementStoreError> {
         let state: Option<String> =
             sqlx::query_scalar("SELECT state FROM placement_nodes WHERE id = $1 FOR UPDATE")
-                .bind(&node.0)
+                .bind(node.as_str())
                 .fetch_optional(&mut *self.tx)
                 .await?;
         state
-            .map(|s| NodeState::parse(&s).ok_or(StoreError::Corrupt("node state")))
+            .map(|s| NodeState::parse(&s).ok_or(PlacementStoreError::Corrupt("node state")))
             .transpose()
     }
 
     /// Abandon the transaction (nothing to write).
-    pub async fn rollback(self) -> Result<(), StoreError> {
+    pub async fn rollback(self) -> Result<(), PlacementStoreError> {
         self.tx.rollback().await?;
         Ok(())
     }
 
     /// Notify listeners and commit.
-    pub async fn commit(mut self, payload: &str) -> Result<(), StoreError> {
+    pub async fn commit(mut self, payload: &str) -> Result<(), PlacementStoreError> {
         notify(&mut self.tx, payload).await?;
         self.tx.commit().await?;
         Ok(())
     }
 }
 
-async fn notify(tx: &mut Transaction<'static, Postgres>, payload: &str) -> Result<(), StoreError> {
+async fn notify(
+    tx: &mut Transaction<'static, Postgres>,
+    payload: &str,
+) -> Result<(), PlacementStoreError> {
     sqlx::query("SELECT pg_notify($1, $2)")
         .bind(NOTIFY_CHANNEL)
         .bind(payload)
@@ -582,7 +618,7 @@ async fn notify(tx: &mut Transaction<'static, Postgres>, payload: &str) -> Resul
 
 async fn read_nodes(
     tx: &mut Transaction<'static, Postgres>,
-) -> Result<BTreeMap<NodeId, NodeInfo>, StoreError> {
+) -> Result<BTreeMap<NodeId, NodeInfo>, PlacementStoreError> {
     let rows = sqlx::query(
         "SELECT id, public_addr, internal_addr, control_addr, version, state, incarnation,
                 (EXTRACT(EPOCH FROM (now() - heartbeat_at)) * 1000)::bigint AS age_ms
@@ -592,7 +628,8 @@ async fn read_nodes(
     .await?;
     let mut nodes = BTreeMap::new();
     for row in rows {
-        let id = NodeId(row.try_get("id")?);
+        let id = NodeId::parse(row.try_get::<String, _>("id")?)
+            .map_err(|_| PlacementStoreError::Corrupt("placement_nodes.id"))?;
         let state: String = row.try_get("state")?;
         nodes.insert(
             id.clone(),
@@ -602,11 +639,22 @@ async fn read_nodes(
                 internal_addr: row.try_get("internal_addr")?,
                 control_addr: row.try_get("control_addr")?,
                 version: row.try_get("version")?,
-                state: NodeState::parse(&state).ok_or(StoreError::Corrupt("node state"))?,
+                state: NodeState::parse(&state)
+                    .ok_or(PlacementStoreError::Corrupt("node state"))?,
                 incarnation: row.try_get("incarnation")?,
                 heartbeat_age_ms: row.try_get("age_ms")?,
             },
         );
     }
     Ok(nodes)
+}
+
+/// A nullable node id column; a value that is not a valid node id is a corrupt row.
+fn node_column(
+    value: Option<String>,
+    column: &'static str,
+) -> Result<Option<NodeId>, PlacementStoreError> {
+    value
+        .map(|text| NodeId::parse(text).map_err(|_| PlacementStoreError::Corrupt(column)))
+        .transpose()
 }

@@ -1,11 +1,11 @@
-//! Cluster-mode glue: the adapters that connect placement, the control plane and the
-//! internal listener to this node's ingest path.
+//! Cluster-mode glue with the peers: placement, the control plane and this node's sessions.
 //!
-//! - [`PlacementEpochs`]: the owner-side epoch check of forwarded uploads.
-//! - [`NodeIngest`]: owner-local ingest of a forwarded upload (same path as a direct one).
-//! - [`PlacementResolver`]: re-resolution after a stale epoch (refresh the table, look again).
 //! - [`NodeControl`]: answers control-plane requests from peers.
 //! - [`keep_peers_current`]: feeds the control transport with the PostgreSQL node table.
+//! - [`release_lost_sessions`]: stops the session owners of shards this node lost.
+//!
+//! Routing and the owner-side epoch check are placement's (`placement::routing`), and
+//! forwarded uploads are ingested by the same `upload::UploadService` as direct ones.
 //!
 //! PostgreSQL stays the source of truth: control messages are hints, and every decision
 //! here reads the local placement view.
@@ -18,140 +18,10 @@ use futures_util::future::BoxFuture;
 
 use crate::control::envelope::{HotStateSnapshot, OwnerReply, Reply, ReplyErrorCode, SessionPhase};
 use crate::control::{ControlHandler, ControlTransport, Envelope};
-use crate::http::forward::{OwnerResolver, OwnerTarget, StaleEpoch};
-use crate::http::internal::{EpochCheck, EpochVerdict, IngestRequest, OwnerIngest};
-use crate::http::{ApiError, AppState};
+use crate::http::AppState;
 use crate::ids::{NodeId, SessionKey};
-use crate::placement::{ClusterHandle, Epoch, Owner, ShardId};
+use crate::placement::{ClusterHandle, ShardId};
 use crate::session::{HotSnapshot, Phase};
-
-/// Owner-side check of the epoch a forwarder routed by.
-pub struct PlacementEpochs(pub Arc<ClusterHandle>);
-
-impl EpochCheck for PlacementEpochs {
-    fn check(&self, key: &SessionKey, shard: u32, epoch: u64) -> EpochVerdict {
-        let cluster = &self.0;
-        let stale = || {
-            let current = cluster.resolve(key).ok();
-            EpochVerdict::Stale {
-                current_owner: current.as_ref().map(|o| o.node.clone()),
-                current_epoch: current.map(|o| o.epoch.0.max(0) as u64).unwrap_or(0),
-            }
-        };
-        if cluster.shard_of(key) != ShardId(shard) || epoch > i64::MAX as u64 {
-            return stale();
-        }
-        if cluster.can_ingest(ShardId(shard), Epoch(epoch as i64)) {
-            EpochVerdict::Current
-        } else {
-            stale()
-        }
-    }
-}
-
-/// Owner-local ingest of a forwarded upload.
-pub struct NodeIngest(pub Arc<AppState>);
-
-impl OwnerIngest for NodeIngest {
-    fn ingest(
-        &self,
-        request: IngestRequest,
-    ) -> BoxFuture<'static, Result<serde_json::Value, ApiError>> {
-        let app = self.0.clone();
-        Box::pin(async move {
-            let route = crate::http::upload::LocalRoute {
-                key: request.key,
-                shard: ShardId(request.shard),
-                epoch: Epoch(request.epoch as i64),
-            };
-            // The pre-flight's admission, when it is still parked; without one (an older
-            // forwarder, or a reservation that expired) the ingest admits itself.
-            let admitted = request
-                .reservation
-                .as_deref()
-                .and_then(|id| app.admission.adopt(id, &reservation_tag(&request.key)));
-            let report = crate::http::upload::ingest_owned(
-                &app,
-                Some(route),
-                admitted,
-                request.content_length,
-                request.body,
-            )
-            .await?;
-            serde_json::to_value(crate::http::upload::response_body(&app, &report))
-                .map_err(|e| ApiError::internal(format!("encode response: {e}")))
-        })
-    }
-
-    fn reserve(&self, key: &SessionKey) -> BoxFuture<'static, Result<Option<String>, ApiError>> {
-        let app = self.0.clone();
-        let key = *key;
-        Box::pin(async move {
-            let permit = crate::http::admission::admit_forwarded(&app, key.tenant).await?;
-            Ok(Some(app.admission.park(permit, reservation_tag(&key))))
-        })
-    }
-
-    fn discard(&self, key: &SessionKey, reservation: &str) {
-        self.0.admission.discard(reservation, &reservation_tag(key));
-    }
-}
-
-/// A parked admission is bound to its session.
-fn reservation_tag(key: &SessionKey) -> String {
-    format!("{}/{}", key.tenant, key.session)
-}
-
-/// Target of a forwarded upload for a resolved owner.
-pub fn target_of(owner: &Owner) -> Result<OwnerTarget, ApiError> {
-    let internal_addr: SocketAddr = owner.internal_addr.parse().map_err(|_| {
-        ApiError::unavailable(
-            "owner_unavailable",
-            "the session's owner has no reachable internal address",
-        )
-        .with_retry_after(Duration::from_secs(1))
-    })?;
-    Ok(OwnerTarget {
-        node: owner.node.clone(),
-        internal_addr,
-        shard: owner.shard.0,
-        epoch: owner.epoch.0.max(0) as u64,
-    })
-}
-
-/// Map a placement resolution failure.
-pub fn unresolved(err: crate::placement::ResolveError) -> ApiError {
-    ApiError::unavailable(
-        "placement_unavailable",
-        format!("no owner for this session right now: {err}"),
-    )
-    .with_retry_after(Duration::from_secs(1))
-}
-
-/// Re-resolution after a stale epoch: ask for a fresh table, wait briefly for it, look again.
-pub struct PlacementResolver(pub Arc<ClusterHandle>);
-
-impl OwnerResolver for PlacementResolver {
-    fn re_resolve<'a>(
-        &'a self,
-        key: &'a SessionKey,
-        stale: &'a StaleEpoch,
-    ) -> BoxFuture<'a, Result<OwnerTarget, ApiError>> {
-        Box::pin(async move {
-            let cluster = &self.0;
-            let mut changes = cluster.subscribe();
-            changes.borrow_and_update();
-            let before = cluster.resolve(key).ok();
-            let already_newer = matches!((&before, stale.current_epoch), (Some(o), Some(e)) if o.epoch.0 >= e as i64 && e > 0);
-            if !already_newer {
-                cluster.refresh();
-                let _ = tokio::time::timeout(Duration::from_secs(2), changes.changed()).await;
-            }
-            let owner = cluster.resolve(key).map_err(unresolved)?;
-            target_of(&owner)
-        })
-    }
-}
 
 /// Answers control requests from peers.
 pub struct NodeControl {

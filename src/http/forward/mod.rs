@@ -32,61 +32,52 @@
 //! `Retry-After`. The client's own body failing → `400 upload_interrupted`. Nothing
 //! waits without a deadline.
 
-use std::net::SocketAddr;
-use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum::body::{Body, BodyDataStream};
+use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use futures_util::Stream;
 use futures_util::future::BoxFuture;
 
 use crate::config::Secret;
+mod source;
+
+use source::Source;
+
 use crate::http::ApiError;
+use crate::http::error::RETRY_OWNERSHIP;
 use crate::http::headers::parse_digits;
 use crate::http::internal::{
     CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, ERROR_CODE_HEADER, INTERNAL_TOKEN_HEADER,
     RESERVATION_HEADER, SHARD_EPOCH_HEADER, SHARD_HEADER, ingest_path,
 };
 use crate::ids::{NodeId, SessionKey};
+use crate::placement::{ClusterHandle, Epoch, OwnerTarget, RouteError, StaleEpoch};
 
 /// Largest owner response relayed (the owner answers a small JSON document).
 pub const MAX_OWNER_RESPONSE_BYTES: usize = 1024 * 1024;
-/// `Retry-After` on owner failures.
-pub const RETRY_AFTER: Duration = Duration::from_secs(1);
 
-/// Where to send an upload.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OwnerTarget {
-    pub node: NodeId,
-    /// The owner's internal listener.
-    pub internal_addr: SocketAddr,
-    pub shard: u32,
-    /// The shard epoch this route was resolved at.
-    pub epoch: u64,
-}
-
-/// What the owner said when it refused a stale epoch.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StaleEpoch {
-    pub refused_by: NodeId,
-    pub current_owner: Option<NodeId>,
-    pub current_epoch: Option<u64>,
-}
-
-/// Implemented by the node's placement: find the current owner after a stale epoch
-/// (e.g. re-read the shard table, or a control-plane `ResolveSession`).
+/// Implemented by the node's placement (`ClusterHandle`): find the current owner after a
+/// stale epoch (e.g. re-read the shard table). Tests give fixed answers.
 pub trait OwnerResolver: Send + Sync {
     fn re_resolve<'a>(
         &'a self,
         key: &'a SessionKey,
         stale: &'a StaleEpoch,
-    ) -> BoxFuture<'a, Result<OwnerTarget, ApiError>>;
+    ) -> BoxFuture<'a, Result<OwnerTarget, RouteError>>;
+}
+
+impl OwnerResolver for ClusterHandle {
+    fn re_resolve<'a>(
+        &'a self,
+        key: &'a SessionKey,
+        stale: &'a StaleEpoch,
+    ) -> BoxFuture<'a, Result<OwnerTarget, RouteError>> {
+        Box::pin(ClusterHandle::re_resolve(self, key, stale))
+    }
 }
 
 /// Forwarding options.
@@ -262,7 +253,7 @@ impl Forwarder {
                 tokio::time::timeout(self.head_deadline, resolver.re_resolve(&key, &stale)).await;
             target = match resolved {
                 Ok(Ok(next)) => next,
-                Ok(Err(error)) => return error.into_response(),
+                Ok(Err(error)) => return ApiError::from(error).into_response(),
                 Err(_) => {
                     return self.unavailable(
                         StatusCode::SERVICE_UNAVAILABLE,
@@ -293,8 +284,8 @@ impl Forwarder {
             .client
             .request(method, self.url(target, key))
             .header(INTERNAL_TOKEN_HEADER, self.token.clone())
-            .header(SHARD_HEADER, target.shard)
-            .header(SHARD_EPOCH_HEADER, target.epoch);
+            .header(SHARD_HEADER, target.shard.0)
+            .header(SHARD_EPOCH_HEADER, target.epoch.0);
         if let Some(value) = headers.get(header::CONTENT_TYPE) {
             request = request.header(header::CONTENT_TYPE, value.clone());
         }
@@ -463,7 +454,7 @@ impl Forwarder {
     fn unavailable(&self, status: StatusCode, message: &'static str) -> Response {
         self.stats.owner_failures.fetch_add(1, Ordering::Relaxed);
         ApiError::new(status, "owner_unavailable", message)
-            .with_retry_after(RETRY_AFTER)
+            .with_retry_after(RETRY_OWNERSHIP)
             .into_response()
     }
 }
@@ -509,7 +500,7 @@ fn relayed_refusal(status: StatusCode, headers: &HeaderMap) -> Option<ApiError> 
 
 fn owner_moved(message: &'static str) -> Response {
     ApiError::unavailable("owner_moved", message)
-        .with_retry_after(RETRY_AFTER)
+        .with_retry_after(RETRY_OWNERSHIP)
         .into_response()
 }
 
@@ -517,11 +508,12 @@ fn stale_from(target: &OwnerTarget, headers: &HeaderMap) -> StaleEpoch {
     let current_owner = headers
         .get(CURRENT_OWNER_HEADER)
         .and_then(|v| v.to_str().ok())
-        .map(|s| NodeId(s.to_string()))
-        .filter(|n| crate::control::envelope::validate_node_id(n).is_ok());
+        .and_then(|s| NodeId::parse(s).ok());
     let current_epoch = headers
         .get(CURRENT_EPOCH_HEADER)
-        .and_then(|v| parse_digits(v.as_bytes()));
+        .and_then(|v| parse_digits(v.as_bytes()))
+        .and_then(|n| i64::try_from(n).ok())
+        .map(Epoch);
     StaleEpoch {
         refused_by: target.node.clone(),
         current_owner,
@@ -578,179 +570,9 @@ fn kind(error: &reqwest::Error) -> &'static str {
     }
 }
 
-/// The inbound body, shared between the attempts of one forward. It is pulled by at
-/// most one tap at a time, and can be reclaimed for a retry only while no byte of it
-/// has been pulled.
-#[derive(Clone)]
-struct Source(Arc<Mutex<SourceState>>);
-
-struct SourceState {
-    stream: Option<BodyDataStream>,
-    /// Bumped on reclaim; taps of an older generation see end-of-stream.
-    generation: u64,
-    pulled: u64,
-    failed: bool,
-    /// Last time the owner's side pulled (polled) the body.
-    last_pull: std::time::Instant,
-    /// The last poll found no client bytes: the forwarder is waiting on the client.
-    waiting_on_client: bool,
-}
-
-impl Source {
-    fn new(body: Body) -> Self {
-        Self(Arc::new(Mutex::new(SourceState {
-            stream: Some(body.into_data_stream()),
-            generation: 0,
-            pulled: 0,
-            failed: false,
-            last_pull: std::time::Instant::now(),
-            waiting_on_client: false,
-        })))
-    }
-
-    /// Resolves once the owner has been silent for `limit`: it neither pulled the body
-    /// while client bytes were available, nor (after the body ended) answered. Time
-    /// spent waiting on the client does not count.
-    async fn owner_silent(&self, limit: Duration) {
-        {
-            let mut state = self.lock();
-            state.last_pull = std::time::Instant::now();
-            state.waiting_on_client = false;
-        }
-        let tick = (limit / 4).max(Duration::from_millis(20));
-        loop {
-            tokio::time::sleep(tick).await;
-            let mut state = self.lock();
-            if state.waiting_on_client {
-                state.last_pull = std::time::Instant::now();
-            } else if state.last_pull.elapsed() >= limit {
-                return;
-            }
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, SourceState> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn tap(&self, stats: Arc<ForwardStats>) -> Tap {
-        let generation = self.lock().generation;
-        Tap {
-            source: self.clone(),
-            generation,
-            stats,
-        }
-    }
-
-    fn untouched(&self) -> bool {
-        let state = self.lock();
-        state.pulled == 0 && !state.failed
-    }
-
-    fn failed(&self) -> bool {
-        self.lock().failed
-    }
-
-    /// Detach the current tap and keep the body for another attempt, if intact.
-    fn reclaim(&self) -> bool {
-        let mut state = self.lock();
-        if state.pulled == 0 && !state.failed {
-            state.generation += 1;
-            if state.stream.is_none() {
-                // An empty body that already ended: resend it empty.
-                state.stream = Some(Body::empty().into_data_stream());
-            }
-            true
-        } else {
-            false
-        }
-    }
-}
-
-/// The stream handed to reqwest: pulls the shared source frame by frame.
-struct Tap {
-    source: Source,
-    generation: u64,
-    stats: Arc<ForwardStats>,
-}
-
-impl Stream for Tap {
-    type Item = Result<Bytes, axum::Error>;
-
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let mut state = self.source.lock();
-        if state.generation != self.generation {
-            return Poll::Ready(None);
-        }
-        let Some(stream) = state.stream.as_mut() else {
-            return Poll::Ready(None);
-        };
-        let polled = Pin::new(stream).poll_next(cx);
-        state.last_pull = std::time::Instant::now();
-        state.waiting_on_client = polled.is_pending();
-        match &polled {
-            Poll::Ready(Some(Ok(bytes))) => {
-                state.pulled += bytes.len() as u64;
-                self.stats
-                    .bytes_pulled
-                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-            }
-            Poll::Ready(Some(Err(_))) => state.failed = true,
-            Poll::Ready(None) => state.stream = None,
-            Poll::Pending => {}
-        }
-        polled
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use futures_util::StreamExt;
-
-    fn body(frames: usize) -> Body {
-        let stream = futures_util::stream::iter(
-            (0..frames).map(|i| Ok::<_, std::io::Error>(Bytes::from(vec![i as u8; 10]))),
-        );
-        Body::from_stream(stream)
-    }
-
-    #[tokio::test]
-    async fn an_untouched_body_can_be_reclaimed_and_old_taps_go_quiet() {
-        let stats = Arc::new(ForwardStats::default());
-        let source = Source::new(body(3));
-        let mut old = source.tap(stats.clone());
-        assert!(source.untouched());
-        assert!(source.reclaim());
-        assert!(old.next().await.is_none(), "a detached tap yields nothing");
-        let mut new = source.tap(stats.clone());
-        let mut total = 0;
-        while let Some(frame) = new.next().await {
-            total += frame.unwrap().len();
-        }
-        assert_eq!(total, 30);
-        assert_eq!(stats.bytes_pulled.load(Ordering::Relaxed), 30);
-    }
-
-    #[tokio::test]
-    async fn a_body_with_pulled_bytes_is_never_replayed() {
-        let stats = Arc::new(ForwardStats::default());
-        let source = Source::new(body(3));
-        let mut tap = source.tap(stats);
-        assert!(tap.next().await.is_some());
-        assert!(!source.untouched());
-        assert!(!source.reclaim());
-    }
-
-    #[tokio::test]
-    async fn an_empty_body_that_ended_can_be_resent_empty() {
-        let stats = Arc::new(ForwardStats::default());
-        let source = Source::new(Body::empty());
-        let mut tap = source.tap(stats.clone());
-        assert!(tap.next().await.is_none());
-        assert!(source.reclaim());
-        assert!(source.tap(stats).next().await.is_none());
-    }
 
     #[test]
     fn owner_refusals_keep_their_status_code_and_retry_after() {

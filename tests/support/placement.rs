@@ -1,8 +1,7 @@
-//! Helpers shared by the `placement_*` integration tests: nodes on one real PostgreSQL
-//! database with fast timings, and polling with deadlines.
-#![allow(dead_code)]
+//! Placement helpers of the `placement_*` integration tests: nodes on one real
+//! PostgreSQL database with fast timings, and table predicates to poll for.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
 use graviton::placement::{Cluster, ClusterConfig, ClusterHandle};
@@ -11,10 +10,17 @@ use graviton::storage::pg::PlacementStore;
 /// Fast test timings (heartbeat 100ms, self-fence 400ms, TTL 1s, poll 250ms, 64 shards).
 pub fn config(url: &str, node: &str) -> ClusterConfig {
     let mut config = ClusterConfig::fast_for_tests(url);
-    config.internal_addr = format!("{node}.internal:7071");
+    config.internal_addr = internal_addr(node);
     config.public_addr = format!("{node}.public:7070");
     config.control_addr = format!("{node}.control:7072");
     config
+}
+
+/// The internal address a test node registers: loopback, a port derived from its name
+/// (nothing listens there; placement tests only route).
+pub fn internal_addr(node: &str) -> String {
+    let port = 20_000 + blake3::hash(node.as_bytes()).as_bytes()[0] as u16 * 64;
+    format!("127.0.0.1:{port}")
 }
 
 /// Start a node named `name` with the default fast config adjusted by `tweak`.
@@ -25,7 +31,7 @@ pub async fn start_node(
 ) -> ClusterHandle {
     let mut config = config(url, name);
     tweak(&mut config);
-    Cluster::connect_and_start(NodeId(name.to_string()), &config, "test")
+    Cluster::connect_and_start(NodeId::parse(name).unwrap(), &config, "test")
         .await
         .unwrap_or_else(|e| panic!("start {name}: {e}"))
 }
@@ -48,23 +54,8 @@ pub fn random_key() -> SessionKey {
     }
 }
 
-/// Poll `check` every 20ms until true; panic naming `what` after `timeout`. Returns the
-/// elapsed time.
-pub async fn eventually<F>(timeout: Duration, what: &str, mut check: F) -> Duration
-where
-    F: FnMut() -> bool,
-{
-    let start = Instant::now();
-    loop {
-        if check() {
-            return start.elapsed();
-        }
-        if start.elapsed() > timeout {
-            panic!("timed out after {timeout:?} waiting for: {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+#[allow(unused_imports)]
+pub use super::eventually;
 
 /// Every handle sees every shard assigned, no move pending, and the same owners; each
 /// of `owners` holds `shard_count / owners.len()` shards, within one.
@@ -79,7 +70,7 @@ pub fn settled(handles: &[&ClusterHandle], owners: &[&str]) -> bool {
     }
     let counts: Vec<usize> = owners
         .iter()
-        .map(|o| first.owned_by(&NodeId(o.to_string())))
+        .map(|o| first.owned_by(&NodeId::parse(*o).unwrap()))
         .collect();
     let total: usize = counts.iter().sum();
     let min = counts.iter().min().copied().unwrap_or(0);
@@ -88,5 +79,8 @@ pub fn settled(handles: &[&ClusterHandle], owners: &[&str]) -> bool {
 }
 
 pub fn owned(handle: &ClusterHandle, node: &str) -> usize {
-    handle.view().table().owned_by(&NodeId(node.to_string()))
+    handle
+        .view()
+        .table()
+        .owned_by(&NodeId::parse(node).unwrap())
 }
