@@ -141,7 +141,7 @@ local function next_token()
   if fence_value == nil then
     fence_value = tonumber(redis.call('GET', K_FENCE)) or 0
   end
-  fence_value = fence_value + 1
+  fence_value = math.max(fence_value + 1, now_us)
   fence_dirty = true
   return fence_value
 end
@@ -530,7 +530,7 @@ local function policy()
   -- Versions follow the same rule as fencing tokens, in milliseconds: the larger of the
   -- stored version + 1 and the server time, so a promoted lagging replica or an emptied
   -- server still issues a version above every earlier one.
-  local version = (tonumber(redis.call("HGET", K_POLICY, "version")) or 0) + 1
+  local version = math.max((tonumber(redis.call('HGET', K_POLICY, 'version')) or 0) + 1, now)
   redis.call('HSET', K_POLICY, 'version', fmt(version))
   local outcome = 'set'
   if ARGV[5] == '-' and ARGV[6] == '-' then

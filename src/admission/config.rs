@@ -221,7 +221,7 @@ impl RedisAdmissionConfig {
                 backend_transfers: u64::from(self.backend_transfers),
             },
             lease_ttl: self.lease_ttl.get(),
-            waiter_ttl: std::time::Duration::from_secs(2),
+            waiter_ttl: super::acquire::waiter_ttl(self.retry_interval.get()),
             requests_per_minute: self.tenant_requests_per_minute,
             egress_per_hour: self.tenant_egress_per_hour.bytes(),
             max_events: self.max_events,
