@@ -150,19 +150,46 @@ fn print_status(status: &graviton::cli::ClusterStatus) {
         status.moving_shards
     );
     println!(
-        "{:<24} {:<10} {:>7} {:>14}  internal address",
-        "node", "state", "shards", "heartbeat age"
+        "{:<24} {:<10} {:>7} {:>14}  {:<width$}  internal address",
+        "node",
+        "state",
+        "shards",
+        "heartbeat age",
+        "distribution",
+        width = BAR_WIDTH + 6
     );
     for node in &status.nodes {
         println!(
-            "{:<24} {:<10} {:>7} {:>12}ms  {}",
+            "{:<24} {:<10} {:>7} {:>12}ms  {}  {}",
             node.id.to_string(),
             format!("{:?}", node.state).to_lowercase(),
             node.shards,
             node.heartbeat_age_ms,
+            shard_bar(node.shards, status.shard_count as usize, BAR_WIDTH),
             node.internal_addr
         );
     }
+}
+
+/// Width of the shard-distribution bars of `graviton cluster status`, in cells.
+const BAR_WIDTH: usize = 30;
+
+/// `shards` of `total` as a bar of `width` cells (eighths of a cell with Unicode block
+/// elements, padded with spaces) followed by the share in percent.
+fn shard_bar(shards: usize, total: usize, width: usize) -> String {
+    const PARTIAL: [char; 8] = [' ', '▏', '▎', '▍', '▌', '▋', '▊', '▉'];
+    let eighths = (shards.min(total) * width * 8 + total / 2)
+        .checked_div(total)
+        .unwrap_or(0);
+    let (full, partial) = (eighths / 8, eighths % 8);
+    let mut bar: String = "█".repeat(full);
+    if partial > 0 {
+        bar.push(PARTIAL[partial]);
+    }
+    let used = full + usize::from(partial > 0);
+    bar.push_str(&" ".repeat(width - used));
+    let percent = (shards * 100).checked_div(total).unwrap_or(0);
+    format!("{bar} {percent:>3}%")
 }
 
 fn main() -> ExitCode {
@@ -376,4 +403,29 @@ async fn manager_signal() {
         }
     }
     let _ = tokio::signal::ctrl_c().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shard_bar;
+
+    #[test]
+    fn shard_bars_are_proportional_and_fixed_width() {
+        // 8 cells, a space, the percentage right-aligned in 3 columns
+        assert_eq!(shard_bar(0, 1024, 8), format!("{}   0%", " ".repeat(8)));
+        assert_eq!(shard_bar(1024, 1024, 8), "████████ 100%");
+        assert_eq!(
+            shard_bar(512, 1024, 8),
+            format!("████{}  50%", " ".repeat(4))
+        );
+        // a third of 8 cells is 2 cells and 5 eighths
+        assert_eq!(
+            shard_bar(341, 1024, 8),
+            format!("██▋{}  33%", " ".repeat(5))
+        );
+        for shards in 0..=64 {
+            assert_eq!(shard_bar(shards, 64, 30).chars().count(), 35, "{shards}");
+        }
+        assert_eq!(shard_bar(3, 0, 4), format!("{}   0%", " ".repeat(4)));
+    }
 }

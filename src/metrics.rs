@@ -82,6 +82,10 @@ pub struct Metrics {
     pub manager_term: Gauge,
     pub observed_nodes: Gauge,
     pub placement_ready: Gauge,
+    /// 1 while this node is self-fenced (no successful heartbeat within the fence window).
+    pub placement_fenced: Gauge,
+    /// 1 while this node holds the manager lock (embedded manager), else 0.
+    pub manager_leading: Gauge,
     /// Placement runtime events by kind (table reads, heartbeats, failures, acks).
     pub placement_events: Family<KindLabels, Counter>,
     registry: Arc<std::sync::Mutex<Registry>>,
@@ -114,9 +118,12 @@ impl Metrics {
             manager_term: Gauge::default(),
             observed_nodes: Gauge::default(),
             placement_ready: Gauge::default(),
+            placement_fenced: Gauge::default(),
+            manager_leading: Gauge::default(),
             placement_events: Family::default(),
             registry: Arc::new(std::sync::Mutex::new(Registry::default())),
         };
+        metrics.initialize_series();
         registry.register(
             "http_requests",
             "HTTP requests by route, method and status class",
@@ -213,12 +220,47 @@ impl Metrics {
             metrics.placement_ready.clone(),
         );
         registry.register(
+            "placement_fenced",
+            "1 while this node is self-fenced",
+            metrics.placement_fenced.clone(),
+        );
+        registry.register(
+            "manager_leading",
+            "1 while this node is the shard manager",
+            metrics.manager_leading.clone(),
+        );
+        registry.register(
             "placement_events",
             "Placement runtime events by kind",
             metrics.placement_events.clone(),
         );
         *metrics.registry.lock().expect("fresh mutex") = registry;
         metrics
+    }
+
+    /// Create every series of the bounded label sets at zero, so `/metrics` lists each
+    /// family from the start and `rate()`/`increase()` see the first event (a series that
+    /// appears at 1 has no increase).
+    pub fn initialize_series(&self) {
+        for outcome in ["ok", "client_error", "server_error"] {
+            drop(self.uploads.get_or_create(&OutcomeLabels { outcome }));
+            drop(self.downloads.get_or_create(&OutcomeLabels { outcome }));
+        }
+        for kind in ["fresh", "duplicate"] {
+            drop(self.blocks.get_or_create(&BlockLabels { kind }));
+        }
+        for reason in ["evicted", "idle", "unassigned", "failed"] {
+            drop(self.session_stops.get_or_create(&ReasonLabels { reason }));
+        }
+        drop(self.actor_restarts.get_or_create(&ActorLabels {
+            actor: "session_region",
+        }));
+        for kind in ["local", "remote"] {
+            drop(self.routing.get_or_create(&KindLabels { kind }));
+        }
+        for kind in ["resolve", "owner_address", "forward_config"] {
+            drop(self.routing_failures.get_or_create(&KindLabels { kind }));
+        }
     }
 
     /// Copy the placement snapshot into the gauges and counters (called on scrape).
@@ -231,6 +273,7 @@ impl Metrics {
         self.manager_term.set(snapshot.manager_term.0);
         self.observed_nodes.set(snapshot.nodes.len() as i64);
         self.placement_ready.set(i64::from(snapshot.health.ready));
+        self.placement_fenced.set(i64::from(snapshot.fenced));
         let c = &snapshot.counters;
         for (kind, value) in [
             ("table_reads", c.table_reads),

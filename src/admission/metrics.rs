@@ -78,6 +78,7 @@ impl Default for AdmissionMetrics {
 impl AdmissionMetrics {
     /// Register under `admission_`; the node's registry carries the `graviton` prefix.
     pub fn register(&self, registry: &mut Registry) {
+        self.initialize_series();
         let r = registry.sub_registry_with_prefix("admission");
         r.register(
             "decisions",
@@ -124,6 +125,42 @@ impl AdmissionMetrics {
             "Last observed cluster-wide admitted transfers",
             self.cluster_service_transfers.clone(),
         );
+    }
+
+    /// Create every series of the bounded label sets at zero, so each family is listed
+    /// in `/metrics` from the start and the first event shows as an increase.
+    fn initialize_series(&self) {
+        for operation in Operation::ALL {
+            let operation = operation.as_str();
+            for outcome in [
+                "admitted",
+                "never_fits",
+                "timed_out",
+                "saturated",
+                "quota_exceeded",
+                "unavailable",
+                "protocol_error",
+            ] {
+                drop(
+                    self.decisions
+                        .get_or_create(&DecisionLabels { operation, outcome }),
+                );
+            }
+            drop(
+                self.lease_losses
+                    .get_or_create(&OperationLabels { operation }),
+            );
+            drop(
+                self.wait_seconds
+                    .get_or_create(&OperationLabels { operation }),
+            );
+        }
+        for outcome in ["released", "missing", "stale", "error"] {
+            drop(self.releases.get_or_create(&OutcomeLabels { outcome }));
+        }
+        for kind in ["request", "egress"] {
+            drop(self.quota_rejections.get_or_create(&KindLabels { kind }));
+        }
     }
 
     pub fn decision(&self, operation: Operation, outcome: &'static str) {

@@ -64,6 +64,23 @@ fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
     })
 }
 
+/// Every `reason` label of `graviton_auth_failures_total` ([`reason`] and the tenant check).
+pub const FAILURE_REASONS: [&str; 13] = [
+    "missing",
+    "malformed",
+    "issuer",
+    "algorithm",
+    "unknown_key",
+    "expired",
+    "not_yet_valid",
+    "audience",
+    "signature",
+    "organization",
+    "invalid",
+    "keys_unavailable",
+    "tenant_mismatch",
+];
+
 fn reason(err: &AuthError) -> &'static str {
     match err {
         AuthError::Missing => "missing",

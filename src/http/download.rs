@@ -86,6 +86,7 @@ pub async fn run_gc(
             Ok(axum::Json(report).into_response())
         }
         Err(err) => {
+            metrics.failures.inc();
             tracing::error!(error = %err, "collector run failed");
             Err(
                 ApiError::unavailable("storage_unavailable", "the collector run failed")

@@ -81,6 +81,12 @@ pub struct ConnectionMetrics {
 impl ConnectionMetrics {
     /// Register into a registry (the node's `Metrics::register_with`).
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        // Every series at zero from the start (listed in /metrics, first event counted).
+        for listener in ["public", "internal"] {
+            let labels = ListenerLabels { listener };
+            drop(self.refused.get_or_create(&labels));
+            drop(self.header_timeouts.get_or_create(&labels));
+        }
         registry.register(
             "connections_refused",
             "Connections refused because the listener was at its connection bound",

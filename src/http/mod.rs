@@ -4,6 +4,10 @@
 //! - [`admission`]: transfer admission at the edge, egress charging, admin admission API
 //! - [`download`]: `GET`/`HEAD /v1/blobs/{key}`
 //! - [`ops`]: `/healthz`, `/readyz`, `/metrics`, `/v1/ops/cluster`
+//! - [`openapi`]: the OpenAPI 3.1 document, `GET /openapi.json`
+//! - [`console`]: the operator console, `GET /console` and its data `GET /v1/admin/console`
+//! - [`rejections`]: extractor rejections answered in the JSON error format
+//! - [`admin_gate`]: the admin token checked before an admin request's extractors
 //! - [`headers`]: header checks that run before the body is read
 //! - [`error`]: [`ApiError`], the one place errors become responses
 //! - [`observe`]: request metrics
@@ -13,9 +17,11 @@
 //! - [`tls`]: rustls configurations of the public and internal listeners
 //! - [`config`]: the `[http]` section
 
+pub mod admin_gate;
 pub mod admission;
 pub mod auth;
 pub mod config;
+pub mod console;
 pub mod cors;
 pub mod download;
 pub mod error;
@@ -24,7 +30,9 @@ pub mod headers;
 pub mod internal;
 pub mod listener;
 pub mod observe;
+pub mod openapi;
 pub mod ops;
+pub mod rejections;
 pub mod tls;
 pub mod upload;
 
@@ -32,7 +40,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::Router;
-use axum::routing::{get, post, put};
+use axum::routing::{MethodRouter, get, post, put};
 
 pub use error::ApiError;
 
@@ -83,6 +91,12 @@ pub struct EdgeMetrics {
 impl EdgeMetrics {
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
         self.connections.register(registry);
+        for reason in auth::FAILURE_REASONS {
+            drop(
+                self.auth_failures
+                    .get_or_create(&crate::metrics::ReasonLabels { reason }),
+            );
+        }
         registry.register(
             "auth_failures",
             "Requests refused by bearer-token authentication, by reason",
@@ -115,30 +129,59 @@ pub async fn serve(
     listener::serve(listener, router(state), options, shutdown).await
 }
 
+/// The routes of the public router, as `(path, handlers)`. [`router`] serves exactly these;
+/// [`route_paths`] lists them for the OpenAPI check (`tests/openapi.rs`). Built without
+/// state, so the list can be read without a running node.
+pub fn routes() -> Vec<(&'static str, MethodRouter<Arc<AppState>>)> {
+    vec![
+        ("/v1/blobs", post(upload::post_blob)),
+        (
+            "/v1/blobs/{key}",
+            get(download::get_blob).delete(download::delete_blob),
+        ),
+        ("/healthz", get(ops::healthz)),
+        ("/readyz", get(ops::readyz)),
+        ("/metrics", get(ops::metrics)),
+        ("/v1/ops/cluster", get(ops::cluster)),
+        (
+            "/v1/admin/tenants/{tenant}/admission",
+            put(admission::put_override).delete(admission::delete_override),
+        ),
+        ("/v1/admin/admission", get(admission::snapshot)),
+        ("/v1/admin/nodes/{node}/drain", post(ops::drain)),
+        ("/v1/admin/gc", post(download::run_gc)),
+        // operator surface (src/http/openapi.rs, src/http/console.rs)
+        ("/openapi.json", get(openapi::document)),
+        ("/console", get(console::page)),
+        ("/console/console.js", get(console::script)),
+        ("/console/console.css", get(console::style)),
+        ("/v1/admin/console", get(console::data)),
+    ]
+}
+
+/// Paths of [`routes`], in order.
+pub fn route_paths() -> Vec<&'static str> {
+    routes().into_iter().map(|(path, _)| path).collect()
+}
+
 /// The public router.
 pub fn router(state: Arc<AppState>) -> Router {
     let cors = cors::layer(&state.config.http.cors);
-    let router = Router::new()
-        .route("/v1/blobs", post(upload::post_blob))
-        .route(
-            "/v1/blobs/{key}",
-            get(download::get_blob).delete(download::delete_blob),
-        )
-        .route("/healthz", get(ops::healthz))
-        .route("/readyz", get(ops::readyz))
-        .route("/metrics", get(ops::metrics))
-        .route("/v1/ops/cluster", get(ops::cluster))
-        .route(
-            "/v1/admin/tenants/{tenant}/admission",
-            put(admission::put_override).delete(admission::delete_override),
-        )
-        .route("/v1/admin/admission", get(admission::snapshot))
-        .route("/v1/admin/nodes/{node}/drain", post(ops::drain))
-        .route("/v1/admin/gc", post(download::run_gc))
+    let router = routes()
+        .into_iter()
+        .fold(Router::new(), |router, (path, handlers)| {
+            router.route(path, handlers)
+        })
+        // inner: the admin gate runs after routing, before any extractor
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            admin_gate::check,
+        ))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             observe::record,
         ))
+        .layer(axum::middleware::from_fn(rejections::json_errors))
         .with_state(state);
     match cors {
         Some(cors) => router.layer(cors),

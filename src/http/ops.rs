@@ -65,6 +65,9 @@ pub async fn readyz(State(app): State<Arc<AppState>>) -> Response {
 
 pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
     app.metrics.sync_placement(&app.cluster.snapshot());
+    app.metrics
+        .manager_leading
+        .set(i64::from(app.cluster.leading_term().await.0 > 0));
     (
         [(
             header::CONTENT_TYPE,

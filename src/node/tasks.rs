@@ -98,7 +98,10 @@ pub async fn collect_on_schedule(app: std::sync::Weak<AppState>, stop: Cancellat
                 metrics.record(&report);
                 tracing::info!(?report, "collector run finished");
             }
-            Err(err) => tracing::warn!(error = %err, "collector run failed"),
+            Err(err) => {
+                metrics.failures.inc();
+                tracing::warn!(error = %err, "collector run failed")
+            }
         }
     }
 }

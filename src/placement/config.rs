@@ -238,6 +238,15 @@ impl ClusterConfig {
                     "must be an IP address and port (for example 10.0.0.5:7071); host names are not resolved",
                 ));
             }
+            if !self.control_addr.trim().is_empty()
+                && self.control_addr.parse::<std::net::SocketAddr>().is_err()
+            {
+                // Peers dial the control plane at this address as it is.
+                problems.push(Problem::new(
+                    "cluster.control_addr",
+                    "must be an IP address and port (for example 10.0.0.5:7072); host names are not resolved",
+                ));
+            }
         }
         problems
     }

@@ -12,15 +12,23 @@ pub fn config(url: &str, node: &str) -> ClusterConfig {
     let mut config = ClusterConfig::fast_for_tests(url);
     config.internal_addr = internal_addr(node);
     config.public_addr = format!("{node}.public:7070");
-    config.control_addr = format!("{node}.control:7072");
+    config.control_addr = control_addr(node);
     config
 }
 
 /// The internal address a test node registers: loopback, a port derived from its name
 /// (nothing listens there; placement tests only route).
 pub fn internal_addr(node: &str) -> String {
-    let port = 20_000 + blake3::hash(node.as_bytes()).as_bytes()[0] as u16 * 64;
-    format!("127.0.0.1:{port}")
+    format!("127.0.0.1:{}", port_of(node))
+}
+
+/// The control address a test node registers (the port after its internal one).
+pub fn control_addr(node: &str) -> String {
+    format!("127.0.0.1:{}", port_of(node) + 1)
+}
+
+fn port_of(node: &str) -> u16 {
+    20_000 + blake3::hash(node.as_bytes()).as_bytes()[0] as u16 * 64
 }
 
 /// Start a node named `name` with the default fast config adjusted by `tweak`.

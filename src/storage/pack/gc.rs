@@ -103,6 +103,8 @@ pub struct GcMetrics {
     pub bytes_reclaimed: Counter,
     pub packs_rewritten: Counter,
     pub runs: Counter,
+    /// Collector runs that ended in an error (scheduled or over the admin API).
+    pub failures: Counter,
     pub duration: Histogram,
 }
 
@@ -112,6 +114,7 @@ impl Default for GcMetrics {
             bytes_reclaimed: Counter::default(),
             packs_rewritten: Counter::default(),
             runs: Counter::default(),
+            failures: Counter::default(),
             duration: Histogram::new([0.1, 1.0, 10.0, 60.0, 600.0, 3600.0]),
         }
     }
@@ -120,18 +123,23 @@ impl Default for GcMetrics {
 impl GcMetrics {
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
         registry.register(
-            "graviton_gc_bytes_reclaimed",
+            "gc_bytes_reclaimed",
             "Pack bytes deleted by the collector",
             self.bytes_reclaimed.clone(),
         );
         registry.register(
-            "graviton_gc_packs_rewritten",
+            "gc_packs_rewritten",
             "Sparse packs rewritten by compaction",
             self.packs_rewritten.clone(),
         );
-        registry.register("graviton_gc_runs", "Collector runs", self.runs.clone());
+        registry.register("gc_runs", "Collector runs", self.runs.clone());
         registry.register(
-            "graviton_gc_duration_seconds",
+            "gc_failures",
+            "Collector runs that failed",
+            self.failures.clone(),
+        );
+        registry.register(
+            "gc_duration_seconds",
             "Duration of collector runs",
             self.duration.clone(),
         );

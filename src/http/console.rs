@@ -1,0 +1,346 @@
+//! The operator console: `GET /console` (page, script and style embedded in the binary,
+//! no CDN) and `GET /v1/admin/console` (its data, admin token).
+//!
+//! The page holds no data itself: it asks for the admin token (kept in the tab's
+//! `sessionStorage`) and polls the data endpoint every two seconds. The data is read from
+//! the same sources as `/readyz` (the placement health snapshot), `/metrics` (the metric
+//! handles) and `/v1/admin/admission` (the admission snapshot), so a number on the page
+//! equals the metric. It never carries tenant or session ids: decision events keep only
+//! the keyed tenant hash that admission writes to Redis (shortened), and a value that
+//! looks like a raw UUID is dropped.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{HeaderMap, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+use super::{ApiError, AppState};
+use crate::metrics::KindLabels;
+
+const INDEX: &str = include_str!("../../assets/console/index.html");
+const SCRIPT: &str = include_str!("../../assets/console/console.js");
+const STYLE: &str = include_str!("../../assets/console/console.css");
+
+/// Security headers of every console asset: no framing, no third-party anything.
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'";
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CONTENT_SECURITY_POLICY, CSP),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (header::CACHE_CONTROL, "no-cache"),
+            (header::REFERRER_POLICY, "no-referrer"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+/// `GET /console`
+pub async fn page() -> Response {
+    asset("text/html; charset=utf-8", INDEX)
+}
+
+/// `GET /console/console.js`
+pub async fn script() -> Response {
+    asset("text/javascript; charset=utf-8", SCRIPT)
+}
+
+/// `GET /console/console.css`
+pub async fn style() -> Response {
+    asset("text/css; charset=utf-8", STYLE)
+}
+
+#[derive(Debug, Serialize)]
+pub struct ConsoleData {
+    pub node: String,
+    pub mode: &'static str,
+    pub version: &'static str,
+    pub ready: bool,
+    pub uptime_seconds: u64,
+    /// The readiness snapshot `/readyz` answers with.
+    pub health: crate::placement::HealthSnapshot,
+    pub fenced: bool,
+    pub manager: Manager,
+    pub nodes: Vec<ConsoleNode>,
+    pub shards: Shards,
+    pub sessions: super::ops::SessionCounts,
+    pub admission: AdmissionView,
+    pub events: Vec<BTreeMap<&'static str, String>>,
+    /// Counter values of `/metrics` (the page turns them into rates).
+    pub counters: BTreeMap<&'static str, u64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Manager {
+    pub term: i64,
+    /// The node named in the placement meta row; `None` when unknown (embedded mode, or
+    /// the database is unreachable).
+    pub node: Option<String>,
+    pub this_node: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ConsoleNode {
+    pub id: String,
+    pub state: crate::placement::NodeState,
+    pub heartbeat_age_ms: i64,
+    pub incarnation: i64,
+    pub version: String,
+    pub shards: usize,
+    /// Shards moving onto this node.
+    pub incoming: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Shards {
+    pub count: u32,
+    /// Owner of each shard, as an index into `nodes`, or -1 when unassigned.
+    pub owners: Vec<i32>,
+    /// Shards in motion.
+    pub moving: Vec<u32>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct AdmissionView {
+    pub snapshot: Option<crate::admission::AdmissionSnapshot>,
+    /// Set when the snapshot could not be read (fixed text).
+    pub error: Option<&'static str>,
+}
+
+/// Tenant hash prefix shown on the page.
+const TENANT_HASH_CHARS: usize = 12;
+/// Event fields the page may show; everything else (lease ids, fencing tokens) is dropped.
+const EVENT_FIELDS: [&str; 6] = ["at_ms", "kind", "operation", "outcome", "bytes", "tenant"];
+
+fn looks_like_uuid(text: &str) -> bool {
+    uuid::Uuid::parse_str(text).is_ok()
+}
+
+/// Keep the allowed fields of one decision event; shorten the tenant hash.
+fn event_view(event: BTreeMap<String, String>) -> BTreeMap<&'static str, String> {
+    let mut out = BTreeMap::new();
+    for field in EVENT_FIELDS {
+        let Some(value) = event.get(field) else {
+            continue;
+        };
+        if looks_like_uuid(value) {
+            continue;
+        }
+        let value = if field == "tenant" {
+            value.chars().take(TENANT_HASH_CHARS).collect()
+        } else {
+            value.clone()
+        };
+        out.insert(field, value);
+    }
+    out
+}
+
+/// One small lazily connecting pool per database URL for the manager row.
+fn meta_pool(url: &str) -> Option<sqlx::PgPool> {
+    static POOLS: Mutex<Option<HashMap<String, sqlx::PgPool>>> = Mutex::new(None);
+    let mut pools = POOLS.lock().ok()?;
+    let pools = pools.get_or_insert_with(HashMap::new);
+    if let Some(pool) = pools.get(url) {
+        return Some(pool.clone());
+    }
+    let options = crate::storage::pg::connect_options(url, Duration::from_secs(2)).ok()?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy_with(options.application_name("graviton-console"));
+    pools.insert(url.to_string(), pool.clone());
+    Some(pool)
+}
+
+async fn manager_node(app: &AppState) -> Option<String> {
+    let url = app.config.cluster.database_url.as_ref()?;
+    let pool = meta_pool(url.expose())?;
+    let store = crate::storage::pg::PlacementStore::new(pool);
+    match tokio::time::timeout(Duration::from_secs(2), store.meta()).await {
+        Ok(Ok(meta)) => meta.manager_node,
+        _ => None,
+    }
+}
+
+/// `GET /v1/admin/console` (admin token): everything the console shows.
+pub async fn data(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Json<ConsoleData>, ApiError> {
+    super::admission::require_admin(&app, &headers)?;
+    let clustered = app.config.cluster.enabled;
+    let table = app.cluster.view().table();
+    let placement = app.cluster.snapshot();
+    let stats = app.sessions.stats().await.ok();
+
+    // Embedded mode has no node rows: the local node owns every shard.
+    let mut ids: Vec<&crate::ids::NodeId> = table.nodes.keys().collect();
+    if !table.nodes.contains_key(&app.node_id) && table.owned_by(&app.node_id) > 0 {
+        ids.push(&app.node_id);
+    }
+    let index: HashMap<&crate::ids::NodeId, i32> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (*id, i as i32))
+        .collect();
+    let nodes = ids
+        .iter()
+        .map(|id| {
+            let row = table.nodes.get(*id);
+            ConsoleNode {
+                id: id.to_string(),
+                state: row.map_or(crate::placement::NodeState::Active, |n| n.state),
+                heartbeat_age_ms: row.map_or(0, |n| n.heartbeat_age_ms),
+                incarnation: row.map_or(0, |n| n.incarnation),
+                version: row.map_or_else(
+                    || env!("CARGO_PKG_VERSION").to_string(),
+                    |n| n.version.clone(),
+                ),
+                shards: table.owned_by(id),
+                incoming: table
+                    .shards
+                    .iter()
+                    .filter(|s| s.moving_to.as_ref() == Some(*id))
+                    .count(),
+            }
+        })
+        .collect();
+    let shards = Shards {
+        count: table.shard_count(),
+        owners: table
+            .shards
+            .iter()
+            .map(|s| {
+                s.owner
+                    .as_ref()
+                    .and_then(|o| index.get(o).copied())
+                    .unwrap_or(-1)
+            })
+            .collect(),
+        moving: table
+            .shards
+            .iter()
+            .filter(|s| s.moving_to.is_some())
+            .map(|s| s.shard.0)
+            .collect(),
+    };
+
+    let leading = app.cluster.leading_term().await.0 > 0;
+    let manager = Manager {
+        term: placement.manager_term.0,
+        node: if clustered {
+            manager_node(&app).await
+        } else {
+            None
+        },
+        this_node: leading,
+    };
+
+    let admission = match app
+        .admission
+        .snapshot(None, Some(crate::admission::BACKEND))
+        .await
+    {
+        Ok(snapshot) => AdmissionView {
+            snapshot: Some(snapshot),
+            error: None,
+        },
+        Err(_) => AdmissionView {
+            snapshot: None,
+            error: Some("the admission coordinator is unreachable"),
+        },
+    };
+    let events = match app.admission.coordinator() {
+        Some(coordinator) => coordinator
+            .recent_events(20)
+            .await
+            .map(|events| events.into_iter().map(event_view).collect())
+            .unwrap_or_default(),
+        None => Vec::new(),
+    };
+
+    let m = &app.metrics;
+    let kind = |family: &prometheus_client::metrics::family::Family<
+        KindLabels,
+        prometheus_client::metrics::counter::Counter,
+    >,
+                kind: &'static str| family.get_or_create(&KindLabels { kind }).get();
+    let counters = BTreeMap::from([
+        ("routing_local", kind(&m.routing, "local")),
+        ("routing_remote", kind(&m.routing, "remote")),
+        ("forwarded_uploads", m.forwarded_uploads.get()),
+        (
+            "routing_failures_resolve",
+            kind(&m.routing_failures, "resolve"),
+        ),
+        (
+            "routing_failures_permit",
+            kind(&m.routing_failures, "permit"),
+        ),
+        (
+            "routing_failures_forward_config",
+            kind(&m.routing_failures, "forward_config"),
+        ),
+        ("upload_bytes", m.upload_bytes.get()),
+        ("download_bytes", m.download_bytes.get()),
+    ]);
+
+    Ok(Json(ConsoleData {
+        node: app.node_id.to_string(),
+        mode: if clustered { "cluster" } else { "embedded" },
+        version: env!("CARGO_PKG_VERSION"),
+        ready: app.readiness.is_ready() && placement.health.ready,
+        uptime_seconds: app.started_at.elapsed().as_secs(),
+        health: placement.health.clone(),
+        fenced: placement.fenced,
+        manager,
+        nodes,
+        shards,
+        sessions: super::ops::SessionCounts {
+            hot: stats.map(|s| s.hot_sessions).unwrap_or(0),
+            active: stats.map(|s| s.active_sessions).unwrap_or(0),
+            capacity: stats
+                .map(|s| s.capacity)
+                .unwrap_or(app.config.sessions.max_hot),
+        },
+        admission,
+        events,
+        counters,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_keep_only_allowed_fields_and_a_short_tenant_hash() {
+        let event = BTreeMap::from([
+            ("kind".to_string(), "acquire".to_string()),
+            ("lease".to_string(), "lease-secret-id".to_string()),
+            ("fencing_token".to_string(), "42".to_string()),
+            ("tenant".to_string(), "a".repeat(64)),
+            ("outcome".to_string(), "admitted".to_string()),
+        ]);
+        let view = event_view(event);
+        assert_eq!(view.get("tenant").map(String::len), Some(TENANT_HASH_CHARS));
+        assert!(!view.contains_key("lease") && !view.contains_key("fencing_token"));
+        assert_eq!(view.get("outcome").map(String::as_str), Some("admitted"));
+    }
+
+    #[test]
+    fn a_raw_tenant_uuid_never_reaches_the_page() {
+        let raw = "2f1c7a8e-35eb-4cd0-8c35-74a5381818eb";
+        let view = event_view(BTreeMap::from([("tenant".to_string(), raw.to_string())]));
+        assert!(!view.contains_key("tenant"));
+    }
+}
