@@ -11,13 +11,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use graviton::admission::reply::AcquireReply;
 use graviton::admission::{
     Admission, AdmissionConfig, AdmissionMetrics, Footprint, Operation, Outcome,
     RedisAdmissionConfig, TransferRequest,
 };
 use graviton::config::{ByteSize, HumanDuration};
 use graviton::ids::TenantId;
+use graviton::storage::redis::reply::{AcquireReply, LeaseId};
 use graviton::storage::redis::{LeaseRequest, RedisCoordinator};
 
 const CLIENTS: usize = 32;
@@ -184,11 +184,11 @@ async fn coordinator_run(
             let mut latencies = Vec::with_capacity(ops / CLIENTS);
             for i in 0..ops / CLIENTS {
                 let request = LeaseRequest {
-                    lease_id: uuid::Uuid::new_v4().to_string(),
+                    lease_id: LeaseId::random(),
                     tenant: Some(tenants[(client + i) % tenants.len()]),
                     backend: "fs".into(),
-                    footprint: Footprint::new(16 << 20).unwrap(),
-                    operation: Operation::Upload,
+                    bytes: 16 << 20,
+                    operation: Operation::Upload.as_str(),
                 };
                 let t = Instant::now();
                 let reply = coordinator
@@ -200,7 +200,7 @@ async fn coordinator_run(
                     panic!("rejected: {reply:?}")
                 };
                 coordinator
-                    .release(&request.lease_id, &token, Outcome::Completed)
+                    .release(&request.lease_id, &token, Outcome::Completed.as_str())
                     .await
                     .expect("release");
             }
@@ -233,11 +233,11 @@ async fn unbatched_run(
             let mut latencies = Vec::with_capacity(ops / CLIENTS);
             for i in 0..ops / CLIENTS {
                 let request = LeaseRequest {
-                    lease_id: uuid::Uuid::new_v4().to_string(),
+                    lease_id: LeaseId::random(),
                     tenant: Some(tenants[(client + i) % tenants.len()]),
                     backend: "fs".into(),
-                    footprint: Footprint::new(16 << 20).unwrap(),
-                    operation: Operation::Upload,
+                    bytes: 16 << 20,
+                    operation: Operation::Upload.as_str(),
                 };
                 let t = Instant::now();
                 let reply = coordinator
@@ -249,7 +249,7 @@ async fn unbatched_run(
                     panic!("rejected: {reply:?}")
                 };
                 coordinator
-                    .release_unbatched(&request.lease_id, &token, Outcome::Completed)
+                    .release_unbatched(&request.lease_id, &token, Outcome::Completed.as_str())
                     .await
                     .expect("release");
             }

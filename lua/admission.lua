@@ -27,6 +27,9 @@ end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local now_s = string.format('%d', now)
+-- Server time in microseconds: the floor of fencing tokens (about 1.8e15, exact in a Lua
+-- double up to 2^53). See next_token.
+local now_us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 
 local function split(s)
   local out = {}
@@ -129,11 +132,16 @@ local function set_expiry(id, score)
   exp_dirty[id] = true
 end
 
+-- Fencing tokens never go backwards, even when the stored sequence does (a failover to a
+-- replica that missed the last writes, a restart without persistence): a token is the
+-- larger of the sequence + 1 and the server time in microseconds. Tokens issued at under
+-- one per microsecond stay at the clock, so a new primary whose clock is not behind the
+-- old one's by more than the failover takes issues higher tokens (docs/admission.md).
 local function next_token()
   if fence_value == nil then
     fence_value = tonumber(redis.call('GET', K_FENCE)) or 0
   end
-  fence_value = fence_value + 1
+  fence_value = math.max(fence_value + 1, now_us)
   fence_dirty = true
   return fence_value
 end
@@ -202,6 +210,22 @@ local function occupancy(tenant, backend, v)
   return { fmt(v['s:b']), fmt(v['s:c']), tb, tc, bc }
 end
 
+-- Load the policy fields of `names` that are not cached yet, with one HMGET.
+local function load_policy(names)
+  local missing = {}
+  for i = 1, #names do
+    if policy_cache[names[i]] == nil then
+      missing[#missing + 1] = names[i]
+    end
+  end
+  if #missing > 0 then
+    local raw = redis.call('HMGET', K_POLICY, unpack(missing))
+    for i = 1, #missing do
+      policy_cache[missing[i]] = tonumber(raw[i]) or false
+    end
+  end
+end
+
 -- Policy hash fields (cached for the call).
 local function policy_field(name)
   local value = policy_cache[name]
@@ -230,9 +254,8 @@ end
 -- Remove a lease and give back everything it reserved. Returns false if absent.
 local function drop_lease(id, kind, outcome)
   local raw = get_lease(id)
-  if get_expiry(id) then
-    set_expiry(id, false)
-  end
+  -- Clear the expiry without reading it first (ZREM of an absent member is a no-op).
+  set_expiry(id, false)
   if not raw then
     return false
   end
@@ -320,6 +343,8 @@ local function acquire_one(a, d)
   end
 
   -- Live overrides win over the defaults the caller passed.
+  load_policy({ 'version', 'svc:b', 'svc:c', 't:' .. tenant .. ':b', 't:' .. tenant .. ':c',
+    'b:' .. backend .. ':c' })
   local version = policy_version()
   local svc_b = policy_field('svc:b') or tonumber(d[1])
   local svc_c = policy_field('svc:c') or tonumber(d[2])
@@ -502,7 +527,11 @@ local function policy()
       redis.call('HSET', K_POLICY, field, fmt(tonumber(ARGV[i])))
     end
   end
-  local version = redis.call('HINCRBY', K_POLICY, 'version', 1)
+  -- Versions follow the same rule as fencing tokens, in milliseconds: the larger of the
+  -- stored version + 1 and the server time, so a promoted lagging replica or an emptied
+  -- server still issues a version above every earlier one.
+  local version = math.max((tonumber(redis.call('HGET', K_POLICY, 'version')) or 0) + 1, now)
+  redis.call('HSET', K_POLICY, 'version', fmt(version))
   local outcome = 'set'
   if ARGV[5] == '-' and ARGV[6] == '-' then
     outcome = 'cleared'

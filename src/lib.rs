@@ -7,6 +7,7 @@
 //!   range planning, and the streaming ingest pipeline.
 //! - [`storage`]: I/O adapters that hold no policy: block and manifest stores (filesystem),
 //!   the Redis admission coordinator.
+//! - [`backoff`]: the one jittered exponential back-off, and the supervisors' restart helper.
 //! - [`admission`]: transfer admission: local budget, cluster leases, quotas (docs/admission.md).
 //! - [`session`]: pure hot-state logic of upload sessions (phases, counters, the bounded table).
 //! - [`actors`]: ractor actors (node supervisor, session region and owners) as thin shells
@@ -26,6 +27,7 @@
 pub mod actors;
 pub mod admission;
 pub mod auth;
+pub mod backoff;
 pub mod cas;
 pub mod cli;
 pub mod client;

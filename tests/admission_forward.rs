@@ -10,11 +10,12 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use graviton::admission::acquire::wait_for_lease;
 use graviton::admission::{Footprint, Operation, Outcome, RedisAdmissionConfig};
 use graviton::cas::chunker::MAX_CHUNK;
 use graviton::ids::{SessionId, SessionKey, TenantId};
 use graviton::placement::hash::shard_of;
-use graviton::storage::redis::{LeaseRequest, RedisCoordinator};
+use graviton::storage::redis::{LeaseId, LeaseRequest, RedisCoordinator};
 use support::cluster::{NodeProcess, is_ready};
 use support::node::{random_bytes, raw_exchange};
 
@@ -134,11 +135,14 @@ async fn a_forwarded_upload_takes_one_lease_and_owner_refusals_reach_the_client(
         }
     };
     let front = &nodes[0];
-    let coordinator = RedisCoordinator::connect(&RedisAdmissionConfig {
-        url: redis.url(),
-        cell: cell.clone(),
-        ..RedisAdmissionConfig::default()
-    })
+    let coordinator = RedisCoordinator::connect(
+        &RedisAdmissionConfig {
+            url: redis.url(),
+            cell: cell.clone(),
+            ..RedisAdmissionConfig::default()
+        }
+        .coordinator(),
+    )
     .unwrap();
 
     // 1. Forwarded with tenant_transfers = 1: admitted (it used to wait out `wait` and get
@@ -186,19 +190,20 @@ async fn a_forwarded_upload_takes_one_lease_and_owner_refusals_reach_the_client(
     //    byte of its body (so the edge cannot have read one).
     let key = owned_by_b();
     let holder = LeaseRequest {
-        lease_id: uuid::Uuid::new_v4().to_string(),
+        lease_id: LeaseId::random(),
         tenant: Some(key.tenant),
         backend: "fs".into(),
-        footprint: Footprint::new(1024).unwrap(),
-        operation: Operation::Upload,
+        bytes: 1024,
+        operation: Operation::Upload.as_str(),
     };
-    let lease = coordinator
-        .acquire(
-            &holder,
-            tokio::time::Instant::now() + Duration::from_secs(2),
-        )
-        .await
-        .unwrap();
+    let lease = wait_for_lease(
+        &coordinator,
+        &holder,
+        Duration::from_millis(50),
+        tokio::time::Instant::now() + Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
     let head = format!(
         "POST /v1/blobs HTTP/1.1\r\nHost: graviton\r\nContent-Length: 8388608\r\n\
          X-Graviton-Tenant-Id: {}\r\nX-Graviton-Upload-Session-Id: {}\r\n\r\n",
@@ -225,7 +230,7 @@ async fn a_forwarded_upload_takes_one_lease_and_owner_refusals_reach_the_client(
         "{events:?}"
     );
     coordinator
-        .release(&holder.lease_id, &lease.token, Outcome::Completed)
+        .release(&holder.lease_id, &lease.token, Outcome::Completed.as_str())
         .await
         .unwrap();
 

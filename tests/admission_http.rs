@@ -359,12 +359,15 @@ async fn a_spent_egress_window_is_429_with_retry_after_before_the_head() {
         .to_string();
     // Spend the tenant's whole window from another client of the same cell.
     let tenant = TenantId::new_random();
-    let coordinator = graviton::storage::redis::RedisCoordinator::connect(&RedisAdmissionConfig {
-        url: server.url(),
-        cell,
-        tenant_egress_per_hour: ByteSize::kib(512),
-        ..RedisAdmissionConfig::default()
-    })
+    let coordinator = graviton::storage::redis::RedisCoordinator::connect(
+        &RedisAdmissionConfig {
+            url: server.url(),
+            cell,
+            tenant_egress_per_hour: ByteSize::kib(512),
+            ..RedisAdmissionConfig::default()
+        }
+        .coordinator(),
+    )
     .unwrap();
     coordinator
         .charge(&tenant, graviton::admission::QuotaKind::Egress, 512 * 1024)

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use graviton::admission::reply::{AcquireReply, ReleaseReply, RenewReply};
 use graviton::admission::{
     Admission, AdmissionConfig, AdmissionMetrics, Dimension, Error, FencingToken, Footprint,
     Operation, Outcome, QuotaKind, RedisAdmissionConfig, TenantOverride, TransferRequest,
@@ -17,6 +16,7 @@ use graviton::admission::{
 use graviton::config::{ByteSize, HumanDuration};
 use graviton::http::ApiError;
 use graviton::ids::TenantId;
+use graviton::storage::redis::reply::{AcquireReply, LeaseId, ReleaseReply, RenewReply};
 use graviton::storage::redis::{LeaseRequest, RedisCoordinator};
 use support::{RedisServer, unique_suffix, wait_until};
 use tokio::time::Instant;
@@ -72,11 +72,11 @@ fn request(tenant: Option<TenantId>, mib: u64) -> TransferRequest {
 
 fn lease_request(tenant: Option<TenantId>, mib: u64) -> LeaseRequest {
     LeaseRequest {
-        lease_id: uuid::Uuid::new_v4().to_string(),
+        lease_id: LeaseId::random(),
         tenant,
         backend: "fs".to_string(),
-        footprint: Footprint::new(mib * MIB).unwrap(),
-        operation: Operation::Download,
+        bytes: mib * MIB,
+        operation: Operation::Download.as_str(),
     }
 }
 
@@ -87,7 +87,7 @@ fn cell() -> String {
 async fn snapshot(
     admission: &Admission,
     tenant: Option<&TenantId>,
-) -> graviton::admission::reply::SnapshotReply {
+) -> graviton::storage::redis::reply::SnapshotReply {
     admission
         .snapshot(tenant, Some("fs"))
         .await
@@ -503,13 +503,13 @@ async fn fencing_loss_is_reported_by_the_holder() {
     });
     let (p1, p2) = (provider(&cfg), provider(&cfg));
     let permit = p1.admit(request(None, 8)).await.unwrap();
-    let lease = permit.lease().unwrap().clone();
+    let lease = permit.lease().unwrap();
     let other = p2.coordinator().unwrap();
     // A stale token cannot touch the lease.
-    let wrong = FencingToken::for_test(lease.fencing_token + 1000);
+    let wrong = FencingToken::for_test(lease.fencing_token.value() + 1000);
     assert_eq!(
         other
-            .release(&lease.lease_id, &wrong, Outcome::Failed)
+            .release(&lease.lease_id, &wrong, Outcome::Failed.as_str())
             .await
             .unwrap(),
         ReleaseReply::Stale
@@ -519,10 +519,10 @@ async fn fencing_loss_is_reported_by_the_holder() {
         RenewReply::Stale
     );
     // Released behind the holder's back: the holder notices at its next renewal.
-    let token = FencingToken::for_test(lease.fencing_token);
+    let token = FencingToken::for_test(lease.fencing_token.value());
     assert_eq!(
         other
-            .release(&lease.lease_id, &token, Outcome::Failed)
+            .release(&lease.lease_id, &token, Outcome::Failed.as_str())
             .await
             .unwrap(),
         ReleaseReply::Released
@@ -556,7 +556,7 @@ async fn event_stream_is_bounded_and_follows_the_schema() {
             panic!("not admitted");
         };
         coordinator
-            .release(&request.lease_id, &token, Outcome::Completed)
+            .release(&request.lease_id, &token, Outcome::Completed.as_str())
             .await
             .unwrap();
     }
@@ -840,4 +840,188 @@ async fn a_large_waiter_is_not_starved_by_a_stream_of_small_transfers() {
         queued.is_some(),
         "the large transfer had to queue behind the small ones"
     );
+}
+
+/// Checks ADM-7: a large waiter with a long `retry_interval` (polls up to 8 s apart, far
+/// beyond the 2 s a waiter entry used to live) keeps its head-of-line place while small
+/// transfers of another tenant keep arriving, and is admitted once the pool frees up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_waiter_with_a_long_retry_interval_keeps_its_place_against_another_tenant() {
+    let Some(server) = RedisServer::start(
+        "a_large_waiter_with_a_long_retry_interval_keeps_its_place_against_another_tenant",
+    ) else {
+        return;
+    };
+    let base = edit(config(&server.url(), &cell()), |r| {
+        r.service_transfers = 16;
+        r.tenant_transfers = 16;
+        r.backend_transfers = 16;
+        r.tenant_bytes = ByteSize::mib(64);
+        r.wait = HumanDuration::secs(4);
+    });
+    let mut slow = base.clone();
+    slow.acquisition_timeout = HumanDuration::secs(40);
+    let slow = edit(slow, |r| {
+        r.lease_ttl = HumanDuration::secs(10);
+        r.renew_interval = HumanDuration::secs(3);
+        r.retry_interval = HumanDuration::secs(1);
+        r.wait = HumanDuration::secs(30);
+    });
+    let (small, large) = (provider(&base), provider(&slow));
+    let (small_tenant, large_tenant) = (TenantId::new_random(), TenantId::new_random());
+    // A blocker holds most of the 64 MiB pool while the large transfer queues.
+    let blocker = small.admit(request(None, 40)).await.unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut workers = Vec::new();
+    for _ in 0..10 {
+        let (small, stop) = (small.clone(), stop.clone());
+        workers.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(permit) = small.admit(request(Some(small_tenant), 8)).await {
+                    tokio::time::sleep(Duration::from_millis(15)).await;
+                    permit.finish(Outcome::Completed).await;
+                }
+            }
+        }));
+    }
+    let waiting = {
+        let large = large.clone();
+        tokio::spawn(async move { large.admit(request(Some(large_tenant), 48)).await })
+    };
+    // The large transfer is queued (its `queued` event is written with its first
+    // rejection); hold the blocker until its back-off has passed several polls apart.
+    let queued = wait_until(Duration::from_secs(10), || {
+        let large = large.clone();
+        async move {
+            all_events(large.coordinator().unwrap())
+                .await
+                .iter()
+                .any(|e| e["kind"] == "queued" && n(e, "bytes") == (48 * MIB) as i64)
+        }
+    })
+    .await;
+    assert!(queued, "the large transfer queued");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    blocker.finish(Outcome::Completed).await;
+    let result = waiting.await.unwrap();
+    stop.store(true, Ordering::Relaxed);
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    let permit = result.expect("the large waiter kept its place and was admitted");
+    permit.finish(Outcome::Completed).await;
+}
+
+async fn connection(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// Checks ADM-8: fencing tokens and policy versions never go backwards when a replica that
+/// missed the last writes is promoted (`REPLICAOF NO ONE`), nor when the server restarts
+/// empty. A real primary and replica, started by the test.
+#[tokio::test]
+async fn tokens_and_policy_versions_never_go_backwards_across_failover_and_empty_restart() {
+    let name = "tokens_and_policy_versions_never_go_backwards_across_failover_and_empty_restart";
+    let (Some(primary), Some(mut replica)) = (RedisServer::start(name), RedisServer::start(name))
+    else {
+        return;
+    };
+    let cell = cell();
+    let mut replica_conn = connection(&replica.url()).await;
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(primary.port())
+        .query_async(&mut replica_conn)
+        .await
+        .unwrap();
+    let on_primary = provider(&config(&primary.url(), &cell));
+    let tenant = TenantId::new_random();
+    let limit = |transfers| TenantOverride {
+        bytes: None,
+        transfers: Some(transfers),
+    };
+    let replicated = on_primary.admit(request(Some(tenant), 1)).await.unwrap();
+    let v1 = on_primary.set_override(&tenant, limit(3)).await.unwrap();
+    let primary_url = primary.url();
+    let synced = wait_until(Duration::from_secs(10), move || {
+        let url = primary_url.clone();
+        async move {
+            let mut conn = connection(&url).await;
+            let acked: i64 = redis::cmd("WAIT")
+                .arg(1)
+                .arg(200)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            acked == 1
+        }
+    })
+    .await;
+    assert!(synced, "the replica acknowledged the first writes");
+
+    // The replica loses its primary (pointed at a port nobody listens on): it keeps its
+    // data but misses everything the primary issues from now on.
+    let nowhere = support::free_port();
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(nowhere)
+        .query_async(&mut replica_conn)
+        .await
+        .unwrap();
+    let mut lost = Vec::new();
+    for _ in 0..2 {
+        lost.push(on_primary.admit(request(Some(tenant), 1)).await.unwrap());
+    }
+    let v2 = on_primary.set_override(&tenant, limit(4)).await.unwrap();
+    assert!(v2 > v1);
+    let last_token = lost.last().unwrap().lease().unwrap().fencing_token.value();
+    assert!(
+        last_token > replicated.lease().unwrap().fencing_token.value(),
+        "tokens increase on one server"
+    );
+
+    // Promote the lagging replica.
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("NO")
+        .arg("ONE")
+        .query_async(&mut replica_conn)
+        .await
+        .unwrap();
+    let on_replica = provider(&config(&replica.url(), &cell));
+    assert_eq!(
+        snapshot(&on_replica, Some(&tenant)).await.policy_version,
+        v1,
+        "the promoted replica really missed the last policy change"
+    );
+    let promoted = on_replica.admit(request(Some(tenant), 1)).await.unwrap();
+    let promoted_token = promoted.lease().unwrap().fencing_token.value();
+    assert!(
+        promoted_token > last_token,
+        "token {promoted_token} after failover is above {last_token}"
+    );
+    let v3 = on_replica.set_override(&tenant, limit(3)).await.unwrap();
+    assert!(v3 > v2, "policy version {v3} after failover is above {v2}");
+
+    // Restart with no data at all.
+    drop(promoted);
+    replica.restart();
+    let restarted = wait_until(Duration::from_secs(10), || {
+        let on_replica = on_replica.clone();
+        async move { on_replica.snapshot(None, None).await.is_ok() }
+    })
+    .await;
+    assert!(restarted, "the restarted server answers");
+    let fresh = on_replica.admit(request(Some(tenant), 1)).await.unwrap();
+    let fresh_token = fresh.lease().unwrap().fencing_token.value();
+    assert!(
+        fresh_token > promoted_token,
+        "token {fresh_token} after an empty restart"
+    );
+    let v4 = on_replica.set_override(&tenant, limit(4)).await.unwrap();
+    assert!(v4 > v3, "policy version {v4} after an empty restart");
+    drop((replicated, lost, fresh));
 }

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use graviton::backoff::Backoff;
 use graviton::config::Secret;
-use graviton::control::backoff::Backoff;
 use graviton::control::cluster::{ClusterOptions, ClusterTransport, MAX_FRAME_BYTES};
 use graviton::control::envelope::{
     self, Envelope, OwnerReply, Reply, ReplyErrorCode, SessionRequest,

@@ -24,60 +24,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
-use futures_util::future::BoxFuture;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::config::LeaseLossPolicy;
-use crate::admission::reply::{FencingToken, ReleaseReply, RenewReply};
-use crate::admission::{Error, Operation};
-
-/// How a transfer ended; sent with the release and recorded in the `completed` event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    Completed,
-    Failed,
-    Interrupted,
-}
-
-impl Outcome {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Completed => "completed",
-            Outcome::Failed => "failed",
-            Outcome::Interrupted => "interrupted",
-        }
-    }
-
-    pub(crate) fn to_u8(self) -> u8 {
-        self as u8
-    }
-
-    pub(crate) fn from_u8(value: u8) -> Self {
-        match value {
-            0 => Outcome::Completed,
-            1 => Outcome::Failed,
-            _ => Outcome::Interrupted,
-        }
-    }
-}
-
-/// The two coordinator calls a holder makes. Implemented by the Redis coordinator and by
-/// in-memory doubles in unit tests.
-pub trait LeaseBackend: Send + Sync + 'static {
-    fn renew<'a>(
-        &'a self,
-        lease_id: &'a str,
-        token: &'a FencingToken,
-    ) -> BoxFuture<'a, Result<RenewReply, Error>>;
-    fn release<'a>(
-        &'a self,
-        lease_id: &'a str,
-        token: &'a FencingToken,
-        outcome: Outcome,
-    ) -> BoxFuture<'a, Result<ReleaseReply, Error>>;
-}
+use crate::admission::lease::{LeaseBackend, Outcome};
+use crate::admission::{Error, FencingToken, LeaseId, Operation};
+use crate::storage::redis::reply::{ReleaseReply, RenewReply};
 
 /// Lease timing, from `[admission.redis]`.
 #[derive(Debug, Clone, Copy)]
@@ -95,7 +49,7 @@ pub type ReleaseHook = Arc<dyn Fn(Result<ReleaseReply, &Error>) + Send + Sync>;
 /// Everything a holder needs; built by the admission facade.
 pub struct LeaseHolderArgs {
     pub backend: Arc<dyn LeaseBackend>,
-    pub lease_id: String,
+    pub lease_id: LeaseId,
     pub token: FencingToken,
     /// Send time of the admitting acquire.
     pub sent_at: Instant,
@@ -248,6 +202,7 @@ mod tests {
     //! The holder against an in-memory backend (the Redis-backed behaviour is covered by
     //! `tests/admission_redis.rs`).
     use super::*;
+    use futures_util::future::BoxFuture;
     use std::sync::Mutex;
     use std::sync::atomic::AtomicUsize;
 
@@ -262,7 +217,7 @@ mod tests {
     impl LeaseBackend for Fake {
         fn renew<'a>(
             &'a self,
-            _: &'a str,
+            _: &'a LeaseId,
             _: &'a FencingToken,
         ) -> BoxFuture<'a, Result<RenewReply, Error>> {
             self.renews.fetch_add(1, Ordering::SeqCst);
@@ -272,7 +227,7 @@ mod tests {
 
         fn release<'a>(
             &'a self,
-            _: &'a str,
+            _: &'a LeaseId,
             _: &'a FencingToken,
             outcome: Outcome,
         ) -> BoxFuture<'a, Result<ReleaseReply, Error>> {
@@ -316,7 +271,7 @@ mod tests {
         let counter = losses.clone();
         let args = LeaseHolderArgs {
             backend: fake.clone(),
-            lease_id: "lease-1".into(),
+            lease_id: LeaseId::random(),
             token: FencingToken::for_test(1),
             sent_at: Instant::now(),
             timing: LeaseTiming {

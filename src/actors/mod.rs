@@ -18,7 +18,6 @@
 //! Upload bytes never travel through these mailboxes (they are unbounded): only
 //! control messages and counters do.
 
-pub mod backoff;
 pub mod handle;
 pub mod health;
 pub mod lease_holder;

@@ -1,13 +1,14 @@
 //! The one restart routine of the node's supervisors (`NodeSupervisor`,
 //! `PlacementSupervisor`): which supervision events mean "a child is gone", and how long
-//! to wait before starting it again (exponential backoff, reset after a stable run).
+//! to wait before starting it again (`crate::backoff::Restart`: exponential, reset after a
+//! stable run).
 
 use std::time::Duration;
 
 use ractor::{ActorId, ActorRef, Message, SupervisionEvent};
 use tokio::time::Instant;
 
-use super::backoff::Backoff;
+use crate::backoff;
 
 /// First restart delay of a crashed child.
 pub const RESTART_INITIAL: Duration = Duration::from_millis(50);
@@ -32,13 +33,13 @@ pub fn exited(event: &SupervisionEvent) -> Option<(ActorId, String)> {
 /// The restart state of one supervised child.
 #[derive(Debug, Clone)]
 pub struct Restart {
-    backoff: Backoff,
+    backoff: backoff::Restart,
 }
 
 impl Default for Restart {
     fn default() -> Self {
         Self {
-            backoff: Backoff::new(RESTART_INITIAL, RESTART_MAX, RESTART_STABLE_AFTER),
+            backoff: backoff::Restart::new(RESTART_INITIAL, RESTART_MAX, RESTART_STABLE_AFTER),
         }
     }
 }

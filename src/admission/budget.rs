@@ -1,8 +1,11 @@
 //! The process-local `TransferBudget`: hard permits every transfer holds, with or without
 //! Redis.
 //!
-//! Order of acquisition (always the same, so two transfers cannot deadlock):
-//! process bytes, then tenant bytes and tenant count, then backend count. Bytes are counted
+//! Order of acquisition (always the same, so two transfers cannot deadlock): the tenant's
+//! transfer count, the tenant's bytes, the backend's transfer count, then process bytes.
+//! A transfer waiting for its own tenant's permits therefore holds nothing that another
+//! tenant needs: one tenant's queue never blocks another tenant on the node (ADM-6).
+//! Bytes are counted
 //! in whole KiB. The semaphores are tokio's, which are FIFO-fair: a large waiter is not
 //! overtaken by smaller ones that arrive after it.
 //!
@@ -26,8 +29,8 @@ use tokio::time::Instant;
 use super::config::AdmissionConfig;
 use super::error::Error;
 use super::footprint::Footprint;
-use super::reply::Dimension;
 use crate::ids::TenantId;
+use crate::storage::redis::reply::Dimension;
 
 /// Per-key semaphores in a registry entry.
 struct Entry {
@@ -224,32 +227,30 @@ impl TransferBudget {
         }
         let kib = kib as u32;
         let timed_out = |_| Error::TimedOut("local transfer permits");
-        let process =
-            tokio::time::timeout_at(deadline, self.process.clone().acquire_many_owned(kib))
-                .await
-                .map_err(timed_out)?
-                .expect("budget semaphores are never closed");
-
-        let (tenant_in_use, tenant_bytes, tenant_transfer) = match tenant {
+        // The tenant's own permits first: a transfer queued behind its tenant's limits
+        // holds nothing another tenant needs (no cross-tenant blocking, ADM-6).
+        let (tenant_in_use, tenant_transfer, tenant_bytes) = match tenant {
             Some(tenant) => {
                 let (bytes, transfers) = lock(&self.tenants).check_out(tenant)?;
                 let in_use = InUse {
                     registry: self.tenants.clone(),
                     key: *tenant,
                 };
-                let bytes = tokio::time::timeout_at(deadline, bytes.acquire_many_owned(kib))
-                    .await
-                    .map_err(timed_out)?
-                    .expect("never closed");
                 let transfer = tokio::time::timeout_at(deadline, transfers.acquire_owned())
                     .await
                     .map_err(timed_out)?
                     .expect("never closed");
-                (Some(in_use), Some(bytes), Some(transfer))
+                let bytes = tokio::time::timeout_at(deadline, bytes.acquire_many_owned(kib))
+                    .await
+                    .map_err(timed_out)?
+                    .expect("never closed");
+                (Some(in_use), Some(transfer), Some(bytes))
             }
             None => (None, None, None),
         };
 
+        // Then the backend's count (shared only with transfers of the same backend), and
+        // the shared process bytes last.
         let key = backend.to_string();
         let (_, transfers) = lock(&self.backends).check_out(&key)?;
         let backend_in_use = InUse {
@@ -260,6 +261,12 @@ impl TransferBudget {
             .await
             .map_err(timed_out)?
             .expect("never closed");
+
+        let process =
+            tokio::time::timeout_at(deadline, self.process.clone().acquire_many_owned(kib))
+                .await
+                .map_err(timed_out)?
+                .expect("budget semaphores are never closed");
 
         if let Some(gauge) = &self.available {
             gauge.set(self.available_bytes() as i64);
@@ -437,6 +444,44 @@ mod tests {
             Err(Error::TimedOut(_))
         ));
         budget.reserve(None, "s3", mib(1), soon()).await.unwrap();
+    }
+
+    // Checks ADM-6: transfers queued behind their own tenant's limit hold no process bytes,
+    // so another tenant is admitted at once (before the fix they took the node's bytes
+    // first and this reservation timed out).
+    #[tokio::test]
+    async fn a_tenant_queued_behind_its_own_limit_never_blocks_another_tenant() {
+        let budget = TransferBudget::new(&config());
+        let (a, b) = (tenant(), tenant());
+        let far = Instant::now() + Duration::from_secs(30);
+        let _held = budget
+            .reserve(Some(&a), "fs", mib(8), soon())
+            .await
+            .unwrap();
+        // Seven more transfers of tenant A queue behind A's one-transfer limit; with the
+        // old order they would hold 7 x 8 MiB of the 64 MiB process pool.
+        let queued: Vec<_> = (0..7)
+            .map(|_| {
+                let budget = budget.clone();
+                tokio::spawn(async move { budget.reserve(Some(&a), "s3", mib(8), far).await })
+            })
+            .collect();
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            budget.available_bytes(),
+            56 << 20,
+            "queued transfers hold no bytes"
+        );
+        let other = budget.reserve(Some(&b), "s3", mib(8), soon()).await;
+        assert!(
+            other.is_ok(),
+            "tenant B was blocked by tenant A's queue: {other:?}"
+        );
+        for task in queued {
+            task.abort();
+        }
     }
 
     #[tokio::test]

@@ -10,6 +10,8 @@ use serde::{Deserialize, Serialize};
 use crate::config::problem::Problem;
 use crate::config::secret::Secret;
 use crate::config::units::{ByteSize, HumanDuration};
+use crate::storage::redis::coordinator::CALL_TIMEOUT;
+use crate::storage::redis::{CoordinatorConfig, Limits};
 
 /// Largest byte value accepted anywhere in admission (1 PiB). Keeps every count exact in
 /// Lua's doubles (< 2^53) and far from `u64` overflow when sums are formed.
@@ -201,6 +203,32 @@ impl RedisAdmissionConfig {
         self.url.starts_with("rediss://")
     }
 
+    /// The coordinator's connection and script parameters.
+    pub fn coordinator(&self) -> CoordinatorConfig {
+        CoordinatorConfig {
+            url: self.url.clone(),
+            username: self.username.clone(),
+            password: self.password.clone(),
+            verify_tls: self.verify_tls,
+            id_secret: self.id_secret.clone(),
+            key_prefix: self.key_prefix.clone(),
+            cell: self.cell.clone(),
+            limits: Limits {
+                service_bytes: self.service_bytes.bytes(),
+                service_transfers: u64::from(self.service_transfers),
+                tenant_bytes: self.tenant_bytes.bytes(),
+                tenant_transfers: u64::from(self.tenant_transfers),
+                backend_transfers: u64::from(self.backend_transfers),
+            },
+            lease_ttl: self.lease_ttl.get(),
+            waiter_ttl: super::acquire::waiter_ttl(self.retry_interval.get()),
+            requests_per_minute: self.tenant_requests_per_minute,
+            egress_per_hour: self.tenant_egress_per_hour.bytes(),
+            max_events: self.max_events,
+            reap_batch: self.reap_batch,
+        }
+    }
+
     fn problems(&self, problems: &mut Vec<Problem>) {
         let url = self.url.trim();
         if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
@@ -264,7 +292,7 @@ impl RedisAdmissionConfig {
                 "admission.redis.renew_interval",
                 "three renewal intervals must fit in admission.redis.lease_ttl (unsafe lease timing)",
             ));
-        } else if renew.saturating_mul(2) + crate::storage::redis::coordinator::CALL_TIMEOUT > ttl {
+        } else if renew.saturating_mul(2) + CALL_TIMEOUT > ttl {
             // The holder renews after one interval and declares loss one interval before
             // the TTL ends: one whole renew attempt (its call timeout) must fit between.
             problems.push(Problem::new(

@@ -1,4 +1,5 @@
-//! Admission errors and their HTTP mapping.
+//! Admission errors. Their HTTP answers are mapped in `http::error` (this module does not
+//! import `http`):
 //!
 //! | error | status | code | Retry-After |
 //! |---|---|---|---|
@@ -14,29 +15,12 @@
 
 use std::time::Duration;
 
-use axum::http::StatusCode;
-
-use super::reply::{Dimension, ReplyError};
-use crate::http::ApiError;
+use crate::storage::redis::CoordinatorError;
+pub use crate::storage::redis::QuotaKind;
+use crate::storage::redis::reply::{Dimension, ReplyError};
 
 /// Retry hint for busy and unavailable answers.
 pub const RETRY_HINT: Duration = Duration::from_secs(1);
-
-/// Which kind of traffic quota refused a charge.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum QuotaKind {
-    Requests,
-    Egress,
-}
-
-impl QuotaKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            QuotaKind::Requests => "request",
-            QuotaKind::Egress => "egress",
-        }
-    }
-}
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
@@ -84,78 +68,11 @@ impl Error {
     }
 }
 
-impl From<Error> for ApiError {
-    fn from(err: Error) -> Self {
+impl From<CoordinatorError> for Error {
+    fn from(err: CoordinatorError) -> Self {
         match err {
-            Error::NeverFits(_) => ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "transfer_admission_limited",
-                "the transfer exceeds an admission ceiling",
-            ),
-            Error::QuotaExceeded { kind, retry_after } => ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "quota_exceeded",
-                format!("tenant {} quota exceeded", kind.as_str()),
-            )
-            .with_retry_after(retry_after),
-            Error::TimedOut(_) | Error::Saturated(_) => ApiError::unavailable(
-                "transfer_admission_busy",
-                "transfer capacity is busy; retry later",
-            )
-            .with_retry_after(RETRY_HINT),
-            Error::Unavailable(_) | Error::Protocol(_) => ApiError::unavailable(
-                "admission_unavailable",
-                "transfer admission is temporarily unavailable",
-            )
-            .with_retry_after(RETRY_HINT),
-            Error::NotDistributed => ApiError::new(
-                StatusCode::CONFLICT,
-                "admission_not_distributed",
-                "cluster admission is not configured on this node",
-            ),
-            Error::InvalidOverride(what) => {
-                ApiError::bad_request("invalid_admission_override", what)
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn statuses_and_retry_after() {
-        let limited: ApiError = Error::NeverFits(Dimension::TenantBytes).into();
-        assert_eq!(
-            (limited.status.as_u16(), limited.code, limited.retry_after),
-            (429, "transfer_admission_limited", None)
-        );
-        let quota: ApiError = Error::QuotaExceeded {
-            kind: QuotaKind::Egress,
-            retry_after: Duration::from_millis(1500),
-        }
-        .into();
-        assert_eq!((quota.status.as_u16(), quota.code), (429, "quota_exceeded"));
-        assert_eq!(quota.retry_after, Some(Duration::from_millis(1500)));
-        for err in [Error::TimedOut("cluster lease"), Error::Saturated("tenant")] {
-            let api: ApiError = err.into();
-            assert_eq!(
-                (api.status.as_u16(), api.code),
-                (503, "transfer_admission_busy")
-            );
-            assert!(api.retry_after.is_some());
-        }
-        for err in [
-            Error::Unavailable("io".into()),
-            Error::Protocol(ReplyError::new("x")),
-        ] {
-            let api: ApiError = err.into();
-            assert_eq!(
-                (api.status.as_u16(), api.code),
-                (503, "admission_unavailable")
-            );
-            assert!(api.retry_after.is_some());
+            CoordinatorError::Unavailable(category) => Error::Unavailable(category),
+            CoordinatorError::Protocol(reply) => Error::Protocol(reply),
         }
     }
 }

@@ -9,7 +9,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 use super::footprint::Operation;
-use super::reply::Occupancy;
+use crate::storage::redis::reply::Occupancy;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {

@@ -1,32 +1,38 @@
 //! Transfer admission: before an upload or download pulls a byte it holds process-local
 //! permits and, in a cluster, one Redis lease reserving five dimensions atomically.
 //!
+//! This module owns the admission *policy*: what a transfer reserves, how long it waits,
+//! how it backs off, when it gives up, and what a lost lease means. `storage::redis` only
+//! runs the script and parses its replies.
+//!
 //! Pure parts (no I/O): [`config`] (sections and validation), [`footprint`] (what each
-//! operation reserves), [`hashing`] (keyed ids for Redis), [`reply`] (script replies,
-//! fencing token), [`wait`] (retry delays), [`transfer`] (what each transfer asks for), [`error`] (errors and HTTP mapping). Stateful
-//! parts: [`budget`] (the local `TransferBudget`), [`metrics`], and [`service`] (the
+//! operation reserves), [`error`] (errors; their HTTP answers are in `http::error`).
+//! Stateful parts: [`budget`] (the local `TransferBudget`), [`metrics`], [`acquire`] (the
+//! wait for a cluster lease: polls, back-off, timeout decision, abandon), [`lease`] (the
+//! `LeaseBackend` port of the `LeaseHolder` actor, and [`Outcome`]), [`handover`] (permits
+//! parked between a forwarder's pre-flight and its POST), [`transfer`] (what each transfer
+//! asks for), and [`service`] (the
 //! [`Admission`] facade, which drives `storage::redis` and the `LeaseHolder` actor).
 //! The protocol is described in `docs/admission.md`.
 
+pub mod acquire;
 pub mod budget;
 pub mod config;
 pub mod error;
 pub mod footprint;
 pub mod handover;
-pub mod hashing;
+pub mod lease;
 pub mod metrics;
-pub mod reply;
 pub mod service;
 pub mod transfer;
-pub mod wait;
 
-pub use crate::actors::lease_holder::Outcome;
+pub use crate::storage::redis::reply::{Dimension, FencingToken, LeaseId, Occupancy};
 pub use budget::{LocalPermit, LocalSnapshot, TransferBudget};
 pub use config::{AdmissionConfig, LeaseLossPolicy, RedisAdmissionConfig};
 pub use error::{Error, QuotaKind};
 pub use footprint::{Footprint, Operation};
+pub use lease::Outcome;
 pub use metrics::AdmissionMetrics;
-pub use reply::{Dimension, FencingToken, Occupancy};
 pub use service::{
     Admission, AdmissionPermit, AdmissionSnapshot, LeaseInfo, TenantOverride, TransferRequest,
 };

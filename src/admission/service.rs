@@ -19,19 +19,21 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::acquire::{ClusterLease, wait_for_lease};
 use super::budget::{LocalPermit, LocalSnapshot, TransferBudget};
-use super::config::AdmissionConfig;
+use super::config::{AdmissionConfig, RedisAdmissionConfig};
 use super::error::{Error, QuotaKind};
 use super::footprint::{Footprint, Operation};
 use super::handover::Parked;
+use super::lease::Outcome;
 use super::metrics::{AdmissionMetrics, KindLabels, OperationLabels, OutcomeLabels};
-use super::reply::{ChargeReply, Occupancy, ReleaseReply, SnapshotReply};
-use crate::actors::lease_holder::{
-    LeaseHolder, LeaseHolderArgs, LeaseHolderMsg, LeaseTiming, Outcome,
-};
+use crate::actors::lease_holder::{LeaseHolder, LeaseHolderArgs, LeaseHolderMsg, LeaseTiming};
 use crate::config::ByteSize;
 use crate::ids::TenantId;
-use crate::storage::redis::{ClusterLease, LeaseRequest, RedisCoordinator};
+use crate::storage::redis::reply::{
+    ChargeReply, FencingToken, LeaseId, Occupancy, ReleaseReply, SnapshotReply,
+};
+use crate::storage::redis::{LeaseRequest, RedisCoordinator};
 
 /// One transfer asking to run.
 #[derive(Debug, Clone)]
@@ -57,13 +59,20 @@ pub struct AdmissionSnapshot {
     pub cluster: Option<SnapshotReply>,
 }
 
-/// Lease facts a transfer may pass downstream.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Lease facts a transfer may pass downstream (the fencing token for downstream fencing).
+/// Not `Clone`, like the token it carries.
+#[derive(Debug, PartialEq, Eq)]
 pub struct LeaseInfo {
-    pub lease_id: String,
-    pub fencing_token: u64,
+    pub lease_id: LeaseId,
+    pub fencing_token: FencingToken,
     pub policy_version: u64,
     pub occupancy: Occupancy,
+}
+
+/// The coordinator of the cell and the section it was built from (the policy half).
+struct Cluster {
+    coordinator: RedisCoordinator,
+    config: RedisAdmissionConfig,
 }
 
 /// The admission service of one node. Cheap to clone.
@@ -75,7 +84,7 @@ pub struct Admission {
 struct Inner {
     config: AdmissionConfig,
     budget: TransferBudget,
-    cluster: Option<RedisCoordinator>,
+    cluster: Option<Cluster>,
     metrics: AdmissionMetrics,
     parked: Parked,
 }
@@ -96,7 +105,12 @@ impl Admission {
         let cluster = config
             .redis
             .as_ref()
-            .map(RedisCoordinator::connect)
+            .map(|redis| {
+                Ok::<_, Error>(Cluster {
+                    coordinator: RedisCoordinator::connect(&redis.coordinator())?,
+                    config: redis.clone(),
+                })
+            })
             .transpose()?;
         let budget =
             TransferBudget::new(config).with_available_gauge(metrics.local_available_bytes.clone());
@@ -116,7 +130,7 @@ impl Admission {
     }
 
     pub fn coordinator(&self) -> Option<&RedisCoordinator> {
-        self.inner.cluster.as_ref()
+        self.inner.cluster.as_ref().map(|c| &c.coordinator)
     }
 
     pub fn metrics(&self) -> &AdmissionMetrics {
@@ -225,17 +239,24 @@ impl Admission {
                 outcome,
             });
         };
-        let redis = cluster.config();
+        let redis = &cluster.config;
+        let coordinator = &cluster.coordinator;
         let lease_request = LeaseRequest {
-            lease_id: uuid::Uuid::new_v4().to_string(),
+            lease_id: LeaseId::random(),
             tenant: request.tenant,
             backend: request.backend.clone(),
-            footprint: cluster_footprint,
-            operation: request.operation,
+            bytes: cluster_footprint.bytes(),
+            operation: request.operation.as_str(),
         };
         let cluster_deadline = deadline.min(Instant::now() + redis.wait.get());
         // On error `local` is dropped here, returning the local permits.
-        let lease = cluster.acquire(&lease_request, cluster_deadline).await?;
+        let lease = wait_for_lease(
+            coordinator,
+            &lease_request,
+            redis.retry_interval.get(),
+            cluster_deadline,
+        )
+        .await?;
         let ClusterLease {
             lease_id,
             token,
@@ -245,14 +266,14 @@ impl Admission {
         } = lease;
         let info = LeaseInfo {
             lease_id: lease_id.clone(),
-            fencing_token: token.value(),
+            fencing_token: token.duplicate(),
             policy_version,
             occupancy,
         };
         let metrics = self.inner.metrics.clone();
         let release_metrics = self.inner.metrics.clone();
         let args = LeaseHolderArgs {
-            backend: Arc::new(cluster.clone()),
+            backend: Arc::new(coordinator.clone()),
             lease_id,
             token,
             sent_at,
@@ -297,7 +318,7 @@ impl Admission {
             Err(_) => {
                 // The token went down with the failed spawn: drop the lease by id (abandon)
                 // and answer as a coordinator failure.
-                let _ = cluster.abandon(&lease_request, None).await;
+                let _ = coordinator.abandon(&lease_request, None).await;
                 Err(Error::Unavailable("lease_holder_spawn".into()))
             }
         }
@@ -328,7 +349,7 @@ impl Admission {
         let Some(cluster) = &self.inner.cluster else {
             return Ok(());
         };
-        match cluster.charge(tenant, kind, amount).await? {
+        match cluster.coordinator.charge(tenant, kind, amount).await? {
             ChargeReply::Charged { .. } => Ok(()),
             ChargeReply::Rejected { retry_after, .. } => {
                 self.inner
@@ -350,7 +371,7 @@ impl Admission {
         value: TenantOverride,
     ) -> Result<u64, Error> {
         let cluster = self.inner.cluster.as_ref().ok_or(Error::NotDistributed)?;
-        let redis = cluster.config();
+        let redis = &cluster.config;
         if value.bytes.is_none() && value.transfers.is_none() {
             return Err(Error::InvalidOverride(
                 "set bytes, transfers, or both (or clear the override)",
@@ -370,19 +391,20 @@ impl Admission {
                 "transfers must be between 1 and the service ceiling",
             ));
         }
-        cluster
+        Ok(cluster
+            .coordinator
             .set_policy(
                 tenant,
                 value.bytes.map(ByteSize::bytes),
                 value.transfers.map(u64::from),
             )
-            .await
+            .await?)
     }
 
     /// Remove a tenant override (back to configured defaults); returns the policy version.
     pub async fn clear_override(&self, tenant: &TenantId) -> Result<u64, Error> {
         let cluster = self.inner.cluster.as_ref().ok_or(Error::NotDistributed)?;
-        cluster.set_policy(tenant, None, None).await
+        Ok(cluster.coordinator.set_policy(tenant, None, None).await?)
     }
 
     pub async fn snapshot(
@@ -393,7 +415,7 @@ impl Admission {
         let local = self.inner.budget.snapshot();
         let cluster = match &self.inner.cluster {
             Some(cluster) => {
-                let snap = cluster.snapshot(tenant, backend).await?;
+                let snap = cluster.coordinator.snapshot(tenant, backend).await?;
                 self.inner.metrics.observe_occupancy(&snap.occupancy);
                 Some(snap)
             }

@@ -32,8 +32,8 @@ use ractor_cluster::{
     NodeEventSubscription, NodeServer, NodeServerMessage, RactorClusterMessage, RactorMessage,
 };
 
+use crate::backoff::Backoff;
 use crate::config::Secret;
-use crate::control::backoff::Backoff;
 use crate::control::envelope::{self, Envelope, Reply};
 use crate::control::transport::{ControlError, ControlHandler, ControlTransport, serve_bytes};
 use crate::ids::NodeId;

@@ -2,7 +2,7 @@
 //!
 //! - [`config`]: the `[control]` section.
 //! - [`envelope`]: pure, versioned MessagePack messages with a 64 KiB cap.
-//! - [`backoff`]: pure re-dial backoff with jitter.
+//! - re-dials back off with `crate::backoff::Backoff` (jittered exponential).
 //! - [`transport`]: the [`ControlTransport`] / [`ControlHandler`] ports and the
 //!   in-memory implementation used by actor unit tests.
 //! - [`cluster`]: the real transport over `ractor_cluster` (NodeServer, ControlActor,
@@ -11,7 +11,6 @@
 //! PostgreSQL stays the source of truth for placement; messages here are RPCs with
 //! short deadlines and hints. A lost message is converged by NOTIFY/polling elsewhere.
 
-pub mod backoff;
 pub mod cluster;
 pub mod config;
 pub mod envelope;

@@ -5,8 +5,8 @@
 //! secrets or tenant ids.
 //!
 //! Every `From<domain error> for ApiError` lives here: uploads ([`UploadError`], with
-//! the ingest, session and store errors it wraps), routing ([`RouteError`]) and the
-//! stores. The `Retry-After` of each kind of temporary refusal is a named constant below.
+//! the ingest, session and store errors it wraps), routing ([`RouteError`]), admission
+//! ([`admission::Error`]) and the stores. The `Retry-After` of each kind of temporary refusal is a named constant below.
 
 use std::time::Duration;
 
@@ -15,6 +15,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
+use crate::admission;
 use crate::cas::ingest::IngestError;
 use crate::placement::RouteError;
 use crate::session::SessionError;
@@ -252,9 +253,87 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Admission refusals and failures (`docs/admission.md`, failure semantics).
+impl From<admission::Error> for ApiError {
+    fn from(err: admission::Error) -> Self {
+        match err {
+            admission::Error::NeverFits(_) => ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "transfer_admission_limited",
+                "the transfer exceeds an admission ceiling",
+            ),
+            admission::Error::QuotaExceeded { kind, retry_after } => ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "quota_exceeded",
+                format!("tenant {} quota exceeded", kind.as_str()),
+            )
+            .with_retry_after(retry_after),
+            admission::Error::TimedOut(_) | admission::Error::Saturated(_) => {
+                ApiError::unavailable(
+                    "transfer_admission_busy",
+                    "transfer capacity is busy; retry later",
+                )
+                .with_retry_after(admission::error::RETRY_HINT)
+            }
+            admission::Error::Unavailable(_) | admission::Error::Protocol(_) => {
+                ApiError::unavailable(
+                    "admission_unavailable",
+                    "transfer admission is temporarily unavailable",
+                )
+                .with_retry_after(admission::error::RETRY_HINT)
+            }
+            admission::Error::NotDistributed => ApiError::new(
+                StatusCode::CONFLICT,
+                "admission_not_distributed",
+                "cluster admission is not configured on this node",
+            ),
+            admission::Error::InvalidOverride(what) => {
+                ApiError::bad_request("invalid_admission_override", what)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::admission::{Dimension, Error, QuotaKind};
+    use crate::storage::redis::reply::ReplyError;
+
+    #[test]
+    fn admission_errors_map_to_statuses_and_retry_after() {
+        let limited: ApiError = Error::NeverFits(Dimension::TenantBytes).into();
+        assert_eq!(
+            (limited.status.as_u16(), limited.code, limited.retry_after),
+            (429, "transfer_admission_limited", None)
+        );
+        let quota: ApiError = Error::QuotaExceeded {
+            kind: QuotaKind::Egress,
+            retry_after: Duration::from_millis(1500),
+        }
+        .into();
+        assert_eq!((quota.status.as_u16(), quota.code), (429, "quota_exceeded"));
+        assert_eq!(quota.retry_after, Some(Duration::from_millis(1500)));
+        for err in [Error::TimedOut("cluster lease"), Error::Saturated("tenant")] {
+            let api: ApiError = err.into();
+            assert_eq!(
+                (api.status.as_u16(), api.code),
+                (503, "transfer_admission_busy")
+            );
+            assert!(api.retry_after.is_some());
+        }
+        for err in [
+            Error::Unavailable("io".into()),
+            Error::Protocol(ReplyError::new("x")),
+        ] {
+            let api: ApiError = err.into();
+            assert_eq!(
+                (api.status.as_u16(), api.code),
+                (503, "admission_unavailable")
+            );
+            assert!(api.retry_after.is_some());
+        }
+    }
 
     /// Every upload error the service counts as server-side is answered with a 5xx, and
     /// every other one with a 4xx (the upload metrics and the answers agree).

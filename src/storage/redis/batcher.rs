@@ -19,7 +19,7 @@ use std::sync::Arc;
 use redis::aio::ConnectionManager;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
-use crate::admission::Error;
+use super::error::CoordinatorError as Error;
 
 /// Most items in one script call.
 pub const MAX_BATCH: usize = 64;

@@ -7,28 +7,28 @@
 //!   reap) are retried twice on I/O, dropped-connection and timeout errors; policy changes
 //!   and quota charges are not (a retry could apply twice) and fail closed instead.
 //! * Errors are reduced to a category (`io`, `timeout`, ...) before they become
-//!   [`Error::Unavailable`], so no server message or connection detail leaks.
+//!   `CoordinatorError::Unavailable`, so no server message or connection detail leaks.
+//!
+//! No policy lives here: how long to wait, how to back off, when to give up and what a
+//! reply means for a transfer are decided by `admission` (`admission::acquire`). This
+//! module only encodes arguments, runs the script and parses its replies.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 
-use futures_util::future::BoxFuture;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{IntoConnectionInfo, RedisError, Script, ScriptInvocation};
-use tokio::time::Instant;
 
 use super::batcher::{BatchContext, BatchItem, Batcher};
-use super::keys::CellKeys;
-use crate::actors::lease_holder::{LeaseBackend, Outcome};
-use crate::admission::config::RedisAdmissionConfig;
-use crate::admission::hashing::IdHasher;
-use crate::admission::reply::{
-    self, AcquireReply, ChargeReply, Dimension, FencingToken, Occupancy, ReleaseReply, RenewReply,
+use super::error::CoordinatorError as Error;
+use super::hashing::IdHasher;
+use super::keys::{CellKeys, QuotaKind};
+use super::reply::{
+    self, AcquireReply, ChargeReply, Dimension, FencingToken, LeaseId, ReleaseReply, RenewReply,
     SnapshotReply,
 };
-use crate::admission::{Error, Footprint, Operation, QuotaKind, wait};
+use crate::config::Secret;
 use crate::ids::TenantId;
 
 /// The admission script, hashed once per process.
@@ -37,31 +37,63 @@ static SCRIPT: LazyLock<Script> =
 
 /// Response timeout of one Redis call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(1);
-/// A waiter that has not polled for this long loses its place at the head of the queue.
-const WAITER_TTL: Duration = Duration::from_secs(2);
 const REQUEST_WINDOW_MS: u64 = 60_000;
 const EGRESS_WINDOW_MS: u64 = 3_600_000;
 
-/// What one transfer asks of the cluster.
+/// Connection and script parameters of one cell, built from `[admission.redis]` by
+/// `admission::config` (storage does not read the admission section itself).
+#[derive(Debug, Clone)]
+pub struct CoordinatorConfig {
+    /// `redis://` or `rediss://`; no credentials in it.
+    pub url: String,
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    /// With `rediss://`: `false` accepts any server certificate.
+    pub verify_tls: bool,
+    /// HMAC key of tenant and backend ids; `None` = plain SHA-256.
+    pub id_secret: Option<Secret>,
+    pub key_prefix: String,
+    pub cell: String,
+    /// Default ceilings sent with every acquire (overrides live in Redis).
+    pub limits: Limits,
+    pub lease_ttl: Duration,
+    /// How long a waiter entry lives without a poll (see `lua/admission.lua`).
+    pub waiter_ttl: Duration,
+    pub requests_per_minute: u64,
+    pub egress_per_hour: u64,
+    /// `XADD MAXLEN ~` of the event stream.
+    pub max_events: u64,
+    /// Expired leases reaped per call at most.
+    pub reap_batch: u32,
+}
+
+impl CoordinatorConfig {
+    pub fn uses_tls(&self) -> bool {
+        self.url.trim().starts_with("rediss://")
+    }
+}
+
+/// The five default ceilings of a cell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub service_bytes: u64,
+    pub service_transfers: u64,
+    pub tenant_bytes: u64,
+    pub tenant_transfers: u64,
+    pub backend_transfers: u64,
+}
+
+/// What one transfer asks of the cluster, as the script sees it.
 #[derive(Debug, Clone)]
 pub struct LeaseRequest {
     /// Chosen once per transfer and reused on every attempt (acquire is idempotent on it).
-    pub lease_id: String,
+    pub lease_id: LeaseId,
     pub tenant: Option<TenantId>,
+    /// Backend label (hashed before it reaches Redis).
     pub backend: String,
-    pub footprint: Footprint,
-    pub operation: Operation,
-}
-
-/// A cluster lease granted by the script.
-#[derive(Debug)]
-pub struct ClusterLease {
-    pub lease_id: String,
-    pub token: FencingToken,
-    pub policy_version: u64,
-    pub occupancy: Occupancy,
-    /// When the admitting attempt was sent: the base of the holder's safe deadline.
-    pub sent_at: Instant,
+    pub bytes: u64,
+    /// Operation label recorded in events (`upload`, `download`, ...).
+    pub operation: &'static str,
 }
 
 /// Handle to one cell on one Redis server. Cheap to clone.
@@ -74,7 +106,7 @@ struct Inner {
     conn: ConnectionManager,
     keys: CellKeys,
     hasher: IdHasher,
-    config: RedisAdmissionConfig,
+    config: CoordinatorConfig,
     batcher: OnceLock<Batcher>,
 }
 
@@ -111,7 +143,7 @@ fn fmt_opt(value: Option<u64>) -> String {
 impl RedisCoordinator {
     /// Build the client without connecting: the node starts even while Redis is down, and
     /// admission fails closed until it answers.
-    pub fn connect(config: &RedisAdmissionConfig) -> Result<Self, Error> {
+    pub fn connect(config: &CoordinatorConfig) -> Result<Self, Error> {
         let mut url = config.url.trim().to_string();
         if config.uses_tls() && !config.verify_tls {
             url.push_str("#insecure");
@@ -154,7 +186,7 @@ impl RedisCoordinator {
         &self.inner.hasher
     }
 
-    pub fn config(&self) -> &RedisAdmissionConfig {
+    pub fn config(&self) -> &CoordinatorConfig {
         &self.inner.config
     }
 
@@ -191,13 +223,13 @@ impl RedisCoordinator {
                 keys: self.inner.keys.admission().to_vec(),
                 common: [c.max_events.to_string(), c.reap_batch.to_string()],
                 defaults: [
-                    c.service_bytes.bytes().to_string(),
-                    c.service_transfers.to_string(),
-                    c.tenant_bytes.bytes().to_string(),
-                    c.tenant_transfers.to_string(),
-                    c.backend_transfers.to_string(),
-                    (c.lease_ttl.get().as_millis() as u64).to_string(),
-                    (WAITER_TTL.as_millis() as u64).to_string(),
+                    c.limits.service_bytes.to_string(),
+                    c.limits.service_transfers.to_string(),
+                    c.limits.tenant_bytes.to_string(),
+                    c.limits.tenant_transfers.to_string(),
+                    c.limits.backend_transfers.to_string(),
+                    (c.lease_ttl.as_millis() as u64).to_string(),
+                    (c.waiter_ttl.as_millis() as u64).to_string(),
                 ],
             })
         })
@@ -210,11 +242,11 @@ impl RedisCoordinator {
         first: bool,
     ) -> Result<AcquireReply, Error> {
         let item = BatchItem::Acquire {
-            lease_id: request.lease_id.clone(),
+            lease_id: request.lease_id.to_string(),
             tenant: self.tenant_hash(request.tenant.as_ref()),
             backend: self.inner.hasher.backend(&request.backend),
-            bytes: request.footprint.bytes(),
-            operation: request.operation.as_str(),
+            bytes: request.bytes,
+            operation: request.operation,
             first,
         };
         Ok(reply::parse_acquire(&self.batcher().submit(item).await?)?)
@@ -228,93 +260,20 @@ impl RedisCoordinator {
     ) -> Result<AcquireReply, Error> {
         let c = &self.inner.config;
         let mut inv = self.invocation("acquire");
-        inv.arg(&request.lease_id)
+        inv.arg(request.lease_id.as_str())
             .arg(self.tenant_hash(request.tenant.as_ref()))
             .arg(self.inner.hasher.backend(&request.backend))
-            .arg(request.footprint.bytes())
-            .arg(c.service_bytes.bytes())
-            .arg(c.service_transfers)
-            .arg(c.tenant_bytes.bytes())
-            .arg(c.tenant_transfers)
-            .arg(c.backend_transfers)
-            .arg(c.lease_ttl.get().as_millis() as u64)
-            .arg(request.operation.as_str())
-            .arg(WAITER_TTL.as_millis() as u64)
+            .arg(request.bytes)
+            .arg(c.limits.service_bytes)
+            .arg(c.limits.service_transfers)
+            .arg(c.limits.tenant_bytes)
+            .arg(c.limits.tenant_transfers)
+            .arg(c.limits.backend_transfers)
+            .arg(c.lease_ttl.as_millis() as u64)
+            .arg(request.operation)
+            .arg(c.waiter_ttl.as_millis() as u64)
             .arg(if first { "1" } else { "0" });
         Ok(reply::parse_acquire(&self.call(&inv, true).await?)?)
-    }
-
-    /// Wait for a lease until `deadline`, polling with jitter (see [`wait`]). A footprint
-    /// that can never fit fails at once. If the wait ends without a lease (timeout, error,
-    /// or the future being dropped), an `abandon` call clears the waiter entry and any
-    /// lease a lost reply may have granted.
-    pub async fn acquire(
-        &self,
-        request: &LeaseRequest,
-        deadline: Instant,
-    ) -> Result<ClusterLease, Error> {
-        let mut guard = AbandonOnDrop {
-            coordinator: self.clone(),
-            request: request.clone(),
-            dimension: None,
-            armed: true,
-            disconnected: true,
-        };
-        let retry_interval = self.inner.config.retry_interval.get();
-        // Set once any reply arrived: a deadline that passes before that is an unreachable
-        // coordinator (503 admission_unavailable), after it saturation (503 busy).
-        let answered = AtomicBool::new(false);
-        let attempts = async {
-            let mut attempt = 0u32;
-            loop {
-                let sent_at = Instant::now();
-                let reply = self.try_acquire(request, attempt == 0).await?;
-                answered.store(true, Ordering::Relaxed);
-                match reply {
-                    AcquireReply::Admitted {
-                        token,
-                        policy_version,
-                        occupancy,
-                        ..
-                    } => {
-                        return Ok(ClusterLease {
-                            lease_id: request.lease_id.clone(),
-                            token,
-                            policy_version,
-                            occupancy,
-                            sent_at,
-                        });
-                    }
-                    AcquireReply::NeverFits { dimension, .. } => {
-                        return Err(Error::NeverFits(dimension));
-                    }
-                    AcquireReply::Rejected { dimension, .. } => {
-                        guard.dimension = Some(dimension);
-                        let remaining = deadline.saturating_duration_since(Instant::now());
-                        if remaining.is_zero() {
-                            return Err(Error::TimedOut("cluster lease"));
-                        }
-                        let delay =
-                            wait::next_delay(attempt, retry_interval, remaining, &mut rand::rng());
-                        tokio::time::sleep(delay).await;
-                        attempt = attempt.saturating_add(1);
-                    }
-                }
-            }
-        };
-        let result = match tokio::time::timeout_at(deadline, attempts).await {
-            Ok(result) => result,
-            Err(_) if !answered.load(Ordering::Relaxed) => {
-                Err(Error::Unavailable("timeout".into()))
-            }
-            Err(_) => Err(Error::TimedOut("cluster lease")),
-        };
-        // Reaching this point means the wait ended here, not by the caller dropping it.
-        guard.disconnected = false;
-        if matches!(result, Ok(_) | Err(Error::NeverFits(_))) {
-            guard.armed = false;
-        }
-        result
     }
 
     /// Clear the waiter entry of `request` and drop any lease it holds; record `timed_out`
@@ -336,11 +295,11 @@ impl RedisCoordinator {
         disconnected: bool,
     ) -> Result<bool, Error> {
         let item = BatchItem::Abandon {
-            lease_id: request.lease_id.clone(),
+            lease_id: request.lease_id.to_string(),
             tenant: self.tenant_hash(request.tenant.as_ref()),
             backend: self.inner.hasher.backend(&request.backend),
-            bytes: request.footprint.bytes(),
-            operation: request.operation.as_str(),
+            bytes: request.bytes,
+            operation: request.operation,
             dimension: dimension.map_or("-", Dimension::as_str),
             kind: if disconnected {
                 "abandoned"
@@ -352,24 +311,30 @@ impl RedisCoordinator {
         Ok(reply::parse_count(&reply, "ABANDONED")? == 1)
     }
 
-    pub async fn renew(&self, lease_id: &str, token: &FencingToken) -> Result<RenewReply, Error> {
+    pub async fn renew(
+        &self,
+        lease_id: &LeaseId,
+        token: &FencingToken,
+    ) -> Result<RenewReply, Error> {
         let mut inv = self.invocation("renew");
-        inv.arg(lease_id)
+        inv.arg(lease_id.as_str())
             .arg(token.value())
-            .arg(self.inner.config.lease_ttl.get().as_millis() as u64);
+            .arg(self.inner.config.lease_ttl.as_millis() as u64);
         Ok(reply::parse_renew(&self.call(&inv, true).await?)?)
     }
 
+    /// Release with `outcome` (`completed`, `failed`, `interrupted`), recorded in the
+    /// `completed` event.
     pub async fn release(
         &self,
-        lease_id: &str,
+        lease_id: &LeaseId,
         token: &FencingToken,
-        outcome: Outcome,
+        outcome: &'static str,
     ) -> Result<ReleaseReply, Error> {
         let item = BatchItem::Release {
             lease_id: lease_id.to_string(),
             token: token.value(),
-            outcome: outcome.as_str(),
+            outcome,
         };
         Ok(reply::parse_release(&self.batcher().submit(item).await?)?)
     }
@@ -377,12 +342,12 @@ impl RedisCoordinator {
     /// A release as its own script call (`release` op), without batching.
     pub async fn release_unbatched(
         &self,
-        lease_id: &str,
+        lease_id: &LeaseId,
         token: &FencingToken,
-        outcome: Outcome,
+        outcome: &'static str,
     ) -> Result<ReleaseReply, Error> {
         let mut inv = self.invocation("release");
-        inv.arg(lease_id).arg(token.value()).arg(outcome.as_str());
+        inv.arg(lease_id.as_str()).arg(token.value()).arg(outcome);
         Ok(reply::parse_release(&self.call(&inv, true).await?)?)
     }
 
@@ -425,14 +390,8 @@ impl RedisCoordinator {
         amount: u64,
     ) -> Result<ChargeReply, Error> {
         let (limit, window) = match kind {
-            QuotaKind::Requests => (
-                self.inner.config.tenant_requests_per_minute,
-                REQUEST_WINDOW_MS,
-            ),
-            QuotaKind::Egress => (
-                self.inner.config.tenant_egress_per_hour.bytes(),
-                EGRESS_WINDOW_MS,
-            ),
+            QuotaKind::Requests => (self.inner.config.requests_per_minute, REQUEST_WINDOW_MS),
+            QuotaKind::Egress => (self.inner.config.egress_per_hour, EGRESS_WINDOW_MS),
         };
         let mut inv = self.invocation("charge");
         inv.key(
@@ -522,57 +481,5 @@ pub(super) async fn invoke<T: redis::FromRedisValue>(
                 return Err(Error::Unavailable(category));
             }
         }
-    }
-}
-
-/// Runs `abandon` in the background unless disarmed: covers timeouts, errors and a caller
-/// that drops the acquire future (client disconnect) alike.
-struct AbandonOnDrop {
-    coordinator: RedisCoordinator,
-    request: LeaseRequest,
-    dimension: Option<Dimension>,
-    armed: bool,
-    /// Still set when the acquire future was dropped mid-wait (the caller went away).
-    disconnected: bool,
-}
-
-impl Drop for AbandonOnDrop {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let coordinator = self.coordinator.clone();
-        let request = self.request.clone();
-        let (dimension, disconnected) = (self.dimension, self.disconnected);
-        runtime.spawn(async move {
-            if let Err(err) = coordinator
-                .abandon_as(&request, dimension, disconnected)
-                .await
-            {
-                tracing::debug!(error = %err, "abandoning a cluster admission attempt failed; the lease expires by TTL");
-            }
-        });
-    }
-}
-
-impl LeaseBackend for RedisCoordinator {
-    fn renew<'a>(
-        &'a self,
-        lease_id: &'a str,
-        token: &'a FencingToken,
-    ) -> BoxFuture<'a, Result<RenewReply, Error>> {
-        Box::pin(RedisCoordinator::renew(self, lease_id, token))
-    }
-
-    fn release<'a>(
-        &'a self,
-        lease_id: &'a str,
-        token: &'a FencingToken,
-        outcome: Outcome,
-    ) -> BoxFuture<'a, Result<ReleaseReply, Error>> {
-        Box::pin(RedisCoordinator::release(self, lease_id, token, outcome))
     }
 }

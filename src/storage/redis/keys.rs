@@ -2,9 +2,23 @@
 //!
 //! Every key starts with `<prefix>:{<cell>}:` so all of them hash to one Redis Cluster
 //! slot and one script call may touch them together. Tenant and backend ids appear only
-//! as keyed hashes (see [`crate::admission::hashing`]).
+//! as keyed hashes (see [`super::hashing`]).
 
-use crate::admission::QuotaKind;
+/// Which kind of traffic quota refused a charge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QuotaKind {
+    Requests,
+    Egress,
+}
+
+impl QuotaKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QuotaKind::Requests => "request",
+            QuotaKind::Egress => "egress",
+        }
+    }
+}
 
 /// The keys of one cell, in the order `lua/admission.lua` expects them as `KEYS[1..8]`.
 #[derive(Debug, Clone, PartialEq, Eq)]

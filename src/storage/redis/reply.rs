@@ -1,4 +1,4 @@
-//! Typed views of the replies of `lua/admission.lua`, and the fencing token.
+//! Typed views of the replies of `lua/admission.lua`, the lease id and the fencing token.
 //!
 //! Every script reply is an array of bulk strings whose first element names the outcome;
 //! integers are written by the script with `%d`, so they parse as `u64`/`i64` exactly.
@@ -62,7 +62,7 @@ pub struct Occupancy {
 /// The token issued with a lease: strictly increasing per cell. Deliberately neither
 /// `Clone` nor `Copy` and only built by reply parsing, so the lease holder is the one
 /// place that can present it to `renew`/`release`; others may read its value.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct FencingToken(u64);
 
 impl FencingToken {
@@ -70,10 +70,39 @@ impl FencingToken {
         self.0
     }
 
+    /// A second handle on the same token, for the lease facts a permit exposes
+    /// (`admission::LeaseInfo`); only the holder presents its own to the coordinator.
+    pub(crate) fn duplicate(&self) -> Self {
+        Self(self.0)
+    }
+
     /// For in-memory test doubles of the coordinator only.
     #[doc(hidden)]
     pub fn for_test(value: u64) -> Self {
         Self(value)
+    }
+}
+
+/// The id of one cluster lease: a random UUID chosen once per transfer and reused on every
+/// acquire attempt (acquire is idempotent on it). It names the lease in Redis, events and
+/// logs; it carries nothing about the tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct LeaseId(String);
+
+impl LeaseId {
+    /// A fresh random (v4) id.
+    pub fn random() -> Self {
+        Self(uuid::Uuid::new_v4().to_string())
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
     }
 }
 
