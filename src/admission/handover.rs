@@ -3,7 +3,7 @@
 //! A forwarded upload is two requests to the owner: the forwarder's pre-flight (`HEAD`,
 //! before the client's body is read) and the `POST` that carries the body. The owner
 //! admits in the pre-flight, so a refusal reaches the client before the edge reads a byte,
-//! and parks the resulting [`AdmissionPermit`] here under a random reservation id that
+//! and parks the resulting admission permit here under a random reservation id that
 //! the forwarder repeats on the `POST`. The `POST` adopts it instead of admitting again:
 //! one cluster lease per transfer.
 //!
@@ -16,32 +16,42 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::service::AdmissionPermit;
-
 /// How long a parked admission waits for its `POST`. The forwarder sends the `POST`
 /// right after the pre-flight answers, so this only bounds abandoned reservations.
 pub const PARK_TTL: Duration = Duration::from_secs(10);
 
-struct Entry {
+struct Entry<P> {
     tag: String,
-    permit: AdmissionPermit,
+    permit: P,
 }
 
-/// The parked admissions of one node.
-#[derive(Clone, Default)]
-pub struct Parked(Arc<Mutex<HashMap<String, Entry>>>);
+/// The parked admissions of one node (`P` is the admission permit; dropping it releases
+/// the admission).
+pub struct Parked<P>(Arc<Mutex<HashMap<String, Entry<P>>>>);
 
-impl Parked {
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, Entry>> {
+impl<P> Clone for Parked<P> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<P> Default for Parked<P> {
+    fn default() -> Self {
+        Self(Arc::default())
+    }
+}
+
+impl<P: Send + 'static> Parked<P> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Entry<P>>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Park `permit` under a fresh id; it is dropped after [`PARK_TTL`] unless adopted.
-    pub fn park(&self, permit: AdmissionPermit, tag: String) -> String {
+    pub fn park(&self, permit: P, tag: String) -> String {
         self.park_for(permit, tag, PARK_TTL)
     }
 
-    fn park_for(&self, permit: AdmissionPermit, tag: String, ttl: Duration) -> String {
+    fn park_for(&self, permit: P, tag: String, ttl: Duration) -> String {
         let id = uuid::Uuid::new_v4().simple().to_string();
         self.lock().insert(id.clone(), Entry { tag, permit });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -59,7 +69,7 @@ impl Parked {
     }
 
     /// Take the permit parked under `id`, if it is still there and carries `tag`.
-    pub fn adopt(&self, id: &str, tag: &str) -> Option<AdmissionPermit> {
+    pub fn adopt(&self, id: &str, tag: &str) -> Option<P> {
         let mut map = self.lock();
         if map.get(id).is_some_and(|e| e.tag == tag) {
             map.remove(id).map(|e| e.permit)
@@ -120,7 +130,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_unadopted_permit_is_dropped_after_its_ttl() {
         let admission = admission();
-        let parked = Parked::default();
+        let parked: Parked<crate::admission::AdmissionPermit> = Parked::default();
         let permit = admission.admit(request()).await.unwrap();
         let id = parked.park_for(permit, "s".into(), Duration::from_secs(1));
         tokio::time::sleep(Duration::from_secs(2)).await;

@@ -86,7 +86,7 @@ struct Inner {
     budget: TransferBudget,
     cluster: Option<Cluster>,
     metrics: AdmissionMetrics,
-    parked: Parked,
+    parked: Parked<AdmissionPermit>,
 }
 
 impl std::fmt::Debug for Admission {

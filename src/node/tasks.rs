@@ -1,6 +1,6 @@
 //! The node's background tasks (the collector schedule, the peer feed, the release of lost
 //! sessions) as one supervised set: every task runs under the node's stop token, a task
-//! that panics is restarted with the shared restart backoff, and shutdown cancels and
+//! that panics is restarted with the supervisors' restart backoff (`actors::restart`), and shutdown cancels and
 //! awaits them all. No bare `tokio::spawn` of a long-lived task elsewhere in the node.
 
 use std::future::Future;
@@ -13,10 +13,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::http::AppState;
 use crate::storage::pack::gc::{self, GcOptions};
-
-/// How long a restarted task waits after its first failure; doubles up to [`MAX_RESTART_DELAY`].
-const FIRST_RESTART_DELAY: Duration = Duration::from_millis(200);
-const MAX_RESTART_DELAY: Duration = Duration::from_secs(10);
 
 type TaskFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
@@ -44,8 +40,11 @@ impl BackgroundTasks {
         let make: Arc<dyn Fn(CancellationToken) -> TaskFuture + Send + Sync> =
             Arc::new(move |stop| Box::pin(make(stop)));
         self.set.spawn(async move {
-            let mut delay = FIRST_RESTART_DELAY;
+            use crate::actors::restart::{RESTART_INITIAL, RESTART_MAX, RESTART_STABLE_AFTER};
+            let mut restart =
+                crate::backoff::Restart::new(RESTART_INITIAL, RESTART_MAX, RESTART_STABLE_AFTER);
             loop {
+                restart.started(tokio::time::Instant::now());
                 let run = tokio::spawn(make(stop.clone()));
                 match run.await {
                     Ok(()) => return,
@@ -54,11 +53,11 @@ impl BackgroundTasks {
                     }
                     Err(_) => return,
                 }
+                let delay = restart.next_delay(tokio::time::Instant::now());
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = tokio::time::sleep(delay) => {}
                 }
-                delay = (delay * 2).min(MAX_RESTART_DELAY);
             }
         });
     }
