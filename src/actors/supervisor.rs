@@ -116,9 +116,12 @@ impl Actor for NodeSupervisor {
             return Ok(());
         };
         if state.region.as_ref().is_none_or(|r| r.get_id() != id) {
-            // Another child (the placement group restarts its own children) exited.
-            if !state.shutting_down {
-                tracing::debug!(reason = %why, "a supervised group exited");
+            // Another child: the placement group (which restarts its own children) or a
+            // per-transfer lease holder (which ends with its transfer).
+            if matches!(event, SupervisionEvent::ActorFailed(..)) {
+                tracing::error!(reason = %why, "a supervised actor failed");
+            } else if !state.shutting_down {
+                tracing::debug!(reason = %why, "a supervised actor exited");
             }
             return Ok(());
         }

@@ -87,6 +87,8 @@ struct Inner {
     cluster: Option<Cluster>,
     metrics: AdmissionMetrics,
     parked: Parked<AdmissionPermit>,
+    /// The node supervisor the per-transfer lease holders are linked under.
+    supervisor: std::sync::OnceLock<ractor::ActorCell>,
 }
 
 impl std::fmt::Debug for Admission {
@@ -121,8 +123,15 @@ impl Admission {
                 cluster,
                 metrics,
                 parked: Parked::default(),
+                supervisor: std::sync::OnceLock::new(),
             }),
         })
+    }
+
+    /// Link every lease holder spawned from now on under `supervisor` (the node's root),
+    /// so the node's actor tree holds them. Set once; later calls are ignored.
+    pub fn supervise_under(&self, supervisor: ractor::ActorCell) {
+        let _ = self.inner.supervisor.set(supervisor);
     }
 
     pub fn is_distributed(&self) -> bool {
@@ -307,7 +316,11 @@ impl Admission {
                     .inc();
             }),
         };
-        match Actor::spawn(None, LeaseHolder, args).await {
+        let spawned = match self.inner.supervisor.get() {
+            Some(parent) => Actor::spawn_linked(None, LeaseHolder, args, parent.clone()).await,
+            None => Actor::spawn(None, LeaseHolder, args).await,
+        };
+        match spawned {
             Ok((actor, join)) => Ok(AdmissionPermit {
                 local: Some(local),
                 holder: Some((actor, join)),

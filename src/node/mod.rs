@@ -148,6 +148,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     .await
     .map_err(|e| StartError::Actors(e.to_string()))?;
 
+    admission.supervise_under(supervisor.root());
     let cluster_mode = config.cluster.enabled;
     let mut shared_manifests: Option<Arc<dyn ManifestStore>> = None;
     let cluster: Arc<ClusterHandle> = if cluster_mode {
