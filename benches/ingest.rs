@@ -77,6 +77,7 @@ fn limits_for(data: &Bytes) -> IngestLimits {
         max_size: u64::MAX,
         declared_size: Some(data.len() as u64),
         idle_timeout: Duration::from_secs(60),
+        digest: None,
     }
 }
 

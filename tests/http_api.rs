@@ -332,3 +332,65 @@ async fn ops_endpoints() {
         graviton::node::ShutdownOutcome::Drained
     );
 }
+
+// Checks CAS-4.
+#[tokio::test]
+async fn a_declared_sha256_is_checked_before_the_commit_in_both_spellings() {
+    use base64::Engine;
+    use sha2::Digest;
+    let node = TestNode::start().await;
+    let data = random_bytes(3 << 20, 9);
+    let sha: [u8; 32] = sha2::Sha256::digest(&data).into();
+    let hex: String = sha.iter().map(|b| format!("{b:02x}")).collect();
+    let rfc = format!(
+        "sha-256=:{}:",
+        base64::engine::general_purpose::STANDARD.encode(sha)
+    );
+    let post = |name: &'static str, value: String, body: Vec<u8>| {
+        client()
+            .post(format!("{}/v1/blobs", node.url))
+            .header(name, value)
+            .body(body)
+            .send()
+    };
+    // A wrong digest: 400 digest_mismatch, and nothing becomes visible.
+    let mut wrong = data.clone();
+    wrong[12345] ^= 1;
+    let response = post("content-digest", rfc.clone(), wrong.clone())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["error"], "digest_mismatch");
+    let response = post("x-content-hash", hex.clone(), wrong.clone())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    assert_eq!(node.manifest_count(), 0);
+    let missing = client()
+        .get(format!("{}/v1/blobs/{}", node.url, BlobKey::of(&wrong)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+    // A malformed or unsupported digest is refused before the body.
+    for (name, value) in [
+        ("content-digest", "sha-256=:short:".to_string()),
+        ("content-digest", "sha-512=:AAAA:".to_string()),
+        ("x-content-hash", "xyz".to_string()),
+    ] {
+        let response = post(name, value, data.clone()).await.unwrap();
+        assert_eq!(response.status(), 400);
+        let body: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(body["error"], "invalid_digest", "{name}");
+    }
+    // The right digest, in either spelling, commits the blob.
+    for (name, value) in [
+        ("content-digest", rfc),
+        ("x-content-hash", format!("sha256:{hex}")),
+    ] {
+        let response = post(name, value, data.clone()).await.unwrap();
+        assert_eq!(response.status(), 201, "{name}");
+    }
+    assert_eq!(node.manifest_count(), 1);
+}

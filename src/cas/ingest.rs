@@ -23,9 +23,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
+use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
 use super::chunker::StreamChunker;
+use super::digest::ContentDigest;
 use super::keys::{BlobKey, BlockKey};
 use super::manifest::{BlockRef, Manifest};
 use crate::storage::manifest::CommitFence;
@@ -74,6 +76,9 @@ pub struct IngestLimits {
     pub declared_size: Option<u64>,
     /// Abort when the body delivers nothing for this long.
     pub idle_timeout: Duration,
+    /// The SHA-256 the client declared for the whole body; checked before anything
+    /// commits (a mismatch is [`IngestError::DigestMismatch`]).
+    pub digest: Option<ContentDigest>,
 }
 
 /// What an upload produced.
@@ -98,6 +103,8 @@ pub enum IngestError {
     BodyIdle(Duration),
     #[error("request body failed: {0}")]
     Body(String),
+    #[error("the body's SHA-256 differs from the declared digest")]
+    DigestMismatch,
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("ingest pipeline stopped unexpectedly: {0}")]
@@ -194,6 +201,8 @@ where
 {
     let mut received: u64 = 0;
     let mut whole = blake3::Hasher::new();
+    // SHA-256 only when the client declared one (it costs about as much as BLAKE3 again).
+    let mut declared_digest = limits.digest.map(|d| (d, Sha256::new()));
     let mut batch: Vec<Bytes> = Vec::new();
     let mut batch_bytes = 0usize;
     loop {
@@ -218,6 +227,9 @@ where
         }
         on_bytes(frame.len() as u64);
         whole.update(&frame);
+        if let Some((_, sha)) = declared_digest.as_mut() {
+            sha.update(&frame);
+        }
         batch_bytes += frame.len();
         batch.push(frame);
         if batch_bytes >= BATCH_BYTES {
@@ -236,6 +248,12 @@ where
         && received != declared
     {
         return Err(IngestError::LengthMismatch { declared, received });
+    }
+    // Before the end of the body reaches the chunker: a mismatch commits nothing.
+    if let Some((expected, sha)) = declared_digest
+        && <[u8; 32]>::from(sha.finalize()) != expected.0
+    {
+        return Err(IngestError::DigestMismatch);
     }
     let stopped = |_| IngestError::Pipeline("chunker stopped".into());
     if !batch.is_empty() {
@@ -334,6 +352,7 @@ mod tests {
             max_size: 1 << 30,
             declared_size: declared,
             idle_timeout: Duration::from_secs(5),
+            digest: None,
         }
     }
 

@@ -5,6 +5,7 @@
 //! - [`chunker`]: the pinned FastCDC parameters that decide block boundaries.
 //! - [`manifest`]: the ordered block list that makes a blob, and its validation.
 //! - [`range`]: HTTP single-range parsing and the block slices a range needs.
+//! - [`digest`]: client-declared SHA-256 digests (`Content-Digest`, `X-Content-Hash`).
 //! - [`ingest`]: the streaming pipeline body -> chunks -> blocks -> manifest.
 //! - [`read`]: the streaming, verifying download of a blob or a range of it.
 //!
@@ -12,6 +13,7 @@
 //! the [`crate::storage`] traits and keep memory bounded whatever the blob size.
 
 pub mod chunker;
+pub mod digest;
 pub mod ingest;
 pub mod keys;
 pub mod manifest;

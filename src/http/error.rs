@@ -141,6 +141,10 @@ impl From<IngestError> for ApiError {
                 "body_timeout",
                 format!("no body data arrived for {}s", after.as_secs()),
             ),
+            IngestError::DigestMismatch => ApiError::bad_request(
+                "digest_mismatch",
+                "the body's SHA-256 differs from its Content-Digest / X-Content-Hash; nothing was stored",
+            ),
             IngestError::Body(_) => {
                 ApiError::bad_request("body_incomplete", "the request body ended early or failed")
             }
@@ -361,6 +365,7 @@ mod tests {
             }),
             UploadError::Ingest(IngestError::BodyIdle(Duration::from_secs(1))),
             UploadError::Ingest(IngestError::Body("x".into())),
+            UploadError::Ingest(IngestError::DigestMismatch),
             UploadError::Ingest(IngestError::Store(StoreError::Corrupt("x".into()))),
             UploadError::Ingest(IngestError::Store(StoreError::Unavailable("x".into()))),
             UploadError::Ingest(IngestError::Pipeline("x".into())),

@@ -9,6 +9,10 @@ use crate::ids::{SessionId, SessionKey, TenantId};
 pub const TENANT_HEADER: &str = "x-graviton-tenant-id";
 /// Header naming the upload session.
 pub const SESSION_HEADER: &str = "x-graviton-upload-session-id";
+/// RFC 9530 digest of the whole body (`sha-256=:<base64>:`).
+pub const CONTENT_DIGEST_HEADER: &str = "content-digest";
+/// The compatibility spelling of the body's SHA-256 (hex).
+pub const CONTENT_HASH_HEADER: &str = "x-content-hash";
 
 /// Everything an upload needs to know from its headers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,6 +21,8 @@ pub struct UploadHeaders {
     pub content_length: Option<u64>,
     /// The session, when both locality headers are present.
     pub session: Option<SessionKey>,
+    /// The SHA-256 the client declared for the body, when it did.
+    pub digest: Option<crate::cas::digest::ContentDigest>,
 }
 
 pub(crate) fn single_value<'a>(
@@ -143,10 +149,23 @@ pub fn upload_headers(headers: &HeaderMap, max_blob_size: u64) -> Result<UploadH
     }
     content_type(headers)?;
     let session = session_key(headers)?;
+    let digest = content_digest(headers)?;
     Ok(UploadHeaders {
         content_length,
         session,
+        digest,
     })
+}
+
+/// The body's declared SHA-256 from `Content-Digest` and/or `X-Content-Hash` (400
+/// `invalid_digest` when malformed, unsupported or conflicting).
+pub fn content_digest(
+    headers: &HeaderMap,
+) -> Result<Option<crate::cas::digest::ContentDigest>, ApiError> {
+    let rfc = single_value(headers, CONTENT_DIGEST_HEADER, "invalid_digest")?;
+    let hex = single_value(headers, CONTENT_HASH_HEADER, "invalid_digest")?;
+    crate::cas::digest::declared(rfc, hex)
+        .map_err(|e| ApiError::bad_request("invalid_digest", e.to_string()))
 }
 
 #[cfg(test)]

@@ -98,6 +98,9 @@ pub struct IngestRequest {
     pub content_type: String,
     /// `Content-Length` when the forwarder knew it.
     pub content_length: Option<u64>,
+    /// The body's SHA-256 as the client declared it (`Content-Digest` / `X-Content-Hash`,
+    /// passed on by the forwarder).
+    pub digest: Option<crate::cas::digest::ContentDigest>,
     /// The admission parked by this upload's pre-flight, if the forwarder sent one.
     pub reservation: Option<String>,
     pub body: Body,
@@ -143,7 +146,10 @@ impl OwnerIngest for Arc<UploadService> {
                 Some(route),
                 admitted,
                 None,
-                request.content_length,
+                crate::upload::Declared {
+                    length: request.content_length,
+                    digest: request.digest,
+                },
                 body,
             )
             .await?;
@@ -239,6 +245,7 @@ struct Checked {
     epoch: Epoch,
     content_type: String,
     content_length: Option<u64>,
+    digest: Option<crate::cas::digest::ContentDigest>,
 }
 
 #[derive(Serialize)]
@@ -331,6 +338,7 @@ fn check(
     };
     let key = SessionKey { tenant, session };
     let content_length = super::headers::content_length(headers).map_err(Refusal::Api)?;
+    let digest = super::headers::content_digest(headers).map_err(Refusal::Api)?;
     let content_type = match headers.get(header::CONTENT_TYPE) {
         None => "application/octet-stream".to_string(),
         Some(value) => value
@@ -376,6 +384,7 @@ fn check(
         epoch,
         content_type,
         content_length,
+        digest,
     })
 }
 
@@ -434,6 +443,7 @@ async fn ingest(
         epoch: checked.epoch,
         content_type: checked.content_type,
         content_length: checked.content_length,
+        digest: checked.digest,
         reservation,
         body,
     };

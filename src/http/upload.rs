@@ -21,7 +21,7 @@ use super::{ApiError, AppState};
 use crate::admission::Outcome;
 use crate::metrics::KindLabels;
 use crate::placement::Route;
-use crate::upload::UploadReceipt;
+use crate::upload::{Declared, UploadReceipt};
 
 pub async fn post_blob(
     State(app): State<Arc<AppState>>,
@@ -38,7 +38,10 @@ pub async fn post_blob(
     // is read; admission happens where the bytes are held (the upload service, or the
     // owner's pre-flight for a forwarded upload).
     super::admission::charge_request(&app, tenant.as_ref()).await?;
-    let declared = parsed.content_length;
+    let declared = Declared {
+        length: parsed.content_length,
+        digest: parsed.digest,
+    };
     let Some(key) = parsed.session else {
         // No session: content-addressed data can be ingested by any node.
         let receipt = app

@@ -29,6 +29,7 @@ pub use error::UploadError;
 
 use crate::actors::{IngestTicket, SessionRegionHandle};
 use crate::admission::{Admission, AdmissionPermit, Operation};
+use crate::cas::digest::ContentDigest;
 use crate::cas::ingest::{IngestError, IngestLimits, IngestReport, ingest_fenced};
 use crate::ids::{NodeId, SessionKey, TenantId};
 use crate::metrics::{BlockLabels, Metrics, OutcomeLabels};
@@ -52,6 +53,15 @@ pub struct UploadReceipt {
     /// The blob's entity tag (also sent as `ETag`; not part of the JSON body).
     #[serde(skip)]
     pub etag: String,
+}
+
+/// What the client declared about its body, checked by the pipeline before the commit.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Declared {
+    /// `Content-Length`.
+    pub length: Option<u64>,
+    /// `Content-Digest` / `X-Content-Hash` (SHA-256).
+    pub digest: Option<ContentDigest>,
 }
 
 /// Size and time limits of one upload.
@@ -99,7 +109,7 @@ impl UploadService {
         route: Option<LocalRoute>,
         admitted: Option<AdmissionPermit>,
         tenant: Option<TenantId>,
-        declared: Option<u64>,
+        declared: Declared,
         body: S,
     ) -> Result<UploadReceipt, UploadError>
     where
@@ -203,7 +213,7 @@ impl UploadService {
     /// Run the ingest pipeline over a body under `claim`.
     async fn run<S, E>(
         &self,
-        declared: Option<u64>,
+        declared: Declared,
         body: S,
         claim: &UploadClaim,
     ) -> Result<IngestReport, IngestError>
@@ -215,8 +225,9 @@ impl UploadService {
         let started = Instant::now();
         let limits = IngestLimits {
             max_size: parts.limits.max_blob_size,
-            declared_size: declared,
+            declared_size: declared.length,
             idle_timeout: parts.limits.body_idle_timeout,
+            digest: declared.digest,
         };
         let mut progress = Progress::new(claim.ticket());
         let metrics = parts.metrics.clone();

@@ -7,7 +7,8 @@
 //!    [`OwnerResolver`] once for the current owner and pre-flight again.
 //! 2. **Stream** `POST` the same path with the original body wrapped, frame by frame,
 //!    in `reqwest::Body::wrap_stream` (no buffering beyond the frames hyper holds, no
-//!    replay). `Content-Type` and `Content-Length` are copied.
+//!    replay). `Content-Type`, `Content-Length`, `Content-Digest` and `X-Content-Hash`
+//!    are copied.
 //! 3. **Relay** the owner's status, JSON body (capped at 1 MiB) and its `Content-Type`,
 //!    `Retry-After`, `Location` and `ETag` headers.
 //!
@@ -49,7 +50,7 @@ use source::Source;
 
 use crate::http::ApiError;
 use crate::http::error::RETRY_OWNERSHIP;
-use crate::http::headers::parse_digits;
+use crate::http::headers::{CONTENT_DIGEST_HEADER, CONTENT_HASH_HEADER, parse_digits};
 use crate::http::internal::{
     CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, ERROR_CODE_HEADER, INTERNAL_TOKEN_HEADER,
     RESERVATION_HEADER, SHARD_EPOCH_HEADER, SHARD_HEADER, ingest_path,
@@ -286,8 +287,15 @@ impl Forwarder {
             .header(INTERNAL_TOKEN_HEADER, self.token.clone())
             .header(SHARD_HEADER, target.shard.0)
             .header(SHARD_EPOCH_HEADER, target.epoch.0);
-        if let Some(value) = headers.get(header::CONTENT_TYPE) {
-            request = request.header(header::CONTENT_TYPE, value.clone());
+        // The owner checks the declared digest before its commit: pass it on.
+        for name in [
+            header::CONTENT_TYPE.as_str(),
+            CONTENT_DIGEST_HEADER,
+            CONTENT_HASH_HEADER,
+        ] {
+            if let Some(value) = headers.get(name) {
+                request = request.header(name, value.clone());
+            }
         }
         request
     }

@@ -61,6 +61,7 @@ impl Fixture {
             max_size: 1 << 30,
             declared_size: None,
             idle_timeout: Duration::from_secs(5),
+            digest: None,
         };
         ingest(
             futures_util::stream::iter(pieces),

@@ -38,6 +38,7 @@ fn limits() -> IngestLimits {
         max_size: 1 << 30,
         declared_size: None,
         idle_timeout: Duration::from_secs(5),
+        digest: None,
     }
 }
 
