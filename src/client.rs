@@ -4,7 +4,8 @@
 //! `Content-Length`. `get` streams the blob into a temporary file next to the target,
 //! checks its BLAKE3 hash and size against the key, and only then renames it into place,
 //! so a failed or corrupted download never leaves a partial file behind. Both show a
-//! progress bar when stderr is a terminal.
+//! progress bar when stderr is a terminal, send the caller's [`Credentials`] (a bearer
+//! token, a tenant for quotas), and turn a refusal into an error that names the fix.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -14,11 +15,50 @@ use futures_util::StreamExt;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::cas::BlobKey;
-use crate::ids::SessionKey;
+use crate::config::Secret;
+use crate::ids::{SessionKey, TenantId};
 use crate::upload::UploadReceipt as UploadResponse;
 
 /// Default server for client commands (`GRAVITON_SERVER` overrides).
 pub const SERVER_DEFAULT: &str = "http://127.0.0.1:7070";
+
+/// Who the client acts for: a bearer token (`--token`, `GRAVITON_TOKEN`) and, for a
+/// download, the tenant its egress is charged to (`--tenant`).
+#[derive(Debug, Clone, Default)]
+pub struct Credentials {
+    pub token: Option<Secret>,
+    pub tenant: Option<TenantId>,
+}
+
+impl Credentials {
+    fn bearer(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.token {
+            Some(token) => request.bearer_auth(token.expose()),
+            None => request,
+        }
+    }
+
+    /// The token and the tenant (a download's egress tenant).
+    fn apply(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        let mut request = self.bearer(request);
+        if let Some(tenant) = &self.tenant {
+            request = request.header(crate::http::headers::TENANT_HEADER, tenant.to_string());
+        }
+        request
+    }
+}
+
+/// What to do about a refusal, when the answer says it.
+fn fix_for(status: reqwest::StatusCode, code: &str) -> &'static str {
+    match (status.as_u16(), code) {
+        (401, _) => " (the server requires a bearer token: pass --token or set GRAVITON_TOKEN)",
+        (403, "tenant_mismatch") => " (--tenant must be the token's organization, or left out)",
+        (413, _) => " (the file is larger than the server's upload.max_blob_size)",
+        (429, _) | (503, _) => " (temporary: retry after the time the server named)",
+        (400, "digest_mismatch") => " (the file changed while it was read; upload it again)",
+        _ => "",
+    }
+}
 
 fn progress_bar(total: Option<u64>, verb: &str) -> ProgressBar {
     let bar = match total {
@@ -50,12 +90,15 @@ async fn error_of(response: reqwest::Response) -> anyhow::Error {
     let status = response.status();
     let body = response.text().await.unwrap_or_default();
     match serde_json::from_str::<serde_json::Value>(&body) {
-        Ok(json) => anyhow::anyhow!(
-            "server answered {status}: {} ({})",
-            json["message"].as_str().unwrap_or("no message"),
-            json["error"].as_str().unwrap_or("unknown")
-        ),
-        Err(_) => anyhow::anyhow!("server answered {status}"),
+        Ok(json) => {
+            let code = json["error"].as_str().unwrap_or("unknown");
+            anyhow::anyhow!(
+                "server answered {status}: {} ({code}){}",
+                json["message"].as_str().unwrap_or("no message"),
+                fix_for(status, code)
+            )
+        }
+        Err(_) => anyhow::anyhow!("server answered {status}{}", fix_for(status, "")),
     }
 }
 
@@ -64,6 +107,7 @@ pub async fn put(
     server: &str,
     file: &Path,
     session: Option<SessionKey>,
+    credentials: &Credentials,
 ) -> anyhow::Result<UploadResponse> {
     let handle = tokio::fs::File::open(file)
         .await
@@ -86,6 +130,8 @@ pub async fn put(
         .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
         .header(reqwest::header::CONTENT_LENGTH, size)
         .body(reqwest::Body::wrap_stream(stream));
+    // An upload's tenant travels with its session (`--tenant` and `--session` together).
+    request = credentials.bearer(request);
     if let Some(key) = session {
         request = request
             .header(crate::http::headers::TENANT_HEADER, key.tenant.to_string())
@@ -94,10 +140,14 @@ pub async fn put(
                 key.session.to_string(),
             );
     }
-    let response = request
-        .send()
-        .await
-        .with_context(|| format!("upload to {server}"))?;
+    // A server that refuses the request (a missing token, a size limit) answers before
+    // reading the body and closes; a large body then fails with a broken connection
+    // instead of the answer, so say what usually causes that.
+    let response = request.send().await.with_context(|| {
+        format!(
+            "upload to {server} (if the server closed the connection early it refused the request before reading it: check --token / GRAVITON_TOKEN, --tenant/--session and upload.max_blob_size)"
+        )
+    })?;
     bar.finish_and_clear();
     if !response.status().is_success() {
         return Err(error_of(response).await);
@@ -107,12 +157,20 @@ pub async fn put(
 }
 
 /// Download `key` into `output` (or stdout when `None`), verifying it.
-pub async fn get(server: &str, key: &str, output: Option<&Path>) -> anyhow::Result<u64> {
-    let key: BlobKey = key
-        .parse()
-        .with_context(|| format!("{key:?} is not a blob key"))?;
-    let response = http_client()?
-        .get(format!("{}/v1/blobs/{key}", server.trim_end_matches('/')))
+pub async fn get(
+    server: &str,
+    key: &str,
+    output: Option<&Path>,
+    credentials: &Credentials,
+) -> anyhow::Result<u64> {
+    let key: BlobKey = key.parse().with_context(|| {
+        format!(
+            "{key:?} is not a blob key (expected blake3:<64 hex>:<size>, as `graviton put` prints)"
+        )
+    })?;
+    let request = http_client()?.get(format!("{}/v1/blobs/{key}", server.trim_end_matches('/')));
+    let response = credentials
+        .apply(request)
         .send()
         .await
         .with_context(|| format!("download from {server}"))?;

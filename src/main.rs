@@ -76,6 +76,9 @@ enum Command {
         /// Upload session (with --tenant).
         #[arg(long, requires = "tenant")]
         session: Option<String>,
+        /// Bearer token, when the server has `auth.enabled`.
+        #[arg(long, env = "GRAVITON_TOKEN", hide_env_values = true)]
+        token: Option<String>,
     },
     /// Collect unreferenced blocks of a stopped single node (see docs/storage.md).
     Gc {
@@ -109,6 +112,12 @@ enum Command {
         output: Option<PathBuf>,
         #[arg(long, env = "GRAVITON_SERVER", default_value = graviton::client::SERVER_DEFAULT)]
         server: String,
+        /// Tenant the download's egress is charged to.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Bearer token, when the server has `auth.enabled`.
+        #[arg(long, env = "GRAVITON_TOKEN", hide_env_values = true)]
+        token: Option<String>,
     },
 }
 
@@ -352,6 +361,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             server,
             tenant,
             session,
+            token,
         } => {
             let session = match (tenant, session) {
                 (Some(tenant), Some(session)) => Some(SessionKey {
@@ -364,7 +374,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }),
                 _ => None,
             };
-            let answer = graviton::client::put(&server, &file, session).await?;
+            let credentials = graviton::client::Credentials {
+                token: token.map(graviton::config::Secret::new),
+                tenant: None,
+            };
+            let answer = graviton::client::put(&server, &file, session, &credentials).await?;
             println!("{}", answer.key);
             eprintln!(
                 "{} bytes, {} blocks ({} new, {} already stored), owner {}",
@@ -380,8 +394,18 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             key,
             output,
             server,
+            tenant,
+            token,
         } => {
-            let bytes = graviton::client::get(&server, &key, output.as_deref()).await?;
+            let credentials = graviton::client::Credentials {
+                token: token.map(graviton::config::Secret::new),
+                tenant: tenant
+                    .map(|t| t.parse())
+                    .transpose()
+                    .map_err(|e| anyhow::anyhow!("--tenant {e}"))?,
+            };
+            let bytes =
+                graviton::client::get(&server, &key, output.as_deref(), &credentials).await?;
             if let Some(path) = output {
                 eprintln!("{bytes} bytes written to {} (verified)", path.display());
             }

@@ -616,3 +616,39 @@ async fn hs256_is_refused_unless_explicitly_allowed() {
         .unwrap();
     assert_eq!(response.status(), 201);
 }
+
+/// `graviton put` / `graviton get` (the library behind them) send the bearer token, and
+/// a refusal names the fix.
+#[tokio::test]
+async fn the_cli_client_sends_its_token_and_names_the_fix_when_refused() {
+    use graviton::client::{Credentials, get, put};
+    let es = SigningKey::es256("k-cli");
+    let node = node_with_file(&[&es], |_| {}).await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("in.bin");
+    // Small enough to be sent whole before the server's early 401 is read.
+    std::fs::write(&file, support::node::random_bytes(20_000, 5)).unwrap();
+
+    let anonymous = Credentials::default();
+    let refused = put(&node.url, &file, None, &anonymous).await.unwrap_err();
+    let text = format!("{refused:#}");
+    assert!(text.contains("401") && text.contains("--token"), "{text}");
+    assert_eq!(node.manifest_count(), 0);
+
+    let signed = Credentials {
+        token: Some(graviton::config::Secret::new(es.sign(&claims(ORG)))),
+        tenant: Some(ORG.parse().unwrap()),
+    };
+    let receipt = put(&node.url, &file, None, &signed).await.unwrap();
+    let out = dir.path().join("out.bin");
+    let refused = get(&node.url, &receipt.key, Some(&out), &anonymous)
+        .await
+        .unwrap_err();
+    assert!(format!("{refused:#}").contains("--token"));
+    assert!(!out.exists(), "a refused download writes nothing");
+    let bytes = get(&node.url, &receipt.key, Some(&out), &signed)
+        .await
+        .unwrap();
+    assert_eq!(bytes, 20_000);
+    assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&file).unwrap());
+}

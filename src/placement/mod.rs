@@ -22,7 +22,7 @@
 //! `crate::cli`.
 //!
 //! # API for the HTTP layer
-//! ```ignore
+//! ```text
 //! // serve (cluster mode):
 //! let cluster = Cluster::connect_and_start(node_id, &config.cluster, version).await?;
 //! // serve (embedded single node): every shard local, no PostgreSQL, same API.
