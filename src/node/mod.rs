@@ -81,6 +81,13 @@ pub struct RunningNode {
     supervisor: SupervisorHandle,
     cluster_parts: Option<ClusterParts>,
     tasks: tasks::BackgroundTasks,
+    /// The gRPC listener (`[grpc] listen`), stopped with the public one.
+    grpc: Option<GrpcParts>,
+}
+
+struct GrpcParts {
+    addr: SocketAddr,
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
 }
 
 /// What only cluster mode runs.
@@ -228,6 +235,20 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         source,
     })?;
 
+    let grpc_listener = match config.grpc.listen {
+        Some(listen) => {
+            Some(
+                TcpListener::bind(listen)
+                    .await
+                    .map_err(|source| StartError::Bind {
+                        addr: listen,
+                        source,
+                    })?,
+            )
+        }
+        None => None,
+    };
+
     let auth = if config.auth.enabled {
         let authenticator = crate::auth::Authenticator::start(&config.auth)
             .await
@@ -300,6 +321,25 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         state.clone(),
         stop_accepting.clone().cancelled_owned(),
     ));
+    let grpc = match grpc_listener {
+        Some(listener) => {
+            let grpc_addr = listener.local_addr().map_err(|source| StartError::Bind {
+                addr: listener_addr_hint(&state),
+                source,
+            })?;
+            let server = tokio::spawn(crate::grpc::serve(
+                listener,
+                state.clone(),
+                stop_accepting.clone().cancelled_owned(),
+            ));
+            tracing::info!(addr = %grpc_addr, "gRPC listener serving graviton.v1.Blobs");
+            Some(GrpcParts {
+                addr: grpc_addr,
+                server,
+            })
+        }
+        None => None,
+    };
     state.readiness.set(true);
     tracing::info!(
         %addr,
@@ -316,7 +356,12 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         supervisor,
         cluster_parts,
         tasks,
+        grpc,
     })
+}
+
+fn listener_addr_hint(state: &AppState) -> SocketAddr {
+    state.config.grpc.listen.unwrap_or(state.config.node.listen)
 }
 
 /// Internal listener, control plane and peer feed of a cluster node.
@@ -418,6 +463,11 @@ impl RunningNode {
         self.cluster_parts.as_ref().map(|p| p.internal_addr)
     }
 
+    /// Address of the gRPC listener, when `[grpc] listen` is set.
+    pub fn grpc_addr(&self) -> Option<SocketAddr> {
+        self.grpc.as_ref().map(|g| g.addr)
+    }
+
     /// Graceful stop, bounded by `node.shutdown_grace` (plus the drain in cluster mode).
     pub async fn shutdown(mut self) -> ShutdownOutcome {
         let grace = self.state.config.node.shutdown_grace.get();
@@ -446,6 +496,13 @@ impl RunningNode {
                 ShutdownOutcome::Aborted
             }
         };
+        if let Some(mut grpc) = self.grpc.take() {
+            // Accepting stopped with the public listener; calls in flight get the grace.
+            if tokio::time::timeout(grace, &mut grpc.server).await.is_err() {
+                tracing::warn!("gRPC calls outlived the shutdown grace; aborting them");
+                grpc.server.abort();
+            }
+        }
         self.tasks.shutdown(grace).await;
         if let Some(parts) = self.cluster_parts.take() {
             parts.stop.cancel();
