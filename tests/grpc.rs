@@ -277,7 +277,6 @@ async fn unauthenticated_calls_are_refused_before_any_charge() {
                     leeway: HumanDuration::secs(5),
                     ..IssuerConfig::default()
                 }],
-                ..AuthConfig::default()
             };
         },
         NodeOptions::default(),
