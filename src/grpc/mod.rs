@@ -67,8 +67,7 @@ impl BlobService {
         Ok(tenant)
     }
 
-    async fn manifest(&self, key: &str) -> Result<Arc<crate::cas::manifest::Manifest>, Status> {
-        let key = parse_key(key)?;
+    async fn manifest(&self, key: BlobKey) -> Result<Arc<crate::cas::manifest::Manifest>, Status> {
         match self.app.manifests.get(key).await {
             Ok(Some(manifest)) => Ok(Arc::new(manifest)),
             Ok(None) => Err(Status::not_found("no blob with this key")),
@@ -90,10 +89,10 @@ impl Blobs for BlobService {
         &self,
         request: Request<GetBlobRequest>,
     ) -> Result<Response<Self::GetBlobStream>, Status> {
+        // A bad key is refused before anything else, as over HTTP: it charges nothing.
+        let key = parse_key(&request.get_ref().key)?;
         let tenant = self.caller(&request).await?;
         let message = request.into_inner();
-        // A bad key is refused before admission (it would never read anything).
-        parse_key(&message.key)?;
         if let Some(tenant) = &tenant {
             self.app
                 .admission
@@ -107,7 +106,7 @@ impl Blobs for BlobService {
             .admit_transfer(Operation::Download, tenant)
             .await
             .map_err(admission_status)?;
-        let manifest = self.manifest(&message.key).await?;
+        let manifest = self.manifest(key).await?;
         let range = plan_range(message.range, manifest.size())?;
         let first = range.map(|r| r.first).unwrap_or(0);
         let frames = read_blob(self.app.blocks.clone(), manifest, range);
@@ -124,8 +123,9 @@ impl Blobs for BlobService {
         &self,
         request: Request<StatBlobRequest>,
     ) -> Result<Response<BlobStat>, Status> {
+        let key = parse_key(&request.get_ref().key)?;
         self.caller(&request).await?;
-        let manifest = self.manifest(&request.get_ref().key).await?;
+        let manifest = self.manifest(key).await?;
         Ok(Response::new(BlobStat {
             size: manifest.size(),
             blocks: manifest.blocks.len() as u64,

@@ -237,14 +237,13 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
 
     let grpc_listener = match config.grpc.listen {
         Some(listen) => {
-            Some(
-                TcpListener::bind(listen)
-                    .await
-                    .map_err(|source| StartError::Bind {
-                        addr: listen,
-                        source,
-                    })?,
-            )
+            let listener = TcpListener::bind(listen)
+                .await
+                .map_err(|source| StartError::Bind {
+                    addr: listen,
+                    source,
+                })?;
+            Some((listen, listener))
         }
         None => None,
     };
@@ -322,9 +321,9 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         stop_accepting.clone().cancelled_owned(),
     ));
     let grpc = match grpc_listener {
-        Some(listener) => {
+        Some((listen, listener)) => {
             let grpc_addr = listener.local_addr().map_err(|source| StartError::Bind {
-                addr: listener_addr_hint(&state),
+                addr: listen,
                 source,
             })?;
             let server = tokio::spawn(crate::grpc::serve(
@@ -358,10 +357,6 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         tasks,
         grpc,
     })
-}
-
-fn listener_addr_hint(state: &AppState) -> SocketAddr {
-    state.config.grpc.listen.unwrap_or(state.config.node.listen)
 }
 
 /// Internal listener, control plane and peer feed of a cluster node.
@@ -483,6 +478,8 @@ impl RunningNode {
             }
         }
         self.state.readiness.set(false);
+        // One grace for both listeners (HTTP and gRPC drain at the same time).
+        let deadline = tokio::time::Instant::now() + grace;
         self.stop_accepting.cancel();
         let outcome = match tokio::time::timeout(grace, &mut self.server).await {
             Ok(_) => ShutdownOutcome::Drained,
@@ -498,7 +495,10 @@ impl RunningNode {
         };
         if let Some(mut grpc) = self.grpc.take() {
             // Accepting stopped with the public listener; calls in flight get the grace.
-            if tokio::time::timeout(grace, &mut grpc.server).await.is_err() {
+            if tokio::time::timeout_at(deadline, &mut grpc.server)
+                .await
+                .is_err()
+            {
                 tracing::warn!("gRPC calls outlived the shutdown grace; aborting them");
                 grpc.server.abort();
             }
