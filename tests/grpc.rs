@@ -1,7 +1,7 @@
 //! gRPC `graviton.v1.Blobs` against a real node, with a real tonic client over real
 //! sockets: byte-exact round trips (whole blob and a range), `StatBlob`, status codes,
 //! authentication before any charge, the egress quota running out mid-stream and Redis
-//! stopped mid-stream (real Redis admission).
+//! stopped mid-stream (real Redis admission), and a call in flight at shutdown.
 //!
 //! Checks GRPC-1, GRPC-2, GRPC-3 (docs/invariants.md).
 
@@ -427,4 +427,37 @@ async fn redis_stopped_mid_stream_ends_with_unavailable() {
     let status = status.expect("the call must not end cleanly");
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert!(first.data.len() + rest.len() < data.len());
+}
+
+/// Shutdown stops the gRPC listener with the node: a call in flight finishes byte-exact
+/// within the grace, and a new call afterwards fails.
+#[tokio::test]
+async fn shutdown_lets_a_running_get_blob_finish() {
+    let mut node = TestNode::start_with(
+        |c| {
+            with_grpc(c);
+            c.node.shutdown_grace = HumanDuration::secs(30);
+        },
+        NodeOptions::default(),
+    )
+    .await;
+    let data = random_bytes(8 << 20, 24);
+    let (key, _) = upload(&node, &data).await;
+    let mut client = client(&node).await;
+    let mut stream = client.get_blob(get(&key, None)).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().expect("a first frame");
+
+    let running = node.node.take().unwrap();
+    let stopping = tokio::spawn(running.shutdown());
+    let (rest, _, status) = drain(stream, first.data.len() as u64).await;
+    assert!(status.is_none(), "{status:?}");
+    let mut bytes = first.data.to_vec();
+    bytes.extend_from_slice(&rest);
+    assert!(bytes == data, "the call in flight finished byte-exact");
+    assert_eq!(
+        stopping.await.unwrap(),
+        graviton::node::ShutdownOutcome::Drained
+    );
+    let err = client.get_blob(get(&key, None)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
 }
