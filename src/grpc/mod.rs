@@ -248,14 +248,16 @@ where
     })
 }
 
-/// Admission errors as gRPC statuses: refusals are `RESOURCE_EXHAUSTED` (with a
-/// `retry-after` metadata in seconds when waiting helps), coordinator failures
-/// `UNAVAILABLE`.
+/// Admission errors as gRPC statuses: refusals are `RESOURCE_EXHAUSTED`, coordinator
+/// failures `UNAVAILABLE`; both carry a `retry-after` metadata (seconds) when waiting
+/// helps, like HTTP's `Retry-After`.
 pub fn admission_status(err: crate::admission::Error) -> Status {
     use crate::admission::Error;
     let retry = match &err {
         Error::QuotaExceeded { retry_after, .. } => Some(*retry_after),
-        Error::TimedOut(_) | Error::Saturated(_) => Some(crate::admission::error::RETRY_HINT),
+        Error::TimedOut(_) | Error::Saturated(_) | Error::Unavailable(_) | Error::Protocol(_) => {
+            Some(crate::admission::error::RETRY_HINT)
+        }
         _ => None,
     };
     let mut status = match &err {
@@ -339,10 +341,9 @@ mod tests {
         });
         assert_eq!(quota.code(), tonic::Code::ResourceExhausted);
         assert_eq!(quota.metadata().get("retry-after").unwrap(), "2");
-        assert_eq!(
-            admission_status(Error::Unavailable("io".into())).code(),
-            tonic::Code::Unavailable
-        );
+        let unavailable = admission_status(Error::Unavailable("io".into()));
+        assert_eq!(unavailable.code(), tonic::Code::Unavailable);
+        assert_eq!(unavailable.metadata().get("retry-after").unwrap(), "1");
         assert_eq!(
             admission_status(Error::TimedOut("bytes")).code(),
             tonic::Code::ResourceExhausted
