@@ -33,6 +33,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod control;
+pub mod grpc;
 pub mod http;
 pub mod ids;
 pub mod metrics;

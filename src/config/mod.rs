@@ -46,6 +46,8 @@ pub struct Config {
     pub http: crate::http::config::HttpConfig,
     /// `[auth]`: JWT bearer authentication of the public API (see `auth::config`).
     pub auth: crate::auth::AuthConfig,
+    /// `[grpc]`: the gRPC listener, off unless `listen` is set (see `grpc::config`).
+    pub grpc: crate::grpc::config::GrpcConfig,
 }
 
 /// `[node]`: identity and listeners.
@@ -294,6 +296,7 @@ impl Config {
         problems.extend(self.admission.problems());
         problems.extend(self.http.problems());
         problems.extend(self.auth.problems());
+        problems.extend(self.grpc.problems());
         if self.admission.tenant_mode && !self.auth.enabled {
             problems.push(Problem::new(
                 "auth.enabled",

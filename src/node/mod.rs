@@ -81,6 +81,13 @@ pub struct RunningNode {
     supervisor: SupervisorHandle,
     cluster_parts: Option<ClusterParts>,
     tasks: tasks::BackgroundTasks,
+    /// The gRPC listener (`[grpc] listen`), stopped with the public one.
+    grpc: Option<GrpcParts>,
+}
+
+struct GrpcParts {
+    addr: SocketAddr,
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
 }
 
 /// What only cluster mode runs.
@@ -228,6 +235,19 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         source,
     })?;
 
+    let grpc_listener = match config.grpc.listen {
+        Some(listen) => {
+            let listener = TcpListener::bind(listen)
+                .await
+                .map_err(|source| StartError::Bind {
+                    addr: listen,
+                    source,
+                })?;
+            Some((listen, listener))
+        }
+        None => None,
+    };
+
     let auth = if config.auth.enabled {
         let authenticator = crate::auth::Authenticator::start(&config.auth)
             .await
@@ -300,6 +320,25 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         state.clone(),
         stop_accepting.clone().cancelled_owned(),
     ));
+    let grpc = match grpc_listener {
+        Some((listen, listener)) => {
+            let grpc_addr = listener.local_addr().map_err(|source| StartError::Bind {
+                addr: listen,
+                source,
+            })?;
+            let server = tokio::spawn(crate::grpc::serve(
+                listener,
+                state.clone(),
+                stop_accepting.clone().cancelled_owned(),
+            ));
+            tracing::info!(addr = %grpc_addr, "gRPC listener serving graviton.v1.Blobs");
+            Some(GrpcParts {
+                addr: grpc_addr,
+                server,
+            })
+        }
+        None => None,
+    };
     state.readiness.set(true);
     tracing::info!(
         %addr,
@@ -316,6 +355,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         supervisor,
         cluster_parts,
         tasks,
+        grpc,
     })
 }
 
@@ -418,6 +458,11 @@ impl RunningNode {
         self.cluster_parts.as_ref().map(|p| p.internal_addr)
     }
 
+    /// Address of the gRPC listener, when `[grpc] listen` is set.
+    pub fn grpc_addr(&self) -> Option<SocketAddr> {
+        self.grpc.as_ref().map(|g| g.addr)
+    }
+
     /// Graceful stop, bounded by `node.shutdown_grace` (plus the drain in cluster mode).
     pub async fn shutdown(mut self) -> ShutdownOutcome {
         let grace = self.state.config.node.shutdown_grace.get();
@@ -433,6 +478,8 @@ impl RunningNode {
             }
         }
         self.state.readiness.set(false);
+        // One grace for both listeners (HTTP and gRPC drain at the same time).
+        let deadline = tokio::time::Instant::now() + grace;
         self.stop_accepting.cancel();
         let outcome = match tokio::time::timeout(grace, &mut self.server).await {
             Ok(_) => ShutdownOutcome::Drained,
@@ -446,6 +493,16 @@ impl RunningNode {
                 ShutdownOutcome::Aborted
             }
         };
+        if let Some(mut grpc) = self.grpc.take() {
+            // Accepting stopped with the public listener; calls in flight get the grace.
+            if tokio::time::timeout_at(deadline, &mut grpc.server)
+                .await
+                .is_err()
+            {
+                tracing::warn!("gRPC calls outlived the shutdown grace; aborting them");
+                grpc.server.abort();
+            }
+        }
         self.tasks.shutdown(grace).await;
         if let Some(parts) = self.cluster_parts.take() {
             parts.stop.cancel();

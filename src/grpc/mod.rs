@@ -1,0 +1,352 @@
+//! gRPC: the `graviton.v1.Blobs` service (`proto/graviton/v1/blobs.proto`) on its own
+//! listener (`[grpc] listen`, off by default), served by tonic over HTTP/2.
+//!
+//! Every call, in this order (docs/api.md, "gRPC"; invariants GRPC-1…GRPC-3):
+//! 1. the caller is authenticated with the HTTP rules (`http::auth::caller_tenant`): the
+//!    `authorization: Bearer …` metadata with `[auth]` on, the `x-graviton-tenant-id`
+//!    metadata otherwise. Nothing is charged before this (GRPC-1);
+//! 2. one request-counter charge (`Admission::charge_request`);
+//! 3. `GetBlob` only: the egress window is checked and the transfer admitted like an HTTP
+//!    download (`Operation::Download`), before the manifest is read;
+//! 4. `GetBlob` streams the verified block slices of `cas::read::read_blob`, one frame per
+//!    slice. Each frame is charged to the egress quota immediately before it is handed to
+//!    tonic (GRPC-2); the next frame is read only when tonic polls for it, so HTTP/2 flow
+//!    control is the back-pressure and nothing is buffered beyond one frame. A refused
+//!    frame ends the call with `RESOURCE_EXHAUSTED`, a coordinator failure or a lost
+//!    lease with `UNAVAILABLE`, after exactly the frames already charged (GRPC-3).
+
+pub mod config;
+
+/// Code generated from the proto by `tonic-prost-build` (see `build.rs`).
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod proto {
+    tonic::include_proto!("graviton.v1");
+}
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use futures_util::{Stream, StreamExt};
+use tokio::net::TcpListener;
+use tonic::{Request, Response, Status};
+
+use crate::admission::{Admission, AdmissionPermit, Operation, Outcome};
+use crate::cas::BlobKey;
+use crate::cas::range::ByteRange;
+use crate::cas::read::{ReadError, read_blob};
+use crate::http::{ApiError, AppState};
+use crate::ids::TenantId;
+use proto::blobs_server::{Blobs, BlobsServer};
+use proto::{BlobFrame, BlobStat, GetBlobRequest, StatBlobRequest};
+
+/// The service over the node's shared state.
+pub struct BlobService {
+    app: Arc<AppState>,
+}
+
+impl BlobService {
+    pub fn new(app: Arc<AppState>) -> Self {
+        Self { app }
+    }
+
+    /// Steps 1 and 2 of the module doc: who calls, then one request charge.
+    async fn caller<T>(&self, request: &Request<T>) -> Result<Option<TenantId>, Status> {
+        let headers = request.metadata().clone().into_headers();
+        let header_tenant = crate::http::admission::tenant_header(&headers).map_err(api_status)?;
+        let tenant = crate::http::auth::caller_tenant(&self.app, &headers, header_tenant)
+            .await
+            .map_err(api_status)?;
+        if let Some(tenant) = &tenant {
+            self.app
+                .admission
+                .charge_request(tenant)
+                .await
+                .map_err(admission_status)?;
+        }
+        Ok(tenant)
+    }
+
+    async fn manifest(&self, key: BlobKey) -> Result<Arc<crate::cas::manifest::Manifest>, Status> {
+        match self.app.manifests.get(key).await {
+            Ok(Some(manifest)) => Ok(Arc::new(manifest)),
+            Ok(None) => Err(Status::not_found("no blob with this key")),
+            Err(err) => {
+                tracing::error!(error = %err, "gRPC: manifest store failed");
+                Err(Status::unavailable("the manifest store is unavailable"))
+            }
+        }
+    }
+}
+
+type FrameStream = Pin<Box<dyn Stream<Item = Result<BlobFrame, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl Blobs for BlobService {
+    type GetBlobStream = FrameStream;
+
+    async fn get_blob(
+        &self,
+        request: Request<GetBlobRequest>,
+    ) -> Result<Response<Self::GetBlobStream>, Status> {
+        // A bad key is refused before anything else, as over HTTP: it charges nothing.
+        let key = parse_key(&request.get_ref().key)?;
+        let tenant = self.caller(&request).await?;
+        let message = request.into_inner();
+        if let Some(tenant) = &tenant {
+            self.app
+                .admission
+                .check_egress(tenant)
+                .await
+                .map_err(admission_status)?;
+        }
+        let permit = self
+            .app
+            .admission
+            .admit_transfer(Operation::Download, tenant)
+            .await
+            .map_err(admission_status)?;
+        let manifest = self.manifest(key).await?;
+        let range = plan_range(message.range, manifest.size())?;
+        let first = range.map(|r| r.first).unwrap_or(0);
+        let frames = read_blob(self.app.blocks.clone(), manifest, range);
+        Ok(Response::new(Box::pin(charged_frames(
+            frames,
+            first,
+            self.app.admission.clone(),
+            tenant,
+            permit,
+        ))))
+    }
+
+    async fn stat_blob(
+        &self,
+        request: Request<StatBlobRequest>,
+    ) -> Result<Response<BlobStat>, Status> {
+        let key = parse_key(&request.get_ref().key)?;
+        self.caller(&request).await?;
+        let manifest = self.manifest(key).await?;
+        Ok(Response::new(BlobStat {
+            size: manifest.size(),
+            blocks: manifest.blocks.len() as u64,
+            etag: manifest.key.etag(),
+        }))
+    }
+}
+
+fn parse_key(key: &str) -> Result<BlobKey, Status> {
+    key.parse().map_err(|e: crate::cas::KeyError| {
+        Status::invalid_argument(format!("invalid blob key: {e}"))
+    })
+}
+
+/// The requested range as an inclusive byte range (`None`: the whole blob). `length = 0`
+/// means "to the end"; a range reaching past the end is cut at the end; an offset at or
+/// past the end is `OUT_OF_RANGE`.
+fn plan_range(range: Option<proto::ByteRange>, size: u64) -> Result<Option<ByteRange>, Status> {
+    let Some(range) = range else {
+        return Ok(None);
+    };
+    if range.offset >= size {
+        return Err(Status::out_of_range(format!(
+            "the range starts at or past the end of the blob ({size} bytes)"
+        )));
+    }
+    let end = if range.length == 0 {
+        size
+    } else {
+        range.offset.saturating_add(range.length).min(size)
+    };
+    Ok(Some(ByteRange {
+        first: range.offset,
+        last: end - 1,
+    }))
+}
+
+struct Charged<S> {
+    inner: Pin<Box<S>>,
+    offset: u64,
+    admission: Admission,
+    tenant: Option<TenantId>,
+    permit: AdmissionPermit,
+    done: bool,
+}
+
+impl<S> Charged<S> {
+    fn finish(&mut self, outcome: Outcome) {
+        self.done = true;
+        self.permit.set_outcome(outcome);
+    }
+}
+
+/// One frame per verified slice; each is charged just before it is yielded (GRPC-2). The
+/// next slice is only pulled when tonic asks for the next frame.
+fn charged_frames<S>(
+    inner: S,
+    offset: u64,
+    admission: Admission,
+    tenant: Option<TenantId>,
+    permit: AdmissionPermit,
+) -> impl Stream<Item = Result<BlobFrame, Status>> + Send + 'static
+where
+    S: Stream<Item = Result<bytes::Bytes, ReadError>> + Send + 'static,
+{
+    let state = Charged {
+        inner: Box::pin(inner),
+        offset,
+        admission,
+        tenant,
+        permit,
+        done: false,
+    };
+    futures_util::stream::unfold(state, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        match st.inner.next().await {
+            None => {
+                st.finish(Outcome::Completed);
+                None
+            }
+            Some(Err(err)) => {
+                tracing::error!(error = %err, "gRPC download aborted");
+                st.finish(Outcome::Failed);
+                let status = match err {
+                    ReadError::MissingBlock(_) | ReadError::CorruptBlock(_) => {
+                        Status::data_loss("a block of this blob is missing or corrupt")
+                    }
+                    ReadError::Store(_) => Status::unavailable("the block store failed"),
+                };
+                Some((Err(status), st))
+            }
+            Some(Ok(data)) => {
+                if st.permit.cancellation().is_cancelled() {
+                    st.finish(Outcome::Interrupted);
+                    return Some((
+                        Err(Status::unavailable("the transfer admission lease was lost")),
+                        st,
+                    ));
+                }
+                if let Some(tenant) = &st.tenant
+                    && let Err(err) = st.admission.charge_egress(tenant, data.len() as u64).await
+                {
+                    tracing::info!(
+                        outcome = err.outcome(),
+                        "gRPC download stopped by admission"
+                    );
+                    st.finish(Outcome::Failed);
+                    return Some((Err(admission_status(err)), st));
+                }
+                let frame = BlobFrame {
+                    offset: st.offset,
+                    data,
+                };
+                st.offset += frame.data.len() as u64;
+                Some((Ok(frame), st))
+            }
+        }
+    })
+}
+
+/// Admission errors as gRPC statuses: refusals are `RESOURCE_EXHAUSTED`, coordinator
+/// failures `UNAVAILABLE`; both carry a `retry-after` metadata (seconds) when waiting
+/// helps, like HTTP's `Retry-After`.
+pub fn admission_status(err: crate::admission::Error) -> Status {
+    use crate::admission::Error;
+    let retry = match &err {
+        Error::QuotaExceeded { retry_after, .. } => Some(*retry_after),
+        Error::TimedOut(_) | Error::Saturated(_) | Error::Unavailable(_) | Error::Protocol(_) => {
+            Some(crate::admission::error::RETRY_HINT)
+        }
+        _ => None,
+    };
+    let mut status = match &err {
+        Error::NeverFits(_)
+        | Error::TimedOut(_)
+        | Error::Saturated(_)
+        | Error::QuotaExceeded { .. } => Status::resource_exhausted(err.to_string()),
+        Error::Unavailable(_) | Error::Protocol(_) => Status::unavailable(err.to_string()),
+        Error::NotDistributed | Error::InvalidOverride(_) => Status::internal(err.to_string()),
+    };
+    if let Some(retry) = retry {
+        let secs = retry.as_secs_f64().ceil().max(1.0) as u64;
+        if let Ok(value) = secs.to_string().parse() {
+            status.metadata_mut().insert("retry-after", value);
+        }
+    }
+    status
+}
+
+/// An HTTP edge refusal (tenant metadata, authentication) as a gRPC status.
+fn api_status(err: ApiError) -> Status {
+    match err.status {
+        StatusCode::UNAUTHORIZED => Status::unauthenticated(err.message),
+        StatusCode::FORBIDDEN => Status::permission_denied(err.message),
+        StatusCode::SERVICE_UNAVAILABLE => Status::unavailable(err.message),
+        StatusCode::BAD_REQUEST => Status::invalid_argument(err.message),
+        _ => Status::internal(err.message),
+    }
+}
+
+/// Serve `graviton.v1.Blobs` on `listener` until `shutdown` resolves; calls in flight
+/// are then allowed to finish (the node bounds the wait by `node.shutdown_grace`).
+pub async fn serve(
+    listener: TcpListener,
+    app: Arc<AppState>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let streams = app.config.grpc.max_concurrent_streams;
+    tonic::transport::Server::builder()
+        .max_concurrent_streams(streams)
+        .add_service(BlobsServer::new(BlobService::new(app)))
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown,
+        )
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_are_cut_at_the_end_and_refused_past_it() {
+        let r = |offset, length| Some(proto::ByteRange { offset, length });
+        assert_eq!(plan_range(None, 10).unwrap(), None);
+        assert_eq!(
+            plan_range(r(2, 0), 10).unwrap(),
+            Some(ByteRange { first: 2, last: 9 })
+        );
+        assert_eq!(
+            plan_range(r(2, 3), 10).unwrap(),
+            Some(ByteRange { first: 2, last: 4 })
+        );
+        assert_eq!(
+            plan_range(r(9, 100), 10).unwrap(),
+            Some(ByteRange { first: 9, last: 9 })
+        );
+        assert_eq!(
+            plan_range(r(10, 1), 10).unwrap_err().code(),
+            tonic::Code::OutOfRange
+        );
+    }
+
+    #[test]
+    fn admission_errors_map_to_grpc_codes() {
+        use crate::admission::Error;
+        let quota = admission_status(Error::QuotaExceeded {
+            kind: crate::admission::QuotaKind::Egress,
+            retry_after: std::time::Duration::from_millis(1500),
+        });
+        assert_eq!(quota.code(), tonic::Code::ResourceExhausted);
+        assert_eq!(quota.metadata().get("retry-after").unwrap(), "2");
+        let unavailable = admission_status(Error::Unavailable("io".into()));
+        assert_eq!(unavailable.code(), tonic::Code::Unavailable);
+        assert_eq!(unavailable.metadata().get("retry-after").unwrap(), "1");
+        assert_eq!(
+            admission_status(Error::TimedOut("bytes")).code(),
+            tonic::Code::ResourceExhausted
+        );
+    }
+}
