@@ -40,6 +40,32 @@ impl NodeProcess {
         cluster_extra: &str,
         extra: &str,
     ) -> Self {
+        let storage = format!(
+            "[storage]\ndata_dir = \"{}\"\nfsync = false\nbackend = \"fs\"\nshared_mount = true",
+            data_dir.display()
+        );
+        Self::start_config(
+            dir,
+            id,
+            database_url,
+            shard_count,
+            &storage,
+            cluster_extra,
+            extra,
+        )
+    }
+
+    /// The one config writer and launcher: `storage` is the whole `[storage]` section,
+    /// `cluster_extra` lines go into `[cluster]` (fast test timings), `extra` is appended.
+    fn start_config(
+        dir: &Path,
+        id: &str,
+        database_url: &str,
+        shard_count: u32,
+        storage: &str,
+        cluster_extra: &str,
+        extra: &str,
+    ) -> Self {
         let (public, internal, control) =
             (super::free_port(), super::free_port(), super::free_port());
         let config = dir.join(format!("{id}.toml"));
@@ -51,11 +77,7 @@ id = "{id}"
 listen = "127.0.0.1:{public}"
 shutdown_grace = "5s"
 
-[storage]
-data_dir = "{data}"
-fsync = false
-backend = "fs"
-shared_mount = true
+{storage}
 
 [cluster]
 enabled = true
@@ -76,8 +98,7 @@ control_listen = "127.0.0.1:{control}"
 internal_token = "{TOKEN}"
 
 {extra}
-"#,
-                data = data_dir.display()
+"#
             ),
         )
         .expect("write node config");
@@ -213,51 +234,6 @@ impl NodeProcess {
         storage: &str,
         extra: &str,
     ) -> Self {
-        let (public, internal, control) =
-            (super::free_port(), super::free_port(), super::free_port());
-        let config = dir.join(format!("{id}.toml"));
-        std::fs::write(
-            &config,
-            format!(
-                r#"[node]
-id = "{id}"
-listen = "127.0.0.1:{public}"
-shutdown_grace = "5s"
-
-{storage}
-
-[cluster]
-enabled = true
-database_url = "{database_url}"
-shard_count = {shard_count}
-heartbeat_interval = "100ms"
-self_fence = "400ms"
-node_ttl = "1s"
-poll_interval = "250ms"
-rebalance_interval = "200ms"
-lock_retry_interval = "100ms"
-lock_ping_interval = "100ms"
-
-[control]
-internal_listen = "127.0.0.1:{internal}"
-control_listen = "127.0.0.1:{control}"
-internal_token = "{TOKEN}"
-
-{extra}
-"#
-            ),
-        )
-        .expect("write node config");
-        let log = dir.join(format!("{id}.log"));
-        let mut node = Self {
-            id: id.to_string(),
-            config,
-            url: format!("http://127.0.0.1:{public}"),
-            internal,
-            child: None,
-            log,
-        };
-        node.spawn();
-        node
+        Self::start_config(dir, id, database_url, shard_count, storage, "", extra)
     }
 }
