@@ -34,7 +34,7 @@ use futures_util::TryStreamExt;
 use sqlx::{Connection, PgConnection, Row};
 
 use super::format::{self, PackId};
-use super::gc::{GcOptions, GcReport, Progress};
+use super::gc::{GcOptions, GcReport, Progress, blocking, mark};
 use super::shared::PgIndex;
 use super::{PackStore, now_ms};
 use crate::cas::BlockKey;
@@ -46,24 +46,6 @@ pub const GC_LOCK_KEY: i64 = 0x4752_4156_4743_4c31;
 
 /// Quarantine this many candidates per statement.
 const BATCH: usize = 4096;
-
-async fn mark(manifests: &dyn ManifestStore) -> Result<HashSet<BlockKey>, StoreError> {
-    let mut live = HashSet::new();
-    manifests
-        .for_each_block(&mut |key| {
-            live.insert(key);
-        })
-        .await?;
-    Ok(live)
-}
-
-async fn blocking<T: Send + 'static>(
-    work: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
-) -> Result<T, StoreError> {
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(|e| StoreError::Unavailable(format!("collector task failed: {e}")))?
-}
 
 /// The lock connection: closed (and the lock released) when dropped.
 struct GcLock(PgConnection);

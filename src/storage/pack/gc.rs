@@ -155,7 +155,8 @@ impl GcMetrics {
 
 static RUNNING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-async fn mark(manifests: &dyn ManifestStore) -> Result<HashSet<BlockKey>, StoreError> {
+/// The mark phase (both collectors): every block some manifest references.
+pub(super) async fn mark(manifests: &dyn ManifestStore) -> Result<HashSet<BlockKey>, StoreError> {
     let mut live = HashSet::new();
     manifests
         .for_each_block(&mut |key| {
@@ -165,7 +166,8 @@ async fn mark(manifests: &dyn ManifestStore) -> Result<HashSet<BlockKey>, StoreE
     Ok(live)
 }
 
-async fn blocking<T: Send + 'static>(
+/// Run index or file work on the blocking pool (both collectors).
+pub(super) async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
 ) -> Result<T, StoreError> {
     tokio::task::spawn_blocking(work)
