@@ -347,3 +347,69 @@ mod tests {
         assert!(text.ends_with("# EOF\n"));
     }
 }
+
+/// A download stream that counts its bytes (`download_bytes`) and records its outcome in
+/// `downloads{outcome}` exactly once: `ok` when it ends, `server_error` on an error item
+/// (logged), `client_error` when it is dropped before the end (the client went away).
+/// Every download path (HTTP `GET`, gRPC `GetBlob`) is metered by this one type.
+pub struct MeteredDownload<S> {
+    inner: std::pin::Pin<Box<S>>,
+    metrics: Metrics,
+    done: bool,
+}
+
+impl<S> MeteredDownload<S> {
+    pub fn new(inner: S, metrics: Metrics) -> Self {
+        Self {
+            inner: Box::pin(inner),
+            metrics,
+            done: false,
+        }
+    }
+
+    fn record(&mut self, outcome: &'static str) {
+        if !self.done {
+            self.done = true;
+            self.metrics
+                .downloads
+                .get_or_create(&OutcomeLabels { outcome })
+                .inc();
+        }
+    }
+}
+
+impl<S, E> futures_util::Stream for MeteredDownload<S>
+where
+    S: futures_util::Stream<Item = Result<bytes::Bytes, E>>,
+    E: std::fmt::Display,
+{
+    type Item = S::Item;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let polled = self.inner.as_mut().poll_next(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(bytes))) => {
+                self.metrics.download_bytes.inc_by(bytes.len() as u64);
+            }
+            Poll::Ready(Some(Err(err))) => {
+                // The response is already streaming: it is aborted, never silently short.
+                tracing::error!(error = %err, "download aborted");
+                self.record("server_error");
+            }
+            Poll::Ready(None) => self.record("ok"),
+            Poll::Pending => {}
+        }
+        polled
+    }
+}
+
+impl<S> Drop for MeteredDownload<S> {
+    fn drop(&mut self) {
+        // Dropped before the end: the client went away.
+        self.record("client_error");
+    }
+}

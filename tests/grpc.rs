@@ -3,7 +3,7 @@
 //! authentication before any charge, the egress quota running out mid-stream and Redis
 //! stopped mid-stream (real Redis admission), and a call in flight at shutdown.
 //!
-//! Checks GRPC-1, GRPC-2, GRPC-3 (docs/invariants.md).
+//! Checks GRPC-1, GRPC-2, GRPC-3, GRPC-4 (docs/invariants.md).
 
 #[allow(unused_imports)] // the shared harness also exports PostgreSQL helpers
 mod support;
@@ -138,18 +138,38 @@ fn metric(node: &TestNode, name: &str) -> u64 {
         .unwrap()
 }
 
+/// A metric's value, 0 while the series does not exist yet.
+fn metric_or_zero(node: &TestNode, series: &str) -> u64 {
+    node.metrics_text()
+        .lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 #[tokio::test]
 async fn get_blob_round_trips_byte_exact_with_ranges_and_stat_blob_matches_http() {
     let node = TestNode::start_with(with_grpc, NodeOptions::default()).await;
     let data = random_bytes(3 << 20, 21);
     let (key, etag) = upload(&node, &data).await;
     let mut client = client(&node).await;
+    let bytes_before = metric_or_zero(&node, "graviton_download_bytes_total");
+    let ok_before = metric_or_zero(&node, "graviton_downloads_total{outcome=\"ok\"}");
 
     let stream = client.get_blob(get(&key, None)).await.unwrap().into_inner();
     let (bytes, frames, status) = drain(stream, 0).await;
     assert!(status.is_none(), "{status:?}");
     assert!(frames > 1, "one frame per block slice");
     assert!(bytes == data, "whole blob byte-exact");
+    // GetBlob feeds the same download metrics as an HTTP GET.
+    assert_eq!(
+        metric_or_zero(&node, "graviton_download_bytes_total") - bytes_before,
+        data.len() as u64
+    );
+    assert_eq!(
+        metric_or_zero(&node, "graviton_downloads_total{outcome=\"ok\"}") - ok_before,
+        1
+    );
 
     for (offset, length) in [
         (1000u64, 70_000u64),
@@ -245,8 +265,9 @@ async fn avoid_minute_boundary(url: &str) {
     }
 }
 
-/// GRPC-1: with auth on, a call without a valid bearer token is UNAUTHENTICATED and
-/// charges nothing, even when it names the tenant in metadata; a valid call is charged
+/// GRPC-1: with auth on, a call without a valid bearer token is UNAUTHENTICATED, and one
+/// whose tenant metadata differs from the token's organization PERMISSION_DENIED; both
+/// charge nothing, even when they name the tenant in metadata. A valid call is charged
 /// exactly one request.
 #[tokio::test]
 async fn unauthenticated_calls_are_refused_before_any_charge() {
@@ -322,8 +343,18 @@ async fn unauthenticated_calls_are_refused_before_any_charge() {
     assert_eq!(err.code(), Code::Unauthenticated);
     assert!(!err.message().contains("eyJ"), "no token in messages");
 
-    // Nothing was charged: the tenant's single request of the minute is still there.
+    // A valid token whose organization differs from the tenant named in metadata:
+    // PERMISSION_DENIED, and still nothing charged.
     let valid = token(&key, ORG);
+    let other: TenantId = "5d1e2f3a-4b5c-4d6e-8f70-8192a3b4c5d6".parse().unwrap();
+    let mut request = bearer(get(&missing, None), &valid);
+    request
+        .metadata_mut()
+        .insert("x-graviton-tenant-id", other.to_string().parse().unwrap());
+    let err = client.get_blob(request).await.unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+
+    // Nothing was charged: the tenant's single request of the minute is still there.
     let err = client
         .stat_blob(bearer(
             StatBlobRequest {
@@ -460,4 +491,171 @@ async fn shutdown_lets_a_running_get_blob_finish() {
     );
     let err = client.get_blob(get(&key, None)).await.unwrap_err();
     assert_eq!(err.code(), Code::Unavailable);
+}
+
+/// GRPC-4: `[grpc.tls]`: GetBlob over TLS (ALPN h2) with a client that trusts the test CA is
+/// byte-exact; a plaintext client and a client that does not trust the CA get no answer.
+#[tokio::test]
+async fn the_tls_listener_serves_trusted_clients_only() {
+    let pki = support::pki::TestPki::new();
+    let (cert, key_file) = pki.issue("grpc-node");
+    let node = TestNode::start_with(
+        |c| {
+            with_grpc(c);
+            c.grpc.tls.cert_file = Some(cert.clone());
+            c.grpc.tls.key_file = Some(key_file.clone());
+        },
+        NodeOptions::default(),
+    )
+    .await;
+    let data = random_bytes(1 << 20, 31);
+    let (key, _) = upload(&node, &data).await;
+    let addr = node.node.as_ref().unwrap().grpc_addr().unwrap();
+
+    let ca = tonic::transport::Certificate::from_pem(std::fs::read(&pki.ca).unwrap());
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(ca)
+        .domain_name("localhost");
+    let channel = Endpoint::from_shared(format!("https://localhost:{}", addr.port()))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .expect("TLS connect with the test CA");
+    let mut client = BlobsClient::new(channel).max_decoding_message_size(4 << 20);
+    let stream = client.get_blob(get(&key, None)).await.unwrap().into_inner();
+    let (bytes, _, status) = drain(stream, 0).await;
+    assert!(status.is_none(), "{status:?}");
+    assert!(bytes == data, "byte-exact over TLS");
+
+    // Plaintext HTTP/2 against the TLS listener: no gRPC answer.
+    let plain = Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(10));
+    match plain.connect().await {
+        Err(_) => {}
+        Ok(channel) => {
+            let err = BlobsClient::new(channel)
+                .stat_blob(StatBlobRequest { key: key.clone() })
+                .await
+                .unwrap_err();
+            assert_ne!(err.code(), Code::Ok);
+            assert_ne!(err.code(), Code::NotFound, "no answer from the service");
+        }
+    }
+    // A client that trusts another CA refuses the server's certificate.
+    let foreign = support::pki::TestPki::new();
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(
+            std::fs::read(&foreign.ca).unwrap(),
+        ))
+        .domain_name("localhost");
+    let untrusted = Endpoint::from_shared(format!("https://localhost:{}", addr.port()))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await;
+    assert!(untrusted.is_err(), "an untrusted certificate is refused");
+}
+
+/// GRPC-4: the gRPC listener bounds its connections like the HTTP ones: past
+/// `grpc.max_connections` a connection is closed at once (and counted), a client that
+/// never sends the HTTP/2 preface (or only part of it) is disconnected after
+/// `grpc.handshake_timeout` (and counted), and once a slot is free calls work again.
+#[tokio::test]
+async fn connections_are_bounded_and_silent_clients_are_disconnected() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let node = TestNode::start_with(
+        |c| {
+            with_grpc(c);
+            c.grpc.max_connections = 2;
+            c.grpc.handshake_timeout = HumanDuration::secs(1);
+        },
+        NodeOptions::default(),
+    )
+    .await;
+    let addr = node.node.as_ref().unwrap().grpc_addr().unwrap();
+    let missing = format!("blake3:{}:5", "0".repeat(64));
+
+    // A silent client and one that sends half the preface are both disconnected.
+    for prefix in [&b""[..], &b"PRI * HTTP/2.0\r\n"[..]] {
+        let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
+        raw.write_all(prefix).await.unwrap();
+        let mut buf = [0u8; 64];
+        let read = tokio::time::timeout(Duration::from_secs(30), raw.read(&mut buf))
+            .await
+            .expect("the server closes a stalled connection");
+        assert!(
+            matches!(read, Ok(0) | Err(_)),
+            "closed, not answered: {read:?}"
+        );
+    }
+    assert!(
+        metric_or_zero(
+            &node,
+            "graviton_connection_header_timeouts_total{listener=\"grpc\"}"
+        ) >= 2
+    );
+
+    // Two working connections fill the bound; a third is closed without an answer.
+    let mut first = client(&node).await;
+    let mut second = client(&node).await;
+    for c in [&mut first, &mut second] {
+        let err = c
+            .stat_blob(StatBlobRequest {
+                key: missing.clone(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::NotFound, "served within the bound");
+    }
+    let third = Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(10));
+    if let Ok(channel) = third.connect().await {
+        let err = BlobsClient::new(channel)
+            .stat_blob(StatBlobRequest {
+                key: missing.clone(),
+            })
+            .await
+            .unwrap_err();
+        // The connection is closed before any answer: tonic reports UNAVAILABLE or
+        // CANCELLED ("connection closed"), never the service's NOT_FOUND.
+        assert!(
+            matches!(err.code(), Code::Unavailable | Code::Cancelled),
+            "refused over the bound: {err:?}"
+        );
+    }
+    assert!(
+        metric_or_zero(
+            &node,
+            "graviton_connections_refused_total{listener=\"grpc\"}"
+        ) >= 1
+    );
+
+    // A slot frees up when a connection closes: a new client is served again.
+    drop(first);
+    let served_again = support::wait_until(Duration::from_secs(30), || async {
+        let Ok(channel) = Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+        else {
+            return false;
+        };
+        let err = BlobsClient::new(channel)
+            .stat_blob(StatBlobRequest {
+                key: missing.clone(),
+            })
+            .await
+            .unwrap_err();
+        err.code() == Code::NotFound
+    })
+    .await;
+    assert!(served_again, "a freed slot serves a new client");
+    drop(second);
 }

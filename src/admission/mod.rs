@@ -18,6 +18,7 @@
 pub mod acquire;
 pub mod budget;
 pub mod config;
+pub mod egress;
 pub mod error;
 pub mod footprint;
 pub mod handover;

@@ -1,5 +1,6 @@
 //! gRPC: the `graviton.v1.Blobs` service (`proto/graviton/v1/blobs.proto`) on its own
-//! listener (`[grpc] listen`, off by default), served by tonic over HTTP/2.
+//! listener (`[grpc] listen`, off by default), served by tonic over HTTP/2, with TLS when
+//! `[grpc.tls]` is set. `grpc::listener` bounds and times its connections.
 //!
 //! Every call, in this order (docs/api.md, "gRPC"; invariants GRPC-1…GRPC-3):
 //! 1. the caller is authenticated with the HTTP rules (`http::auth::caller_tenant`): the
@@ -10,12 +11,15 @@
 //!    download (`Operation::Download`), before the manifest is read;
 //! 4. `GetBlob` streams the verified block slices of `cas::read::read_blob`, one frame per
 //!    slice. Each frame is charged to the egress quota immediately before it is handed to
-//!    tonic (GRPC-2); the next frame is read only when tonic polls for it, so HTTP/2 flow
-//!    control is the back-pressure and nothing is buffered beyond one frame. A refused
-//!    frame ends the call with `RESOURCE_EXHAUSTED`, a coordinator failure or a lost
-//!    lease with `UNAVAILABLE`, after exactly the frames already charged (GRPC-3).
+//!    tonic (GRPC-2), by the same `admission::egress::charge_egress` as HTTP downloads,
+//!    and counted in the same download metrics (`metrics::MeteredDownload`); the next
+//!    frame is read only when tonic polls for it, so HTTP/2 flow control is the
+//!    back-pressure and nothing is buffered beyond one frame. A refused frame ends the
+//!    call with `RESOURCE_EXHAUSTED`, a coordinator failure or a lost lease with
+//!    `UNAVAILABLE`, after exactly the frames already charged (GRPC-3).
 
 pub mod config;
+pub mod listener;
 
 /// Code generated from the proto by `tonic-prost-build` (see `build.rs`).
 #[allow(clippy::all, clippy::pedantic, missing_docs)]
@@ -31,12 +35,14 @@ use futures_util::{Stream, StreamExt};
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
 
-use crate::admission::{Admission, AdmissionPermit, Operation, Outcome};
+use crate::admission::egress::{EgressStop, charge_egress};
+use crate::admission::{AdmissionPermit, Operation};
 use crate::cas::BlobKey;
 use crate::cas::range::ByteRange;
 use crate::cas::read::{ReadError, read_blob};
 use crate::http::{ApiError, AppState};
 use crate::ids::TenantId;
+use crate::metrics::MeteredDownload;
 use proto::blobs_server::{Blobs, BlobsServer};
 use proto::{BlobFrame, BlobStat, GetBlobRequest, StatBlobRequest};
 
@@ -111,11 +117,7 @@ impl Blobs for BlobService {
         let first = range.map(|r| r.first).unwrap_or(0);
         let frames = read_blob(self.app.blocks.clone(), manifest, range);
         Ok(Response::new(Box::pin(charged_frames(
-            frames,
-            first,
-            self.app.admission.clone(),
-            tenant,
-            permit,
+            frames, first, &self.app, tenant, permit,
         ))))
     }
 
@@ -163,89 +165,46 @@ fn plan_range(range: Option<proto::ByteRange>, size: u64) -> Result<Option<ByteR
     }))
 }
 
-struct Charged<S> {
-    inner: Pin<Box<S>>,
-    offset: u64,
-    admission: Admission,
-    tenant: Option<TenantId>,
-    permit: AdmissionPermit,
-    done: bool,
-}
-
-impl<S> Charged<S> {
-    fn finish(&mut self, outcome: Outcome) {
-        self.done = true;
-        self.permit.set_outcome(outcome);
-    }
-}
-
-/// One frame per verified slice; each is charged just before it is yielded (GRPC-2). The
-/// next slice is only pulled when tonic asks for the next frame.
+/// One frame per verified slice, charged just before it is yielded (GRPC-2, through the
+/// shared `admission::egress::charge_egress`) and metered like an HTTP download. The next
+/// slice is only pulled when tonic asks for the next frame.
 fn charged_frames<S>(
     inner: S,
     offset: u64,
-    admission: Admission,
+    app: &AppState,
     tenant: Option<TenantId>,
     permit: AdmissionPermit,
 ) -> impl Stream<Item = Result<BlobFrame, Status>> + Send + 'static
 where
     S: Stream<Item = Result<bytes::Bytes, ReadError>> + Send + 'static,
 {
-    let state = Charged {
-        inner: Box::pin(inner),
-        offset,
-        admission,
-        tenant,
-        permit,
-        done: false,
-    };
-    futures_util::stream::unfold(state, |mut st| async move {
-        if st.done {
-            return None;
-        }
-        match st.inner.next().await {
-            None => {
-                st.finish(Outcome::Completed);
-                None
-            }
-            Some(Err(err)) => {
-                tracing::error!(error = %err, "gRPC download aborted");
-                st.finish(Outcome::Failed);
-                let status = match err {
-                    ReadError::MissingBlock(_) | ReadError::CorruptBlock(_) => {
-                        Status::data_loss("a block of this blob is missing or corrupt")
-                    }
-                    ReadError::Store(_) => Status::unavailable("the block store failed"),
-                };
-                Some((Err(status), st))
-            }
-            Some(Ok(data)) => {
-                if st.permit.cancellation().is_cancelled() {
-                    st.finish(Outcome::Interrupted);
-                    return Some((
-                        Err(Status::unavailable("the transfer admission lease was lost")),
-                        st,
-                    ));
-                }
-                if let Some(tenant) = &st.tenant
-                    && let Err(err) = st.admission.charge_egress(tenant, data.len() as u64).await
-                {
-                    tracing::info!(
-                        outcome = err.outcome(),
-                        "gRPC download stopped by admission"
-                    );
-                    st.finish(Outcome::Failed);
-                    return Some((Err(admission_status(err)), st));
-                }
+    let charged = charge_egress(inner, app.admission.clone(), tenant, Some(permit));
+    MeteredDownload::new(charged, app.metrics.clone()).scan(offset, |offset, item| {
+        let frame = match item {
+            Ok(data) => {
                 let frame = BlobFrame {
-                    offset: st.offset,
+                    offset: *offset,
                     data,
                 };
-                st.offset += frame.data.len() as u64;
-                Some((Ok(frame), st))
+                *offset += frame.data.len() as u64;
+                Ok(frame)
             }
-        }
+            Err(stop) => Err(stop_status(stop)),
+        };
+        std::future::ready(Some(frame))
     })
+}
+
+/// Why a GetBlob stream ended early, as a gRPC status.
+fn stop_status(stop: EgressStop<ReadError>) -> Status {
+    match stop {
+        EgressStop::Source(ReadError::MissingBlock(_) | ReadError::CorruptBlock(_)) => {
+            Status::data_loss("a block of this blob is missing or corrupt")
+        }
+        EgressStop::Source(ReadError::Store(_)) => Status::unavailable("the block store failed"),
+        EgressStop::LeaseLost => Status::unavailable("the transfer admission lease was lost"),
+        EgressStop::Refused(err) => admission_status(err),
+    }
 }
 
 /// Admission errors as gRPC statuses: refusals are `RESOURCE_EXHAUSTED`, coordinator
@@ -290,19 +249,41 @@ fn api_status(err: ApiError) -> Status {
 
 /// Serve `graviton.v1.Blobs` on `listener` until `shutdown` resolves; calls in flight
 /// are then allowed to finish (the node bounds the wait by `node.shutdown_grace`).
+/// Connections are bounded and timed as `grpc::listener` says. A bad `[grpc.tls]`
+/// certificate or key is an error before anything is served (the node checks it at
+/// start as well).
 pub async fn serve(
     listener: TcpListener,
     app: Arc<AppState>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
-    let streams = app.config.grpc.max_concurrent_streams;
+    let config = &app.config.grpc;
+    let tls = if config.tls.enabled() {
+        match crate::http::tls::grpc_acceptor(&config.tls) {
+            Ok(acceptor) => Some(acceptor),
+            Err(err) => {
+                tracing::error!(error = %err, "gRPC listener not started");
+                return Ok(());
+            }
+        }
+    } else {
+        None
+    };
+    let incoming = listener::incoming(
+        listener,
+        listener::AcceptOptions {
+            max_connections: config.max_connections,
+            handshake_timeout: config.handshake_timeout.0,
+            tls,
+            metrics: app.edge.connections.clone(),
+        },
+    );
     tonic::transport::Server::builder()
-        .max_concurrent_streams(streams)
-        .add_service(BlobsServer::new(BlobService::new(app)))
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            shutdown,
-        )
+        .max_concurrent_streams(config.max_concurrent_streams)
+        .http2_keepalive_interval(Some(config.keepalive_interval.0))
+        .http2_keepalive_timeout(Some(config.handshake_timeout.0))
+        .add_service(BlobsServer::new(BlobService::new(app.clone())))
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }
 

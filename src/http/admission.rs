@@ -5,28 +5,25 @@
 //!   transfer where its bytes are held (`admission::transfer` says what each transfer
 //!   asks for). All of it happens before the body is read.
 //! - Downloads (`GET`): request quota and admission before the manifest is read; each
-//!   outgoing chunk is charged to the egress quota just before it is sent. A refused charge
-//!   or a lost lease ends the stream with an error, so the client sees an aborted transfer,
-//!   never a silently short `200`.
+//!   outgoing chunk is charged to the egress quota just before it is sent
+//!   (`admission::egress`). A refused charge or a lost lease ends the stream with an
+//!   error, so the client sees an aborted transfer, never a silently short `200`.
 //! - `PUT`/`DELETE /v1/admin/tenants/{tenant}/admission` set or clear a live tenant override
 //!   and answer `{"policy_version": n}`; `GET /v1/admin/admission?tenant=&backend=` answers
 //!   the occupancy snapshot. All need `Authorization: Bearer <admin.token>`.
 //!
 //! The tenant is the `X-Graviton-Tenant-Id` header (uploads: with the session header).
 
-use std::pin::Pin;
 use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
-use bytes::Bytes;
-use futures_util::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 
 use super::headers::{TENANT_HEADER, single_value};
 use super::{ApiError, AppState};
-use crate::admission::{Admission, AdmissionPermit, AdmissionSnapshot, Outcome, TenantOverride};
+use crate::admission::{AdmissionSnapshot, TenantOverride};
 use crate::ids::TenantId;
 
 /// A boxed error for streamed bodies.
@@ -49,80 +46,6 @@ pub async fn charge_request(app: &AppState, tenant: Option<&TenantId>) -> Result
         app.admission.charge_request(tenant).await?;
     }
     Ok(())
-}
-
-struct Charged<S> {
-    inner: Pin<Box<S>>,
-    admission: Admission,
-    tenant: Option<TenantId>,
-    permit: Option<AdmissionPermit>,
-    done: bool,
-}
-
-/// Wrap a download stream: each chunk is charged to the tenant's egress quota right
-/// before it is yielded; the permit is held until the stream ends or is dropped.
-pub fn charge_egress<S, E>(
-    inner: S,
-    admission: Admission,
-    tenant: Option<TenantId>,
-    permit: Option<AdmissionPermit>,
-) -> impl Stream<Item = Result<Bytes, BoxError>> + Send + 'static
-where
-    S: Stream<Item = Result<Bytes, E>> + Send + 'static,
-    E: Into<BoxError> + Send,
-{
-    let state = Charged {
-        inner: Box::pin(inner),
-        admission,
-        tenant,
-        permit,
-        done: false,
-    };
-    futures_util::stream::unfold(state, |mut st| async move {
-        if st.done {
-            return None;
-        }
-        let finish = |st: &mut Charged<S>, outcome: Outcome| {
-            st.done = true;
-            if let Some(permit) = st.permit.take() {
-                permit.set_outcome(outcome);
-            }
-        };
-        match st.inner.next().await {
-            None => {
-                finish(&mut st, Outcome::Completed);
-                None
-            }
-            Some(Err(err)) => {
-                finish(&mut st, Outcome::Failed);
-                Some((Err(err.into()), st))
-            }
-            Some(Ok(bytes)) => {
-                if st
-                    .permit
-                    .as_ref()
-                    .is_some_and(|p| p.cancellation().is_cancelled())
-                {
-                    finish(&mut st, Outcome::Interrupted);
-                    return Some((Err("transfer admission lease lost".into()), st));
-                }
-                if let Some(tenant) = st.tenant
-                    && let Err(err) = st
-                        .admission
-                        .charge_egress(&tenant, bytes.len() as u64)
-                        .await
-                {
-                    tracing::info!(
-                        outcome = err.outcome(),
-                        "download stopped by the egress quota"
-                    );
-                    finish(&mut st, Outcome::Failed);
-                    return Some((Err(Box::new(err) as BoxError), st));
-                }
-                Some((Ok(bytes), st))
-            }
-        }
-    })
 }
 
 pub(crate) fn require_admin(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {

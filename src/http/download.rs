@@ -1,26 +1,23 @@
 //! `GET` and `HEAD /v1/blobs/{key}`: streamed, verified downloads with single-range support.
 //!
 //! Admission (and the request quota) runs before the manifest is read; every chunk is
-//! charged to the tenant's egress quota just before it is sent (`http::admission`).
+//! charged to the tenant's egress quota just before it is sent (`admission::egress`) and
+//! metered by `metrics::MeteredDownload`.
 
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use bytes::Bytes;
-use futures_util::Stream;
 
-use super::admission::{BoxError, charge_egress};
 use super::{ApiError, AppState};
 use crate::admission::Operation;
+use crate::admission::egress::charge_egress;
 use crate::cas::BlobKey;
 use crate::cas::range::{RangeRequest, parse_range};
 use crate::cas::read::read_blob;
-use crate::metrics::{Metrics, OutcomeLabels};
+use crate::metrics::MeteredDownload;
 
 /// `DELETE /v1/blobs/{key}` (admin token): removes the manifest only. Blocks are shared
 /// by every blob (and tenant) that contains them; the collector reclaims those no
@@ -182,11 +179,7 @@ pub async fn get_blob(
     } else {
         let stream = read_blob(app.blocks.clone(), manifest, range);
         let stream = charge_egress(stream, app.admission.clone(), tenant, permit);
-        Body::from_stream(Metered {
-            inner: Box::pin(stream),
-            metrics: app.metrics.clone(),
-            done: false,
-        })
+        Body::from_stream(MeteredDownload::new(stream, app.metrics.clone()))
     };
     let mut response = Response::builder()
         .status(status)
@@ -203,52 +196,4 @@ pub async fn get_blob(
         );
     }
     Ok(response)
-}
-
-/// Counts bytes sent and records the outcome when the stream ends or is dropped.
-struct Metered {
-    inner: Pin<Box<dyn Stream<Item = Result<Bytes, BoxError>> + Send>>,
-    metrics: Metrics,
-    done: bool,
-}
-
-impl Metered {
-    fn record(&mut self, outcome: &'static str) {
-        if !self.done {
-            self.done = true;
-            self.metrics
-                .downloads
-                .get_or_create(&OutcomeLabels { outcome })
-                .inc();
-        }
-    }
-}
-
-impl Stream for Metered {
-    type Item = Result<Bytes, BoxError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let polled = self.inner.as_mut().poll_next(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(bytes))) => {
-                self.metrics.download_bytes.inc_by(bytes.len() as u64);
-            }
-            Poll::Ready(Some(Err(err))) => {
-                // The response is already streaming: abort it (the client sees a broken
-                // transfer, never a silently short 200).
-                tracing::error!(error = %err, "download aborted");
-                self.record("server_error");
-            }
-            Poll::Ready(None) => self.record("ok"),
-            Poll::Pending => {}
-        }
-        polled
-    }
-}
-
-impl Drop for Metered {
-    fn drop(&mut self) {
-        // Dropped before the end: the client went away.
-        self.record("client_error");
-    }
 }

@@ -63,7 +63,7 @@ impl Default for ConnectionLimits {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ListenerLabels {
-    /// "public" or "internal"
+    /// "public", "internal" or "grpc"
     pub listener: &'static str,
 }
 
@@ -82,7 +82,7 @@ impl ConnectionMetrics {
     /// Register into a registry (the node's `Metrics::register_with`).
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
         // Every series at zero from the start (listed in /metrics, first event counted).
-        for listener in ["public", "internal"] {
+        for listener in ["public", "internal", crate::grpc::listener::LISTENER] {
             let labels = ListenerLabels { listener };
             drop(self.refused.get_or_create(&labels));
             drop(self.header_timeouts.get_or_create(&labels));

@@ -1,5 +1,6 @@
 //! rustls configurations (aws-lc-rs provider, TLS 1.2 and 1.3) built from PEM files:
 //! - [`public_acceptor`]: server certificate of the public listener (`[http.tls]`);
+//! - [`grpc_acceptor`]: the same for the gRPC listener (`[grpc.tls]`, ALPN `h2`);
 //! - [`internal_acceptor`]: the internal listener with mutual TLS: client certificates
 //!   must chain to `http.internal_tls.ca_file` (`[http.internal_tls]`);
 //! - [`internal_client_config`]: the forwarding client, presenting this node's
@@ -54,15 +55,26 @@ fn required<'a>(path: &'a Option<std::path::PathBuf>, key: &str) -> Result<&'a P
 
 /// The public listener's acceptor (HTTP/1.1 over TLS).
 pub fn public_acceptor(config: &TlsConfig) -> Result<TlsAcceptor, String> {
-    let cert = required(&config.cert_file, "http.tls.cert_file")?;
-    let key_file = required(&config.key_file, "http.tls.key_file")?;
+    server_acceptor(config, "http.tls", b"http/1.1")
+}
+
+/// The gRPC listener's acceptor (HTTP/2 over TLS, `[grpc.tls]`).
+pub fn grpc_acceptor(config: &TlsConfig) -> Result<TlsAcceptor, String> {
+    server_acceptor(config, "grpc.tls", b"h2")
+}
+
+/// A server certificate without client authentication, offering one ALPN protocol;
+/// `section` names the config section in errors.
+fn server_acceptor(config: &TlsConfig, section: &str, alpn: &[u8]) -> Result<TlsAcceptor, String> {
+    let cert = required(&config.cert_file, &format!("{section}.cert_file"))?;
+    let key_file = required(&config.key_file, &format!("{section}.key_file"))?;
     let mut server = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?
         .with_no_client_auth()
         .with_single_cert(certs(cert)?, key(key_file)?)
-        .map_err(|e| format!("http.tls: {e}"))?;
-    server.alpn_protocols = vec![b"http/1.1".to_vec()];
+        .map_err(|e| format!("{section}: {e}"))?;
+    server.alpn_protocols = vec![alpn.to_vec()];
     Ok(TlsAcceptor::from(Arc::new(server)))
 }
 

@@ -315,6 +315,9 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         // Fail the start, not the first connection, on a bad certificate or key.
         crate::http::tls::public_acceptor(&state.config.http.tls).map_err(StartError::Tls)?;
     }
+    if grpc_listener.is_some() && state.config.grpc.tls.enabled() {
+        crate::http::tls::grpc_acceptor(&state.config.grpc.tls).map_err(StartError::Tls)?;
+    }
     let server = tokio::spawn(crate::http::serve(
         listener,
         state.clone(),
