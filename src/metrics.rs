@@ -319,35 +319,6 @@ impl std::fmt::Debug for Metrics {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn metrics_encode_with_bounded_labels() {
-        let metrics = Metrics::new();
-        metrics
-            .blocks
-            .get_or_create(&BlockLabels { kind: "fresh" })
-            .inc_by(3);
-        metrics
-            .http_requests
-            .get_or_create(&HttpLabels {
-                route: "/v1/blobs".into(),
-                method: "POST".into(),
-                status: status_class(201),
-            })
-            .inc();
-        let text = metrics.encode();
-        assert!(
-            text.contains("graviton_blocks_total{kind=\"fresh\"} 3"),
-            "{text}"
-        );
-        assert!(text.contains("status=\"2xx\""), "{text}");
-        assert!(text.ends_with("# EOF\n"));
-    }
-}
-
 /// A download stream that counts its bytes (`download_bytes`) and records its outcome in
 /// `downloads{outcome}` exactly once: `ok` when it ends, `server_error` on an error item
 /// (logged), `client_error` when it is dropped before the end (the client went away).
@@ -411,5 +382,34 @@ impl<S> Drop for MeteredDownload<S> {
     fn drop(&mut self) {
         // Dropped before the end: the client went away.
         self.record("client_error");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_encode_with_bounded_labels() {
+        let metrics = Metrics::new();
+        metrics
+            .blocks
+            .get_or_create(&BlockLabels { kind: "fresh" })
+            .inc_by(3);
+        metrics
+            .http_requests
+            .get_or_create(&HttpLabels {
+                route: "/v1/blobs".into(),
+                method: "POST".into(),
+                status: status_class(201),
+            })
+            .inc();
+        let text = metrics.encode();
+        assert!(
+            text.contains("graviton_blocks_total{kind=\"fresh\"} 3"),
+            "{text}"
+        );
+        assert!(text.contains("status=\"2xx\""), "{text}");
+        assert!(text.ends_with("# EOF\n"));
     }
 }
