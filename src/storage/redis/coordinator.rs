@@ -149,8 +149,10 @@ fn is_certificate_error(err: &RedisError) -> bool {
     text.contains("invalid peer certificate") || text.contains("certificate")
 }
 
+/// A refused certificate is not retried: the next handshake meets the same certificate.
 fn retryable(err: &RedisError) -> bool {
-    err.is_io_error() || err.is_connection_dropped() || err.is_timeout()
+    !is_certificate_error(err)
+        && (err.is_io_error() || err.is_connection_dropped() || err.is_timeout())
 }
 
 fn fmt_opt(value: Option<u64>) -> String {
