@@ -28,7 +28,7 @@ use super::hashing::IdHasher;
 use super::keys::{CellKeys, QuotaKind};
 use super::reply::{
     self, AcquireReply, ChargeReply, Dimension, FencingToken, LeaseId, ReleaseReply, RenewReply,
-    SnapshotReply,
+    SnapshotReply, StoredLimits,
 };
 use crate::config::Secret;
 use crate::ids::TenantId;
@@ -407,6 +407,61 @@ impl RedisCoordinator {
         let mut inv = self.invocation("policy");
         inv.arg(self.inner.hasher.tenant(tenant))
             .arg(fmt_opt(bytes))
+            .arg(fmt_opt(transfers));
+        Ok(reply::parse_policy(&self.call(&inv, false).await?)?)
+    }
+
+    /// The cluster-wide limits stored in the cell, bootstrapping the absent ones from this
+    /// node's configured limits first (the first node to call sets them for everyone).
+    pub async fn bootstrap_limits(&self) -> Result<StoredLimits, Error> {
+        let l = self.inner.config.limits;
+        self.limits_call(
+            "bootstrap",
+            [
+                Some(l.service_bytes),
+                Some(l.service_transfers),
+                Some(l.tenant_bytes),
+                Some(l.tenant_transfers),
+                Some(l.backend_transfers),
+            ],
+            true,
+        )
+        .await
+    }
+
+    /// Set the given cluster-wide limits (`None` = unchanged); returns what is stored now.
+    pub async fn set_limits(&self, values: [Option<u64>; 5]) -> Result<StoredLimits, Error> {
+        self.limits_call("set", values, false).await
+    }
+
+    /// The cluster-wide limits stored in the cell.
+    pub async fn read_limits(&self) -> Result<StoredLimits, Error> {
+        self.limits_call("read", [None; 5], true).await
+    }
+
+    async fn limits_call(
+        &self,
+        mode: &str,
+        values: [Option<u64>; 5],
+        idempotent: bool,
+    ) -> Result<StoredLimits, Error> {
+        let mut inv = self.invocation("limits");
+        inv.arg(mode);
+        for value in values {
+            inv.arg(fmt_opt(value));
+        }
+        Ok(reply::parse_limits(&self.call(&inv, idempotent).await?)?)
+    }
+
+    /// Set (`Some`) or clear a backend's cluster-wide transfer override; returns the new
+    /// policy version.
+    pub async fn set_backend_policy(
+        &self,
+        backend: &str,
+        transfers: Option<u64>,
+    ) -> Result<u64, Error> {
+        let mut inv = self.invocation("backend_policy");
+        inv.arg(self.inner.hasher.backend(backend))
             .arg(fmt_opt(transfers));
         Ok(reply::parse_policy(&self.call(&inv, false).await?)?)
     }
