@@ -5,7 +5,9 @@
 --   2 expirations  ZSET   lease id -> expiry ms (Redis server time)
 --   3 leases       HASH   lease id -> token|tenant|backend|bytes|admitted_ms|operation|policy_version
 --   4 fence        STRING fencing token sequence
---   5 policy       HASH   version, t:<h>:b, t:<h>:c, svc:b, svc:c, b:<h>:c overrides
+--   5 policy       HASH   version; cluster-wide limits svc:b, svc:c, t:b, t:c, b:c (set by
+--                         the first call that finds them absent, or by the `limits` op);
+--                         overrides t:<h>:b, t:<h>:c, b:<h>:c
 --   6 events       STREAM decision events, schema graviton-admission-event-v1
 --   7 waiters      ZSET   lease id -> first rejection ms (service-pool waiters, oldest first)
 --   8 waiting      HASH   lease id -> bytes|last_seen_ms
@@ -240,6 +242,23 @@ local function policy_version()
   return policy_field('version') or 0
 end
 
+-- The cluster-wide limits (service bytes, service transfers, default tenant bytes, default
+-- tenant transfers, default backend transfers), in the order of the acquire defaults.
+local LIMIT_FIELDS = { 'svc:b', 'svc:c', 't:b', 't:c', 'b:c' }
+
+-- Store values[1..5] as the cluster-wide limits where none is stored yet, so the first
+-- node to admit (or bootstrap) sets them for every node. '-' entries are skipped.
+local function bootstrap_limits(values)
+  load_policy(LIMIT_FIELDS)
+  for i = 1, 5 do
+    local name, value = LIMIT_FIELDS[i], tonumber(values[i])
+    if not policy_cache[name] and value then
+      redis.call('HSET', K_POLICY, name, fmt(value))
+      policy_cache[name] = value
+    end
+  end
+end
+
 -- Append one decision event; o is the occupancy after the transition.
 local function event(kind, lease, token, tenant, backend, bytes, operation, outcome, version, o)
   redis.call('XADD', K_EVENTS, 'MAXLEN', '~', max_events, '*',
@@ -342,15 +361,17 @@ local function acquire_one(a, d)
     drop_lease(id, 'expired', 'lease_expired')
   end
 
-  -- Live overrides win over the defaults the caller passed.
-  load_policy({ 'version', 'svc:b', 'svc:c', 't:' .. tenant .. ':b', 't:' .. tenant .. ':c',
-    'b:' .. backend .. ':c' })
+  -- The cluster-wide limits stored in Redis win over the caller's file (the caller's
+  -- values only bootstrap them when absent); live overrides win over both.
+  load_policy({ 'version', 'svc:b', 'svc:c', 't:b', 't:c', 'b:c', 't:' .. tenant .. ':b',
+    't:' .. tenant .. ':c', 'b:' .. backend .. ':c' })
+  bootstrap_limits(d)
   local version = policy_version()
-  local svc_b = policy_field('svc:b') or tonumber(d[1])
-  local svc_c = policy_field('svc:c') or tonumber(d[2])
-  local ten_b = policy_field('t:' .. tenant .. ':b') or tonumber(d[3])
-  local ten_c = policy_field('t:' .. tenant .. ':c') or tonumber(d[4])
-  local back_c = policy_field('b:' .. backend .. ':c') or tonumber(d[5])
+  local svc_b = policy_field('svc:b')
+  local svc_c = policy_field('svc:c')
+  local ten_b = policy_field('t:' .. tenant .. ':b') or policy_field('t:b')
+  local ten_c = policy_field('t:' .. tenant .. ':c') or policy_field('t:c')
+  local back_c = policy_field('b:' .. backend .. ':c') or policy_field('b:c')
 
   -- A footprint above a ceiling can never be admitted: say so at once.
   local never = nil
@@ -541,6 +562,73 @@ local function policy()
   return { 'POLICY', fmt(version) }
 end
 
+-- Bump the policy version (same rule as fencing tokens, in ms) and return it.
+local function bump_version()
+  local version = math.max(policy_version() + 1, now)
+  redis.call('HSET', K_POLICY, 'version', fmt(version))
+  policy_cache['version'] = version
+  return version
+end
+
+-- Read, bootstrap or set the cluster-wide limits. ARGV: 4 mode ('read', 'bootstrap',
+-- 'set'), 5..9 service bytes, service transfers, tenant bytes, tenant transfers, backend
+-- transfers, each a number or '-' (bootstrap: store only where absent; set: leave '-'
+-- unchanged). Reply: LIMITS version and the five stored values ('-' when absent).
+local function limits()
+  local mode = ARGV[4]
+  local values = { ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9] }
+  for i = 1, 5 do
+    if values[i] ~= '-' and (not tonumber(values[i]) or tonumber(values[i]) < 1) then
+      return { 'PROTOCOL', 'invalid_limit' }
+    end
+  end
+  if mode == 'bootstrap' then
+    bootstrap_limits(values)
+  elseif mode == 'set' then
+    for i = 1, 5 do
+      if values[i] ~= '-' then
+        redis.call('HSET', K_POLICY, LIMIT_FIELDS[i], fmt(tonumber(values[i])))
+        policy_cache[LIMIT_FIELDS[i]] = tonumber(values[i])
+      end
+    end
+    local version = bump_version()
+    local _, v = load_counts('-', '-')
+    event('policy_changed', '-', '-', '-', '-', '0', 'control', 'set', version, occupancy('-', '-', v))
+  elseif mode ~= 'read' then
+    return { 'PROTOCOL', 'invalid_limits_mode' }
+  end
+  load_policy(LIMIT_FIELDS)
+  local reply = { 'LIMITS', fmt(policy_version()) }
+  for i = 1, 5 do
+    local value = policy_cache[LIMIT_FIELDS[i]]
+    reply[#reply + 1] = value and fmt(value) or '-'
+  end
+  return reply
+end
+
+-- Set or clear a backend's transfer override. ARGV: 4 backend hash, 5 transfers or '-'.
+local function backend_policy()
+  local backend, value = ARGV[4], ARGV[5]
+  if backend == '-' then
+    return { 'PROTOCOL', 'policy_needs_backend' }
+  end
+  if value ~= '-' and (not tonumber(value) or tonumber(value) < 1) then
+    return { 'PROTOCOL', 'invalid_policy_value' }
+  end
+  local field = 'b:' .. backend .. ':c'
+  local outcome = 'set'
+  if value == '-' then
+    redis.call('HDEL', K_POLICY, field)
+    outcome = 'cleared'
+  else
+    redis.call('HSET', K_POLICY, field, fmt(tonumber(value)))
+  end
+  local version = bump_version()
+  local _, v = load_counts('-', backend)
+  event('policy_changed', '-', '-', '-', backend, '0', 'control', outcome, version, occupancy('-', backend, v))
+  return { 'POLICY', fmt(version) }
+end
+
 -- Append a client-side decision. ARGV: 4 kind, 5 lease, 6 tenant, 7 backend, 8 bytes,
 -- 9 operation, 10 outcome.
 local function append_event()
@@ -629,6 +717,8 @@ local ops = {
   end,
   snapshot = snapshot,
   policy = policy,
+  limits = limits,
+  backend_policy = backend_policy,
   event = append_event,
   charge = charge,
 }

@@ -18,6 +18,7 @@ use graviton::http::ApiError;
 use graviton::ids::TenantId;
 use graviton::storage::redis::reply::{AcquireReply, LeaseId, ReleaseReply, RenewReply};
 use graviton::storage::redis::{LeaseRequest, RedisCoordinator};
+use support::admission_events::n;
 use support::{RedisServer, unique_suffix, wait_until};
 use tokio::time::Instant;
 
@@ -100,12 +101,6 @@ async fn all_events(coordinator: &RedisCoordinator) -> Vec<BTreeMap<String, Stri
     coordinator.recent_events(1_000_000).await.unwrap()
 }
 
-fn n(event: &BTreeMap<String, String>, field: &str) -> i64 {
-    event[field]
-        .parse()
-        .unwrap_or_else(|_| panic!("{field} is not an integer: {:?}", event[field]))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_providers_never_exceed_any_ceiling_under_concurrent_load() {
     let Some(server) =
@@ -153,47 +148,7 @@ async fn two_providers_never_exceed_any_ceiling_under_concurrent_load() {
     let coordinator = providers[0].coordinator().unwrap();
     let events = all_events(coordinator).await;
     let redis = cfg.redis.as_ref().unwrap();
-    let (mut bytes, mut count, mut kinds) = (0i64, 0i64, BTreeMap::<String, u64>::new());
-    for event in &events {
-        *kinds.entry(event["kind"].clone()).or_default() += 1;
-        assert!(
-            n(event, "service_bytes") <= redis.service_bytes.bytes() as i64,
-            "{event:?}"
-        );
-        assert!(
-            n(event, "service_transfers") <= i64::from(redis.service_transfers),
-            "{event:?}"
-        );
-        assert!(
-            n(event, "tenant_bytes") <= redis.tenant_bytes.bytes() as i64,
-            "{event:?}"
-        );
-        assert!(
-            n(event, "tenant_transfers") <= i64::from(redis.tenant_transfers),
-            "{event:?}"
-        );
-        assert!(
-            n(event, "backend_transfers") <= i64::from(redis.backend_transfers),
-            "{event:?}"
-        );
-        // Replaying admissions and completions reproduces the occupancy each event reports.
-        match event["kind"].as_str() {
-            "admitted" => {
-                bytes += n(event, "bytes");
-                count += 1;
-            }
-            "completed" | "expired" => {
-                bytes -= n(event, "bytes");
-                count -= 1;
-            }
-            _ => continue,
-        }
-        assert_eq!(
-            (bytes, count),
-            (n(event, "service_bytes"), n(event, "service_transfers")),
-            "{event:?}"
-        );
-    }
+    let kinds = support::admission_events::sweep(&events, redis);
     assert_eq!(kinds.get("admitted"), kinds.get("completed"), "{kinds:?}");
     assert!(
         kinds.get("queued").copied().unwrap_or(0) > 0,

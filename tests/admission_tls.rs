@@ -1,30 +1,31 @@
-//! `rediss://` end to end against a real `redis-server` with `--tls-port` and a CA made in
-//! the test (openssl CLI): `verify_tls = false` connects and admits; `verify_tls = true`
-//! refuses the certificate of a CA the system does not trust (fails closed, 503 kind).
+//! `rediss://` end to end against a real `redis-server` with `--tls-port --port 0`, a CA and
+//! a server certificate made in the test (rcgen, `tests/support/pki.rs`) and a password
+//! (`--requirepass`):
+//! * `verify_tls = true` with `ca_file` naming the test CA verifies the server and admits;
+//! * `verify_tls = false` admits without verification;
+//! * verification against the system roots, or against another CA's `ca_file`, is refused
+//!   with the category `tls_certificate_rejected` (fails closed, 503 kind);
+//! * a wrong password fails closed; neither password appears in an error, in `Debug`, or in
+//!   anything logged at any level (ADM-11).
 
 #[allow(unused_imports)]
 mod support;
 
+use std::io::Write;
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use graviton::admission::{
-    Admission, AdmissionConfig, AdmissionMetrics, Error, Footprint, Operation,
+    Admission, AdmissionConfig, AdmissionMetrics, Error, Footprint, Operation, Outcome,
     RedisAdmissionConfig, TransferRequest,
 };
-use graviton::config::{ByteSize, HumanDuration};
+use graviton::config::{ByteSize, HumanDuration, Secret};
 use graviton::ids::TenantId;
+use support::pki::TestPki;
 
-fn openssl(dir: &std::path::Path, args: &[&str]) {
-    let status = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .expect("openssl on PATH");
-    assert!(status.success(), "openssl {args:?}");
-}
+const PASSWORD: &str = "tls-redis-pw-51c0ffee";
+const WRONG_PASSWORD: &str = "not-the-pw-7d1e9";
 
 struct Killed(std::process::Child);
 
@@ -35,14 +36,35 @@ impl Drop for Killed {
     }
 }
 
-fn config(port: u16, verify_tls: bool) -> AdmissionConfig {
-    AdmissionConfig {
+/// Everything logged by the test process, at every level.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn config(
+    port: u16,
+    verify_tls: bool,
+    ca_file: Option<&std::path::Path>,
+    password: &str,
+) -> AdmissionConfig {
+    let config = AdmissionConfig {
         process_bytes: ByteSize::mib(64),
         tenant_bytes: ByteSize::mib(64),
         acquisition_timeout: HumanDuration::secs(3),
         redis: Some(RedisAdmissionConfig {
             url: format!("rediss://127.0.0.1:{port}/"),
             verify_tls,
+            ca_file: ca_file.map(Into::into),
+            password: Some(Secret::new(password)),
             cell: format!("tls-{}", support::unique_suffix()),
             lease_ttl: HumanDuration::secs(3),
             renew_interval: HumanDuration::secs(1),
@@ -51,7 +73,9 @@ fn config(port: u16, verify_tls: bool) -> AdmissionConfig {
             ..RedisAdmissionConfig::default()
         }),
         ..AdmissionConfig::default()
-    }
+    };
+    assert!(config.problems().is_empty(), "{:?}", config.problems());
+    config
 }
 
 fn request() -> TransferRequest {
@@ -63,8 +87,29 @@ fn request() -> TransferRequest {
     }
 }
 
+async fn admits(config: &AdmissionConfig) -> Admission {
+    let admission = Admission::new(config, AdmissionMetrics::default()).unwrap();
+    let permit = admission
+        .admit(request())
+        .await
+        .expect("admitted over rediss://");
+    assert!(permit.lease().is_some());
+    permit.finish(Outcome::Completed).await;
+    let snapshot = admission.snapshot(None, None).await.unwrap();
+    assert_eq!(snapshot.cluster.unwrap().occupancy.service_transfers, 0);
+    admission
+}
+
+async fn refused(config: &AdmissionConfig) -> String {
+    let admission = Admission::new(config, AdmissionMetrics::default()).unwrap();
+    match admission.admit(request()).await {
+        Err(err @ Error::Unavailable(_)) => err.to_string(),
+        other => panic!("must fail closed, got {other:?}"),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rediss_connects_without_verification_and_refuses_an_untrusted_ca_with_it() {
+async fn rediss_verifies_against_ca_file_refuses_a_wrong_ca_and_never_shows_the_password() {
     if Command::new("redis-server")
         .arg("--version")
         .output()
@@ -73,61 +118,21 @@ async fn rediss_connects_without_verification_and_refuses_an_untrusted_ca_with_i
         support::missing_service("rediss", "redis-server binary not found on PATH");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    openssl(d, &["genrsa", "-out", "ca.key", "2048"]);
-    openssl(
-        d,
-        &[
-            "req",
-            "-x509",
-            "-new",
-            "-key",
-            "ca.key",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=graviton-test-ca",
-            "-out",
-            "ca.crt",
-        ],
-    );
-    openssl(d, &["genrsa", "-out", "server.key", "2048"]);
-    openssl(
-        d,
-        &[
-            "req",
-            "-new",
-            "-key",
-            "server.key",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-out",
-            "server.csr",
-        ],
-    );
-    std::fs::write(d.join("ext.cnf"), "subjectAltName=IP:127.0.0.1\n").unwrap();
-    openssl(
-        d,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            "ext.cnf",
-            "-out",
-            "server.crt",
-        ],
-    );
+    let logs = Captured::default();
+    let writer = logs.clone();
+    tracing::subscriber::set_global_default(
+        tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_writer(move || writer.clone())
+            .finish(),
+    )
+    .expect("one subscriber per test binary");
+
+    let pki = TestPki::new();
+    let (cert, key) = pki.issue("redis");
+    let other_ca = TestPki::new();
     let port = support::free_port();
+    let dir = tempfile::tempdir().unwrap();
     let _server = Killed(
         Command::new("redis-server")
             .args([
@@ -140,15 +145,15 @@ async fn rediss_connects_without_verification_and_refuses_an_untrusted_ca_with_i
                 "--appendonly",
                 "no",
             ])
-            .args(["--tls-port", &port.to_string()])
+            .args(["--tls-port", &port.to_string(), "--requirepass", PASSWORD])
             .arg("--tls-cert-file")
-            .arg(d.join("server.crt"))
+            .arg(&cert)
             .arg("--tls-key-file")
-            .arg(d.join("server.key"))
+            .arg(&key)
             .arg("--tls-ca-cert-file")
-            .arg(d.join("ca.crt"))
+            .arg(&pki.ca)
             .args(["--tls-auth-clients", "no", "--dir"])
-            .arg(d)
+            .arg(dir.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -162,22 +167,35 @@ async fn rediss_connects_without_verification_and_refuses_an_untrusted_ca_with_i
     .await;
     assert!(listening, "redis-server did not open its TLS port");
 
-    // Without verification: connects over TLS and admits.
-    let insecure = Admission::new(&config(port, false), AdmissionMetrics::default()).unwrap();
-    let permit = insecure
-        .admit(request())
-        .await
-        .expect("admitted over rediss://");
-    assert!(permit.lease().is_some());
-    permit.finish(graviton::admission::Outcome::Completed).await;
-    let snapshot = insecure.snapshot(None, None).await.unwrap();
-    assert_eq!(snapshot.cluster.unwrap().occupancy.service_transfers, 0);
+    // Verified against the test CA named by ca_file.
+    let verified = admits(&config(port, true, Some(&pki.ca), PASSWORD)).await;
+    // Without verification.
+    admits(&config(port, false, None, PASSWORD)).await;
+    // Verified against the system roots, which do not hold the test CA.
+    let system = refused(&config(port, true, None, PASSWORD)).await;
+    assert!(system.contains("tls_certificate_rejected"), "{system}");
+    // Verified against the wrong CA.
+    let wrong_ca = refused(&config(port, true, Some(&other_ca.ca), PASSWORD)).await;
+    assert!(wrong_ca.contains("tls_certificate_rejected"), "{wrong_ca}");
+    // A wrong password over a verified connection.
+    let wrong_password = refused(&config(port, true, Some(&pki.ca), WRONG_PASSWORD)).await;
+    assert!(
+        !wrong_password.contains("tls_certificate"),
+        "{wrong_password}"
+    );
 
-    // With verification: the test CA is not a trusted root, so the handshake fails and
-    // admission fails closed.
-    let strict = Admission::new(&config(port, true), AdmissionMetrics::default()).unwrap();
-    match strict.admit(request()).await {
-        Err(Error::Unavailable(_)) => {}
-        other => panic!("an untrusted certificate must fail closed, got {other:?}"),
+    let debug = format!(
+        "{:?} {:?}",
+        verified.coordinator().unwrap(),
+        config(port, true, Some(&pki.ca), PASSWORD)
+    );
+    let logged = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    for shown in [&system, &wrong_ca, &wrong_password, &debug, &logged] {
+        assert!(!shown.contains(PASSWORD), "password shown: {shown}");
+        assert!(!shown.contains(WRONG_PASSWORD), "password shown: {shown}");
     }
+    assert!(
+        logged.contains("admission coordinator call failed"),
+        "the capture saw the failures' debug lines"
+    );
 }

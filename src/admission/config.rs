@@ -80,8 +80,15 @@ pub enum LeaseLossPolicy {
 #[derive(Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedisAdmissionConfig {
-    /// `redis://host:port/db` or `rediss://...` for TLS. No credentials in the URL.
+    /// `redis://host:port/db` or `rediss://...` for TLS. No credentials in the URL. With
+    /// `cluster = true`, one seed node of the cluster.
     pub url: String,
+    /// `url` (and `seeds`) name a Redis Cluster: use the cluster client, which follows
+    /// `MOVED`/`ASK` and the cluster's failovers. Every key of a cell shares one slot.
+    pub cluster: bool,
+    /// More cluster seed nodes, tried when `url` is down (only with `cluster = true`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub seeds: Vec<String>,
     /// ACL user name (optional).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub username: Option<String>,
@@ -90,6 +97,10 @@ pub struct RedisAdmissionConfig {
     pub password: Option<Secret>,
     /// Verify the server certificate with `rediss://` (turn off only in tests).
     pub verify_tls: bool,
+    /// PEM file with the CA certificate(s) to trust instead of the system roots
+    /// (`rediss://` with `verify_tls = true`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<std::path::PathBuf>,
     /// Cell secret keying the HMAC-SHA-256 of tenant and backend ids in keys and events.
     /// Unset: plain SHA-256. Every node of a cell must use the same value.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -132,9 +143,12 @@ impl Default for RedisAdmissionConfig {
     fn default() -> Self {
         Self {
             url: "redis://127.0.0.1:6379/".to_string(),
+            cluster: false,
+            seeds: Vec::new(),
             username: None,
             password: None,
             verify_tls: true,
+            ca_file: None,
             id_secret: None,
             cell: "default".to_string(),
             key_prefix: "graviton".to_string(),
@@ -160,9 +174,15 @@ impl std::fmt::Debug for RedisAdmissionConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisAdmissionConfig")
             .field("url", &redact_url(&self.url))
+            .field("cluster", &self.cluster)
+            .field(
+                "seeds",
+                &self.seeds.iter().map(|s| redact_url(s)).collect::<Vec<_>>(),
+            )
             .field("username", &self.username)
             .field("password", &self.password)
             .field("verify_tls", &self.verify_tls)
+            .field("ca_file", &self.ca_file)
             .field("id_secret", &self.id_secret)
             .field("cell", &self.cell)
             .field("key_prefix", &self.key_prefix)
@@ -189,6 +209,16 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// The database part of a `redis://host:port/db` URL (`""` when absent).
+fn url_database(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let path = rest.split_once('/').map_or("", |(_, path)| path);
+    path.split(['?', '#'])
+        .next()
+        .unwrap_or("")
+        .trim_matches('/')
+}
+
 fn is_identifier(text: &str, max: usize, extra: &[char]) -> bool {
     !text.is_empty()
         && text.len() <= max
@@ -207,9 +237,12 @@ impl RedisAdmissionConfig {
     pub fn coordinator(&self) -> CoordinatorConfig {
         CoordinatorConfig {
             url: self.url.clone(),
+            cluster: self.cluster,
+            seeds: self.seeds.clone(),
             username: self.username.clone(),
             password: self.password.clone(),
             verify_tls: self.verify_tls,
+            ca_file: self.ca_file.clone(),
             id_secret: self.id_secret.clone(),
             key_prefix: self.key_prefix.clone(),
             cell: self.cell.clone(),
@@ -242,6 +275,49 @@ impl RedisAdmissionConfig {
                 "admission.redis.url",
                 "must not carry credentials; set admission.redis.username and admission.redis.password",
             ));
+        }
+        if !self.seeds.is_empty() && !self.cluster {
+            problems.push(Problem::new(
+                "admission.redis.seeds",
+                "only with admission.redis.cluster = true",
+            ));
+        }
+        for seed in &self.seeds {
+            let seed = seed.trim();
+            let scheme = if url.starts_with("rediss://") {
+                "rediss://"
+            } else {
+                "redis://"
+            };
+            if !seed.starts_with(scheme) || seed.contains('@') {
+                problems.push(Problem::new(
+                    "admission.redis.seeds",
+                    "every seed must use the scheme of admission.redis.url and carry no credentials",
+                ));
+                break;
+            }
+        }
+        if self.cluster && !matches!(url_database(url), "" | "0") {
+            problems.push(Problem::new(
+                "admission.redis.url",
+                "a Redis Cluster has only database 0",
+            ));
+        }
+        if let Some(path) = &self.ca_file {
+            if !self.uses_tls() {
+                problems.push(Problem::new(
+                    "admission.redis.ca_file",
+                    "only with rediss://",
+                ));
+            } else if std::fs::metadata(path)
+                .map(|m| !m.is_file())
+                .unwrap_or(true)
+            {
+                problems.push(Problem::new(
+                    "admission.redis.ca_file",
+                    "is not a readable file",
+                ));
+            }
         }
         if matches!(&self.username, Some(u) if u.is_empty() || u.len() > 128) {
             problems.push(Problem::new(
@@ -613,6 +689,44 @@ mod tests {
             ..AdmissionConfig::default()
         };
         assert_eq!(keys(&no_redis), ["admission.redis"]);
+    }
+
+    #[test]
+    fn cluster_seeds_and_ca_file_are_checked() {
+        let ok = with_redis(|r| {
+            r.cluster = true;
+            r.seeds = vec![
+                "redis://10.0.0.2:7001".into(),
+                "redis://10.0.0.3:7002/".into(),
+            ];
+        });
+        assert!(ok.problems().is_empty(), "{:?}", ok.problems());
+        let seeds_alone = with_redis(|r| r.seeds = vec!["redis://10.0.0.2:7001".into()]);
+        assert_eq!(keys(&seeds_alone), ["admission.redis.seeds"]);
+        let mixed = with_redis(|r| {
+            r.cluster = true;
+            r.seeds = vec!["rediss://10.0.0.2:7001".into()];
+        });
+        assert_eq!(keys(&mixed), ["admission.redis.seeds"]);
+        let db = with_redis(|r| {
+            r.cluster = true;
+            r.url = "redis://10.0.0.1:7000/3".into();
+        });
+        assert_eq!(keys(&db), ["admission.redis.url"]);
+        assert_eq!(url_database("redis://h:1/0?x=1"), "0");
+        assert_eq!(url_database("redis://h:1"), "");
+        let plain_ca = with_redis(|r| r.ca_file = Some("/etc/hostname".into()));
+        assert_eq!(keys(&plain_ca), ["admission.redis.ca_file"]);
+        let missing_ca = with_redis(|r| {
+            r.url = "rediss://h:6380/".into();
+            r.ca_file = Some("/nonexistent/ca.pem".into());
+        });
+        assert_eq!(keys(&missing_ca), ["admission.redis.ca_file"]);
+        let seeded = with_redis(|r| {
+            r.cluster = true;
+            r.seeds = vec!["redis://user:hunter2-pw@h:1".into()];
+        });
+        assert!(!format!("{seeded:?}").contains("hunter2-pw"));
     }
 
     #[test]

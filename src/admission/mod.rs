@@ -6,7 +6,8 @@
 //! runs the script and parses its replies.
 //!
 //! Pure parts (no I/O): [`config`] (sections and validation), [`footprint`] (what each
-//! operation reserves), [`error`] (errors; their HTTP answers are in `http::error`).
+//! operation reserves), [`limits`] (cluster-wide limits stored in Redis: the file
+//! comparison and update checks), [`error`] (errors; their HTTP answers are in `http::error`).
 //! Stateful parts: [`budget`] (the local `TransferBudget`), [`metrics`], [`acquire`] (the
 //! wait for a cluster lease: polls, back-off, timeout decision, abandon), [`lease`] (the
 //! `LeaseBackend` port of the `LeaseHolder` actor, and [`Outcome`]), [`handover`] (permits
@@ -23,6 +24,7 @@ pub mod error;
 pub mod footprint;
 pub mod handover;
 pub mod lease;
+pub mod limits;
 pub mod metrics;
 pub mod service;
 pub mod transfer;
@@ -33,6 +35,7 @@ pub use config::{AdmissionConfig, LeaseLossPolicy, RedisAdmissionConfig};
 pub use error::{Error, QuotaKind};
 pub use footprint::{Footprint, Operation};
 pub use lease::Outcome;
+pub use limits::{Disagreement, LimitsUpdate};
 pub use metrics::AdmissionMetrics;
 pub use service::{
     Admission, AdmissionPermit, AdmissionSnapshot, LeaseInfo, TenantOverride, TransferRequest,

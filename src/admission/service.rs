@@ -26,12 +26,13 @@ use super::error::{Error, QuotaKind};
 use super::footprint::{Footprint, Operation};
 use super::handover::Parked;
 use super::lease::Outcome;
+use super::limits::{self, Disagreement, LimitsUpdate};
 use super::metrics::{AdmissionMetrics, KindLabels, OperationLabels, OutcomeLabels};
 use crate::actors::lease_holder::{LeaseHolder, LeaseHolderArgs, LeaseHolderMsg, LeaseTiming};
 use crate::config::ByteSize;
 use crate::ids::TenantId;
 use crate::storage::redis::reply::{
-    ChargeReply, FencingToken, LeaseId, Occupancy, ReleaseReply, SnapshotReply,
+    ChargeReply, FencingToken, LeaseId, Occupancy, ReleaseReply, SnapshotReply, StoredLimits,
 };
 use crate::storage::redis::{LeaseRequest, RedisCoordinator};
 
@@ -384,21 +385,28 @@ impl Admission {
         value: TenantOverride,
     ) -> Result<u64, Error> {
         let cluster = self.inner.cluster.as_ref().ok_or(Error::NotDistributed)?;
-        let redis = &cluster.config;
         if value.bytes.is_none() && value.transfers.is_none() {
             return Err(Error::InvalidOverride(
                 "set bytes, transfers, or both (or clear the override)",
             ));
         }
+        // Checked against the cluster-wide service limits stored in Redis (ADM-12).
+        let stored = cluster.coordinator.bootstrap_limits().await?;
+        let service_bytes = stored
+            .service_bytes
+            .unwrap_or(cluster.config.service_bytes.bytes());
+        let service_transfers = stored
+            .service_transfers
+            .unwrap_or(u64::from(cluster.config.service_transfers));
         if let Some(bytes) = value.bytes
-            && (bytes.bytes() == 0 || bytes > redis.service_bytes)
+            && (bytes.bytes() == 0 || bytes.bytes() > service_bytes)
         {
             return Err(Error::InvalidOverride(
                 "bytes must be between 1 and the service ceiling",
             ));
         }
         if let Some(transfers) = value.transfers
-            && (transfers == 0 || transfers > redis.service_transfers)
+            && (transfers == 0 || u64::from(transfers) > service_transfers)
         {
             return Err(Error::InvalidOverride(
                 "transfers must be between 1 and the service ceiling",
@@ -411,6 +419,79 @@ impl Admission {
                 value.bytes.map(ByteSize::bytes),
                 value.transfers.map(u64::from),
             )
+            .await?)
+    }
+
+    /// The cluster-wide limits of the cell, bootstrapping absent ones from this node's file;
+    /// logs a warning naming every limit where this node's file disagrees with the cluster
+    /// (the cluster's value is enforced) and returns those disagreements (ADM-12).
+    pub async fn bootstrap_limits(&self) -> Result<Vec<Disagreement>, Error> {
+        let cluster = self.inner.cluster.as_ref().ok_or(Error::NotDistributed)?;
+        let stored = cluster.coordinator.bootstrap_limits().await?;
+        let found = limits::disagreements(&cluster.config, &stored);
+        for d in &found {
+            tracing::warn!(
+                key = d.key,
+                file = d.file,
+                cluster = d.cluster,
+                "this node's admission limit differs from the cluster-wide value stored in Redis; the cluster value is enforced (change it with PUT /v1/admin/admission/limits)"
+            );
+        }
+        Ok(found)
+    }
+
+    /// Run [`Admission::bootstrap_limits`] in the background at start, retrying every
+    /// second until Redis answers once (a node starts while Redis is down). Without
+    /// `[admission.redis]` it does nothing.
+    pub fn bootstrap_limits_in_background(&self) {
+        if self.inner.cluster.is_none() {
+            return;
+        }
+        let admission = self.clone();
+        tokio::spawn(async move {
+            while admission.bootstrap_limits().await.is_err() {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+    }
+
+    /// The cluster-wide limits stored in the cell (bootstrapping absent ones).
+    pub async fn cluster_limits(&self) -> Result<StoredLimits, Error> {
+        let cluster = self.inner.cluster.as_ref().ok_or(Error::NotDistributed)?;
+        Ok(cluster.coordinator.bootstrap_limits().await?)
+    }
+
+    /// Change the cluster-wide limits for every node of the cell; returns what is stored.
+    pub async fn set_cluster_limits(&self, update: LimitsUpdate) -> Result<StoredLimits, Error> {
+        let cluster = self.inner.cluster.as_ref().ok_or(Error::NotDistributed)?;
+        let stored = cluster.coordinator.bootstrap_limits().await?;
+        let file = limits::file_values(&cluster.config);
+        let mut current = file;
+        for (slot, value) in current.iter_mut().zip(limits::stored_values(&stored)) {
+            if let Some(value) = value {
+                *slot = value;
+            }
+        }
+        limits::check(current, &update).map_err(Error::InvalidOverride)?;
+        Ok(cluster.coordinator.set_limits(update.values()).await?)
+    }
+
+    /// Set (`Some`) or clear a backend's cluster-wide transfer override; returns the policy
+    /// version.
+    pub async fn set_backend_override(
+        &self,
+        backend: &str,
+        transfers: Option<u32>,
+    ) -> Result<u64, Error> {
+        let cluster = self.inner.cluster.as_ref().ok_or(Error::NotDistributed)?;
+        if transfers == Some(0) || transfers.is_some_and(|t| t > super::config::MAX_TRANSFERS) {
+            return Err(Error::InvalidOverride(
+                "transfers must be between 1 and 1000000",
+            ));
+        }
+        Ok(cluster
+            .coordinator
+            .set_backend_policy(backend, transfers.map(u64::from))
             .await?)
     }
 

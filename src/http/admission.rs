@@ -10,7 +10,9 @@
 //!   error, so the client sees an aborted transfer, never a silently short `200`.
 //! - `PUT`/`DELETE /v1/admin/tenants/{tenant}/admission` set or clear a live tenant override
 //!   and answer `{"policy_version": n}`; `GET /v1/admin/admission?tenant=&backend=` answers
-//!   the occupancy snapshot. All need `Authorization: Bearer <admin.token>`.
+//!   the occupancy snapshot; `GET`/`PUT /v1/admin/admission/limits` read and change the
+//!   cluster-wide limits; `PUT`/`DELETE /v1/admin/backends/{backend}/admission` set or
+//!   clear a backend's transfer override. All need `Authorization: Bearer <admin.token>`.
 //!
 //! The tenant is the `X-Graviton-Tenant-Id` header (uploads: with the session header).
 
@@ -23,8 +25,9 @@ use serde::{Deserialize, Serialize};
 
 use super::headers::{TENANT_HEADER, single_value};
 use super::{ApiError, AppState};
-use crate::admission::{AdmissionSnapshot, TenantOverride};
+use crate::admission::{AdmissionSnapshot, LimitsUpdate, TenantOverride};
 use crate::ids::TenantId;
+use crate::storage::redis::reply::StoredLimits;
 
 /// A boxed error for streamed bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -126,4 +129,75 @@ pub async fn snapshot(
             .snapshot(tenant.as_ref(), Some(backend))
             .await?,
     ))
+}
+
+/// `GET /v1/admin/admission/limits`: the cluster-wide limits every node enforces.
+pub async fn get_limits(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Json<StoredLimits>, ApiError> {
+    require_admin(&app, &headers)?;
+    Ok(Json(app.admission.cluster_limits().await?))
+}
+
+/// `PUT /v1/admin/admission/limits` with any of `service_bytes`, `service_transfers`,
+/// `tenant_bytes`, `tenant_transfers`, `backend_transfers`.
+pub async fn put_limits(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Json(update): Json<LimitsUpdate>,
+) -> Result<Json<StoredLimits>, ApiError> {
+    require_admin(&app, &headers)?;
+    Ok(Json(app.admission.set_cluster_limits(update).await?))
+}
+
+fn backend_path(text: &str) -> Result<String, ApiError> {
+    let ok = !text.is_empty()
+        && text.len() <= 64
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if ok {
+        Ok(text.to_string())
+    } else {
+        Err(ApiError::bad_request(
+            "invalid_backend",
+            "backend must be 1 to 64 ASCII letters, digits, '-', '_' or '.'",
+        ))
+    }
+}
+
+/// Body of `PUT /v1/admin/backends/{backend}/admission`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendOverride {
+    pub transfers: u32,
+}
+
+/// `PUT /v1/admin/backends/{backend}/admission` with `{"transfers": n}`.
+pub async fn put_backend_override(
+    State(app): State<Arc<AppState>>,
+    Path(backend): Path<String>,
+    headers: HeaderMap,
+    Json(value): Json<BackendOverride>,
+) -> Result<Json<PolicyVersion>, ApiError> {
+    require_admin(&app, &headers)?;
+    let backend = backend_path(&backend)?;
+    let policy_version = app
+        .admission
+        .set_backend_override(&backend, Some(value.transfers))
+        .await?;
+    Ok(Json(PolicyVersion { policy_version }))
+}
+
+/// `DELETE /v1/admin/backends/{backend}/admission`
+pub async fn delete_backend_override(
+    State(app): State<Arc<AppState>>,
+    Path(backend): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<PolicyVersion>, ApiError> {
+    require_admin(&app, &headers)?;
+    let backend = backend_path(&backend)?;
+    let policy_version = app.admission.set_backend_override(&backend, None).await?;
+    Ok(Json(PolicyVersion { policy_version }))
 }

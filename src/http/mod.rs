@@ -148,6 +148,14 @@ pub fn routes() -> Vec<(&'static str, MethodRouter<Arc<AppState>>)> {
             put(admission::put_override).delete(admission::delete_override),
         ),
         ("/v1/admin/admission", get(admission::snapshot)),
+        (
+            "/v1/admin/admission/limits",
+            get(admission::get_limits).put(admission::put_limits),
+        ),
+        (
+            "/v1/admin/backends/{backend}/admission",
+            put(admission::put_backend_override).delete(admission::delete_backend_override),
+        ),
         ("/v1/admin/nodes/{node}/drain", post(ops::drain)),
         ("/v1/admin/gc", post(download::run_gc)),
         // operator surface (src/http/openapi.rs, src/http/console.rs)

@@ -130,6 +130,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         crate::admission::AdmissionMetrics::default(),
     )
     .map_err(|e| StartError::Admission(e.to_string()))?;
+    admission.bootstrap_limits_in_background();
     metrics.register_with(|registry| admission.metrics().register(registry));
     let packs = packs.map(|store| {
         let gc_metrics = crate::storage::pack::gc::GcMetrics::default();

@@ -2,6 +2,8 @@
 //!
 //! * [`RedisServer`]: a private `redis-server` on a free loopback port, one per test, that a
 //!   fault test can stop and restart on the same port.
+//! * [`redis_cluster::RedisCluster`]: a private Redis Cluster (primaries plus replicas) with
+//!   slot migration and failover; [`admission_events::sweep`]: the event-stream ceiling check.
 //! * [`placement`]: placement nodes on one database, with table predicates to poll for.
 //! * [`wait_until`] / [`eventually`]: the polling helper.
 //! * [`TestDatabase`]: a fresh PostgreSQL database per test on the server named by
@@ -14,12 +16,14 @@
 //! fails the test instead: CI can never go green by skipping.
 #![allow(dead_code)]
 
+pub mod admission_events;
 pub mod cluster;
 pub mod node;
 pub mod pki;
 pub mod placement;
 pub mod postgres;
 pub mod redis;
+pub mod redis_cluster;
 
 #[allow(unused_imports)]
 pub use postgres::TestDatabase;

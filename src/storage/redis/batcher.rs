@@ -16,9 +16,9 @@
 
 use std::sync::Arc;
 
-use redis::aio::ConnectionManager;
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
+use super::connection::Connection;
 use super::error::CoordinatorError as Error;
 
 /// Most items in one script call.
@@ -65,7 +65,7 @@ struct Job {
 
 /// What the batch task needs to build and send a call.
 pub struct BatchContext {
-    pub conn: ConnectionManager,
+    pub conn: Connection,
     pub script: &'static redis::Script,
     pub keys: Vec<String>,
     /// `ARGV[2]`, `ARGV[3]`: stream MAXLEN and reap batch.

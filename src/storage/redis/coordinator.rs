@@ -1,9 +1,11 @@
-//! The Redis side of cluster admission: one `ConnectionManager`, one script, typed calls.
+//! The Redis side of cluster admission: one connection (one server or a Redis Cluster,
+//! see [`super::connection`]), one script, typed calls.
 //!
 //! * Every call runs `lua/admission.lua` by `EVALSHA`; redis-rs reloads the script on
-//!   `NOSCRIPT` (after a restart, failover or `SCRIPT FLUSH`).
-//! * The manager reconnects in the background, but the command that hit a dead connection
-//!   fails. Idempotent operations (acquire by lease id, renew, release, abandon, snapshot,
+//!   `NOSCRIPT` (after a restart, failover, reshard or `SCRIPT FLUSH`; in a cluster the
+//!   `SCRIPT LOAD` goes to every primary).
+//! * The connection reconnects in the background, but the command that hit a dead
+//!   connection fails. Idempotent operations (acquire by lease id, renew, release, abandon, snapshot,
 //!   reap) are retried twice on I/O, dropped-connection and timeout errors; policy changes
 //!   and quota charges are not (a retry could apply twice) and fail closed instead.
 //! * Errors are reduced to a category (`io`, `timeout`, ...) before they become
@@ -17,16 +19,16 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{IntoConnectionInfo, RedisError, Script, ScriptInvocation};
+use redis::{RedisError, Script, ScriptInvocation};
 
 use super::batcher::{BatchContext, BatchItem, Batcher};
+use super::connection::{self, ConnectSpec, Connection};
 use super::error::CoordinatorError as Error;
 use super::hashing::IdHasher;
 use super::keys::{CellKeys, QuotaKind};
 use super::reply::{
     self, AcquireReply, ChargeReply, Dimension, FencingToken, LeaseId, ReleaseReply, RenewReply,
-    SnapshotReply,
+    SnapshotReply, StoredLimits,
 };
 use crate::config::Secret;
 use crate::ids::TenantId;
@@ -44,12 +46,18 @@ const EGRESS_WINDOW_MS: u64 = 3_600_000;
 /// `admission::config` (storage does not read the admission section itself).
 #[derive(Debug, Clone)]
 pub struct CoordinatorConfig {
-    /// `redis://` or `rediss://`; no credentials in it.
+    /// `redis://` or `rediss://`; no credentials in it. With `cluster`, one seed node.
     pub url: String,
+    /// Talk to a Redis Cluster (seeded from `url` and `seeds`) instead of one server.
+    pub cluster: bool,
+    /// Further cluster seed nodes (same scheme as `url`).
+    pub seeds: Vec<String>,
     pub username: Option<String>,
     pub password: Option<Secret>,
     /// With `rediss://`: `false` accepts any server certificate.
     pub verify_tls: bool,
+    /// With `rediss://` and verification: PEM file of the roots that replace the system's.
+    pub ca_file: Option<std::path::PathBuf>,
     /// HMAC key of tenant and backend ids; `None` = plain SHA-256.
     pub id_secret: Option<Secret>,
     pub key_prefix: String,
@@ -103,7 +111,7 @@ pub struct RedisCoordinator {
 }
 
 struct Inner {
-    conn: ConnectionManager,
+    conn: Connection,
     keys: CellKeys,
     hasher: IdHasher,
     config: CoordinatorConfig,
@@ -119,7 +127,9 @@ impl std::fmt::Debug for RedisCoordinator {
 }
 
 fn category(err: &RedisError) -> String {
-    if err.is_timeout() {
+    if is_certificate_error(err) {
+        "tls_certificate_rejected".into()
+    } else if err.is_timeout() {
         "timeout".into()
     } else if err.is_connection_refusal() {
         "connection_refused".into()
@@ -132,8 +142,17 @@ fn category(err: &RedisError) -> String {
     }
 }
 
+/// A TLS handshake that failed on the server's certificate (untrusted issuer, wrong name,
+/// expired): rustls's error travels inside an I/O error, so look at its text.
+fn is_certificate_error(err: &RedisError) -> bool {
+    let text = err.to_string();
+    text.contains("invalid peer certificate") || text.contains("certificate")
+}
+
+/// A refused certificate is not retried: the next handshake meets the same certificate.
 fn retryable(err: &RedisError) -> bool {
-    err.is_io_error() || err.is_connection_dropped() || err.is_timeout()
+    !is_certificate_error(err)
+        && (err.is_io_error() || err.is_connection_dropped() || err.is_timeout())
 }
 
 fn fmt_opt(value: Option<u64>) -> String {
@@ -144,38 +163,48 @@ impl RedisCoordinator {
     /// Build the client without connecting: the node starts even while Redis is down, and
     /// admission fails closed until it answers.
     pub fn connect(config: &CoordinatorConfig) -> Result<Self, Error> {
-        let mut url = config.url.trim().to_string();
-        if config.uses_tls() && !config.verify_tls {
-            url.push_str("#insecure");
+        let ca_pem = match &config.ca_file {
+            Some(path) if config.uses_tls() && config.verify_tls => Some(
+                std::fs::read(path).map_err(|_| Error::Unavailable("ca_file_unreadable".into()))?,
+            ),
+            _ => None,
+        };
+        let mut urls = vec![config.url.clone()];
+        if config.cluster {
+            urls.extend(config.seeds.iter().cloned());
         }
-        let mut info = url
-            .into_connection_info()
-            .map_err(|e| Error::Unavailable(category(&e)))?;
-        let mut settings = info.redis_settings().clone();
-        if let Some(user) = &config.username {
-            settings = settings.set_username(user);
+        let conn = connection::connect(&ConnectSpec {
+            urls,
+            cluster: config.cluster,
+            username: config.username.as_deref(),
+            password: config.password.as_ref().map(|p| p.expose()),
+            verify_tls: config.verify_tls,
+            ca_pem,
+            call_timeout: CALL_TIMEOUT,
+        })
+        .map_err(|e| Error::Unavailable(category(&e)))?;
+        let keys = CellKeys::new(&config.key_prefix, &config.cell);
+        // ADM-9: every script call names keys of one hash slot, so it runs on one primary
+        // and is atomic there (the cell id cannot contain braces, so this always holds).
+        let traffic = keys.traffic(QuotaKind::Egress, "0");
+        let all = keys.admission().iter().map(String::as_str);
+        if !connection::check_one_slot(all.chain([traffic.as_str()])) {
+            return Err(Error::Unavailable("keys_span_slots".into()));
         }
-        if let Some(password) = &config.password {
-            settings = settings.set_password(password.expose());
-        }
-        info = info.set_redis_settings(settings);
-        let client = redis::Client::open(info).map_err(|e| Error::Unavailable(category(&e)))?;
-        let manager_config = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(CALL_TIMEOUT))
-            .set_connection_timeout(Some(CALL_TIMEOUT))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_lazy_with_config(client, manager_config)
-            .map_err(|e| Error::Unavailable(category(&e)))?;
         Ok(Self {
             inner: Arc::new(Inner {
                 conn,
-                keys: CellKeys::new(&config.key_prefix, &config.cell),
+                keys,
                 hasher: IdHasher::new(config.id_secret.as_ref().map(|s| s.expose())),
                 config: config.clone(),
                 batcher: OnceLock::new(),
             }),
         })
+    }
+
+    /// `true` when connected to a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.inner.conn.is_cluster()
     }
 
     pub fn keys(&self) -> &CellKeys {
@@ -382,6 +411,61 @@ impl RedisCoordinator {
         Ok(reply::parse_policy(&self.call(&inv, false).await?)?)
     }
 
+    /// The cluster-wide limits stored in the cell, bootstrapping the absent ones from this
+    /// node's configured limits first (the first node to call sets them for everyone).
+    pub async fn bootstrap_limits(&self) -> Result<StoredLimits, Error> {
+        let l = self.inner.config.limits;
+        self.limits_call(
+            "bootstrap",
+            [
+                Some(l.service_bytes),
+                Some(l.service_transfers),
+                Some(l.tenant_bytes),
+                Some(l.tenant_transfers),
+                Some(l.backend_transfers),
+            ],
+            true,
+        )
+        .await
+    }
+
+    /// Set the given cluster-wide limits (`None` = unchanged); returns what is stored now.
+    pub async fn set_limits(&self, values: [Option<u64>; 5]) -> Result<StoredLimits, Error> {
+        self.limits_call("set", values, false).await
+    }
+
+    /// The cluster-wide limits stored in the cell.
+    pub async fn read_limits(&self) -> Result<StoredLimits, Error> {
+        self.limits_call("read", [None; 5], true).await
+    }
+
+    async fn limits_call(
+        &self,
+        mode: &str,
+        values: [Option<u64>; 5],
+        idempotent: bool,
+    ) -> Result<StoredLimits, Error> {
+        let mut inv = self.invocation("limits");
+        inv.arg(mode);
+        for value in values {
+            inv.arg(fmt_opt(value));
+        }
+        Ok(reply::parse_limits(&self.call(&inv, idempotent).await?)?)
+    }
+
+    /// Set (`Some`) or clear a backend's cluster-wide transfer override; returns the new
+    /// policy version.
+    pub async fn set_backend_policy(
+        &self,
+        backend: &str,
+        transfers: Option<u64>,
+    ) -> Result<u64, Error> {
+        let mut inv = self.invocation("backend_policy");
+        inv.arg(self.inner.hasher.backend(backend))
+            .arg(fmt_opt(transfers));
+        Ok(reply::parse_policy(&self.call(&inv, false).await?)?)
+    }
+
     /// Charge `amount` to the tenant's request or egress window (Redis time).
     pub async fn charge(
         &self,
@@ -460,7 +544,7 @@ impl RedisCoordinator {
 /// Run one script invocation, retrying idempotent ones twice on I/O, dropped-connection
 /// and timeout errors. Errors are reduced to a category.
 pub(super) async fn invoke<T: redis::FromRedisValue>(
-    conn: &ConnectionManager,
+    conn: &Connection,
     inv: &ScriptInvocation<'_>,
     idempotent: bool,
 ) -> Result<T, Error> {

@@ -1,5 +1,6 @@
 //! Redis adapters for cluster admission: typed calls of one script, no policy.
 //!
+//! [`connection`] connects to one server or a Redis Cluster, plain or TLS;
 //! [`coordinator`] runs the admission script (`lua/admission.lua`) for cluster leases,
 //! quotas and decision events; [`batcher`] coalesces one node's concurrent acquires and
 //! releases into one script call; [`keys`] names the keys of a cell; [`hashing`] turns
@@ -9,6 +10,7 @@
 //! a transfer belong to `admission`; this module imports neither `admission` nor `actors`.
 
 pub mod batcher;
+pub mod connection;
 pub mod coordinator;
 pub mod error;
 pub mod hashing;

@@ -302,6 +302,39 @@ pub fn parse_policy(reply: &[String]) -> Result<u64, ReplyError> {
     }
 }
 
+/// The cluster-wide limits stored in the cell (`LIMITS` reply), in the order of
+/// [`super::coordinator::Limits`]; `None` where none is stored yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct StoredLimits {
+    pub policy_version: u64,
+    pub service_bytes: Option<u64>,
+    pub service_transfers: Option<u64>,
+    pub tenant_bytes: Option<u64>,
+    pub tenant_transfers: Option<u64>,
+    pub backend_transfers: Option<u64>,
+}
+
+pub fn parse_limits(reply: &[String]) -> Result<StoredLimits, ReplyError> {
+    let stored = |text: &str| {
+        if text == "-" {
+            Ok(None)
+        } else {
+            int(text).map(Some)
+        }
+    };
+    match head(reply, "LIMITS", 7)? {
+        Some(f) => Ok(StoredLimits {
+            policy_version: int(&f[0])?,
+            service_bytes: stored(&f[1])?,
+            service_transfers: stored(&f[2])?,
+            tenant_bytes: stored(&f[3])?,
+            tenant_transfers: stored(&f[4])?,
+            backend_transfers: stored(&f[5])?,
+        }),
+        None => Err(unexpected(reply)),
+    }
+}
+
 /// `REAPED|<count>` and `ABANDONED|<0|1>` both carry one count.
 pub fn parse_count(reply: &[String], status: &str) -> Result<u64, ReplyError> {
     match head(reply, status, 2)? {
