@@ -31,6 +31,7 @@ use prometheus_client::metrics::histogram::Histogram;
 
 use super::format::{self, PackId};
 use super::index::{Location, PackRecord};
+use super::pause;
 use super::{PackStore, now_ms};
 use crate::cas::BlockKey;
 use crate::storage::{BlockStore, ManifestStore, StoreError};
@@ -199,6 +200,7 @@ pub async fn collect(
     progress.phase("mark", 0);
     let live = mark(manifests).await?;
     report.live_blocks = live.len() as u64;
+    pause::after("gc mark");
 
     // 2. select
     let index_len = {
@@ -227,12 +229,14 @@ pub async fn collect(
         .await?
     };
     progress.advance(index_len);
+    pause::after("gc select");
 
     // 3. mark again, just before changing anything
     progress.phase("mark again", 0);
     let live_again = mark(manifests).await?;
     candidates.retain(|(key, _)| !live_again.contains(key));
     drop(live_again);
+    pause::after("gc mark again");
     report.candidates = candidates.len() as u64;
     report.quarantined_bytes = candidates.iter().map(|(_, at)| u64::from(at.len)).sum();
 
@@ -250,6 +254,7 @@ pub async fn collect(
         report.quarantined =
             blocking(move || store2.index()?.quarantine(&keys, cutoff, now_ms())).await?;
         progress.advance(report.candidates);
+        pause::after("gc quarantine");
     }
 
     // 5. compact sparse packs, retire empty ones (only packs older than the cutoff)
@@ -272,11 +277,17 @@ pub async fn collect(
             }
             progress.advance(1);
         }
+        if !to_compact.is_empty() {
+            pause::after("gc compact");
+        }
         let store2 = store.clone();
         let ids = to_retire.clone();
         report.packs_retired = blocking(move || store2.index()?.retire_packs(&ids))
             .await?
             .len() as u64;
+        if report.packs_retired > 0 {
+            pause::after("gc retire");
+        }
     } else {
         report.packs_rewritten = to_compact.len() as u64;
         report.packs_retired = to_retire.len() as u64;
@@ -292,17 +303,21 @@ pub async fn collect(
         if record_of.contains_key(&id) || modified >= cutoff {
             continue;
         }
-        // Re-read the pack table: a commit may have named it since the snapshot.
-        let store2 = store.clone();
-        let known =
-            blocking(move || Ok(store2.index()?.packs()?.iter().any(|p| p.id == id))).await?;
-        if known {
+        if options.dry_run {
+            report.orphan_packs_deleted += 1;
             continue;
         }
-        report.orphan_packs_deleted += 1;
-        if !options.dry_run {
-            let store2 = store.clone();
-            blocking(move || store2.medium().delete(&id)).await?;
+        // Deleted inside a write transaction that checks again that no row names it, so
+        // no commit can name it meanwhile (STO-11).
+        let store2 = store.clone();
+        let deleted = blocking(move || {
+            let medium = store2.medium().clone();
+            store2.index()?.delete_orphan(&id, &|id| medium.delete(id))
+        })
+        .await?;
+        if deleted {
+            report.orphan_packs_deleted += 1;
+            pause::after("gc orphan deleted");
         }
     }
     for entry in std::fs::read_dir(store.spool_dir())
@@ -336,16 +351,19 @@ pub async fn collect(
             let store2 = store.clone();
             report.purged_entries =
                 blocking(move || store2.index()?.purge_quarantine(before)).await?;
+            pause::after("gc purge quarantine");
             for pack in expired {
                 let store2 = store.clone();
-                // Claim the row first (a racing dedup commit can no longer revive it),
-                // then delete the object; a crash in between leaves an orphan object.
+                // The object is deleted inside the write transaction that removes the row
+                // (no commit or revival in between, STO-11); a crash before that commit
+                // leaves a retired row with no object, which the next purge removes.
                 let deleted = blocking(move || {
-                    if !store2.index()?.claim_retired_pack(&pack.id, before)? {
-                        return Ok(false);
-                    }
-                    store2.medium().delete(&pack.id)?;
-                    Ok(true)
+                    let medium = store2.medium().clone();
+                    store2.index()?.purge_retired_pack(&pack.id, before, &|id| {
+                        medium.delete(id)?;
+                        pause::after("gc purge deleted");
+                        Ok(())
+                    })
                 })
                 .await?;
                 if deleted {
@@ -355,6 +373,7 @@ pub async fn collect(
             }
         }
     }
+    pause::after("gc done");
     report.duration_ms = started.elapsed().as_millis() as u64;
     Ok(report)
 }
@@ -391,6 +410,7 @@ async fn compact_pack(store: &PackStore, id: &PackId) -> Result<bool, StoreError
             .open(&spool)
             .map_err(|e| StoreError::io("open spool file", e))?;
         store.medium().publish(file, &spool, &new_id)?;
+        pause::after("gc compact published");
         let record = PackRecord {
             id: new_id,
             size: encoded.len() as u64,
