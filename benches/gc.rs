@@ -147,6 +147,31 @@ fn index_scan(dir: &Path) -> Duration {
     started.elapsed()
 }
 
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Resident memory (KiB) of a mark set of `n` keys: the `HashSet` the collector used
+/// before, and the sorted `MarkSet` it uses now (both built from the same keys).
+fn mark_set_kib(n: u64) -> (u64, u64) {
+    let keys: Vec<BlockKey> = (0..n).map(|i| BlockKey::of(&i.to_le_bytes())).collect();
+    let before = rss_kib();
+    let set: std::collections::HashSet<BlockKey> = keys.iter().copied().collect();
+    let hashed = rss_kib().saturating_sub(before);
+    std::hint::black_box(&set);
+    drop(set);
+    let before = rss_kib();
+    let sorted = graviton::storage::pack::gc::MarkSet::from_keys(keys.clone());
+    let vec = rss_kib().saturating_sub(before);
+    std::hint::black_box(&sorted);
+    (hashed, vec)
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let sizes: Vec<u64> = match std::env::var("GRAVITON_BENCH_GC_BLOCKS") {
@@ -169,6 +194,13 @@ fn main() {
         empty_rss / 1024
     );
     for blocks in sizes {
+        let (hashed, sorted) = mark_set_kib(blocks);
+        println!(
+            "mark set of {blocks} keys: HashSet {} MiB, sorted MarkSet {} MiB (ratio {:.2})",
+            hashed / 1024,
+            sorted / 1024,
+            sorted as f64 / hashed.max(1) as f64
+        );
         let dir = tempfile::tempdir().expect("tempdir");
         let built = runtime.block_on(build(dir.path(), blocks));
         let index_mib = std::fs::metadata(dir.path().join("index.redb"))
