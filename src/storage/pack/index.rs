@@ -123,6 +123,9 @@ macro_rules! r {
     };
 }
 
+/// redb's page cache for the index (its default is 1 GiB).
+pub const INDEX_CACHE_BYTES: usize = 32 << 20;
+
 /// The embedded (redb) index of one node.
 pub struct RedbIndex {
     db: Database,
@@ -136,7 +139,15 @@ impl std::fmt::Debug for RedbIndex {
 
 impl RedbIndex {
     pub fn open(path: &Path) -> Result<Self, StoreError> {
-        let db = r!("open", Database::create(path))?;
+        // redb's page cache defaults to 1 GiB, so a full scan (the collector's select)
+        // made the process as large as the index; bounded here (docs/performance.md,
+        // "GC at 1 M blocks").
+        let db = r!(
+            "open",
+            redb::Builder::new()
+                .set_cache_size(INDEX_CACHE_BYTES)
+                .create(path)
+        )?;
         let txn = r!("begin", db.begin_write())?;
         {
             r!("create table", txn.open_table(BLOCKS))?;
