@@ -8,6 +8,11 @@
 //! 4. download from packs (verified) vs raw reads of the same pack files.
 //! 5. peak RSS of a `graviton serve` process during a small and a large upload.
 //!
+//! Durable ingest is also printed against a second baseline, the disk's: the same bytes
+//! written into 32 MiB files (the pack size) with one `fdatasync` each and one directory
+//! fsync, which is the least the pack store must do. The two ratios say whether the
+//! store or the disk is the limit.
+//!
 //! Run: `cargo bench --bench ingest` (add `-- --quick` for a shorter run,
 //! `GRAVITON_BENCH_LARGE_GIB=2` to set the large upload's size).
 
@@ -57,6 +62,24 @@ fn frames(data: &Bytes) -> Vec<Result<Bytes, std::io::Error>> {
         .step_by(64 * 1024)
         .map(|at| Ok(data.slice(at..(at + 64 * 1024).min(data.len()))))
         .collect()
+}
+
+/// The disk baseline: `data` written into 32 MiB files in a fresh directory (beside the
+/// stores' directories), one `fdatasync` per file, then one directory fsync.
+fn synced_pack_files(data: &[u8]) -> Duration {
+    use std::io::Write;
+    let dir = tempfile::tempdir().expect("tempdir");
+    flush_dirty_pages();
+    let started = Instant::now();
+    for (i, piece) in data.chunks(32 << 20).enumerate() {
+        let mut file = std::fs::File::create(dir.path().join(format!("{i}.pack"))).expect("create");
+        file.write_all(piece).expect("write");
+        file.sync_data().expect("fdatasync");
+    }
+    std::fs::File::open(dir.path())
+        .and_then(|d| d.sync_all())
+        .expect("fsync directory");
+    started.elapsed()
 }
 
 /// Write back earlier runs' dirty pages so each run starts from the same state.
@@ -348,12 +371,25 @@ fn main() {
         packs_nosync,
         Some(("raw", raw)),
     );
+    let disk = best(runs, || synced_pack_files(&data));
+    row(
+        "disk: 32 MiB files, one fdatasync each (baseline)",
+        size,
+        disk,
+        None,
+    );
     let packs_sync = best(runs, || runtime.block_on(in_process_packs(&data, true)));
     row(
         "in-process ingest to packs (fsync on, default)",
         size,
         packs_sync,
         Some(("raw", raw)),
+    );
+    row(
+        "in-process ingest to packs (fsync on, default)",
+        size,
+        packs_sync,
+        Some(("disk", disk)),
     );
     let http = best(runs, || runtime.block_on(http_upload(&data, true)));
     row(
@@ -380,12 +416,25 @@ fn main() {
         let gib = Bytes::from(random_bytes(1 << 30, 8));
         let raw = best(2, || raw_cdc_blake3(&gib));
         row("1 GiB: raw FastCDC + BLAKE3", 1 << 30, raw, None);
+        let disk = best(2, || synced_pack_files(&gib));
+        row(
+            "1 GiB: disk, 32 MiB files, one fdatasync each",
+            1 << 30,
+            disk,
+            None,
+        );
         let packs_sync = best(2, || runtime.block_on(in_process_packs(&gib, true)));
         row(
             "1 GiB: ingest to packs (fsync on, default)",
             1 << 30,
             packs_sync,
             Some(("raw", raw)),
+        );
+        row(
+            "1 GiB: ingest to packs (fsync on, default)",
+            1 << 30,
+            packs_sync,
+            Some(("disk", disk)),
         );
     }
 

@@ -425,3 +425,186 @@ async fn a_dedup_hit_on_a_block_collected_meanwhile_fails_its_commit() {
     assert!(manifests.get(blob).await.unwrap().is_none());
     assert!(store.get(key).await.unwrap().is_none());
 }
+
+/// Whether process `pid` is stopped (state `T` in /proc).
+fn stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let after = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
+            Some(after == 'T')
+        })
+        .unwrap_or(false)
+}
+
+// Checks STO-13 (and STO-10 with real processes): `graviton gc` against the cluster stops
+// (SIGSTOP) right after it has chosen its candidates, and stays stopped past min_age
+// while the node keeps taking uploads, one of which deduplicates against those very
+// candidates. Meanwhile its advisory lock stays held (a second run gets 409). Resumed, it
+// quarantines and deletes nothing live, and every blob acknowledged meanwhile downloads
+// byte-exact, also after two more runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_collector_stopped_past_min_age_deletes_nothing_live() {
+    use std::io::BufRead;
+    let test = "a_cluster_collector_stopped_past_min_age_deletes_nothing_live";
+    let Some(db) = support::TestDatabase::create(test).await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = format!("stopped-{}", support::unique_suffix());
+    let gc = "\n[storage.gc]\nmin_age = \"1s\"\nretention = \"0s\"";
+    let Some(storage) = s3_storage_toml(test, &dir.path().join("node-a"), &prefix, gc) else {
+        return;
+    };
+    let admin = format!("[admin]\ntoken = \"{ADMIN}\"");
+    let node =
+        NodeProcess::start_with_storage(dir.path(), "node-a", db.url(), SHARDS, &storage, &admin);
+    let http = client();
+    let ready = support::wait_until(Duration::from_secs(60), || is_ready(&http, &node.url)).await;
+    assert!(ready, "node not ready:\n{}", node.log_text());
+    let url = &node.url;
+
+    // A blob deleted: its blocks are candidates once older than min_age.
+    let doomed = random_bytes(3 << 20, 41);
+    let key = upload(url, doomed.clone()).await["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let response = client()
+        .delete(format!("{url}/v1/blobs/{key}"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 204);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    // The collector stops itself once its candidates are chosen.
+    let mut collector = std::process::Command::new(env!("CARGO_BIN_EXE_graviton"))
+        .args(["gc", "--purge", "--config"])
+        .arg(&node.config)
+        .env("GRAVITON_TEST_STOP_AFTER", "gc mark again")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = collector.id();
+    let stderr = collector.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut log = Vec::new();
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if line.contains("stopping after gc mark again") {
+                let _ = tx.send(Ok(()));
+            }
+            log.push(line);
+        }
+        let _ = tx.send(Err(log.join("\n")));
+    });
+    match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(Ok(())) => {}
+        other => panic!("the collector did not reach its stop: {other:?}"),
+    }
+    assert!(
+        support::wait_until(Duration::from_secs(30), || async { stopped(pid) }).await,
+        "the collector is not stopped"
+    );
+
+    // Stopped past min_age; uploads continue, one re-referencing the candidates.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let again = upload(url, doomed.clone()).await;
+    assert_eq!(again["key"].as_str(), Some(key.as_str()));
+    assert_eq!(again["fresh_blocks"].as_u64(), Some(0), "{again}");
+    let fresh = random_bytes(2 << 20, 42);
+    let fresh_key = upload(url, fresh.clone()).await["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (status, body) = run_gc(url).await;
+    assert_eq!(
+        status, 409,
+        "the stopped collector still holds the lock: {body}"
+    );
+    assert!(stopped(pid));
+
+    // Resumed: it finishes, quarantining and deleting nothing live.
+    // SAFETY: kill sends a signal to the collector this test started.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGCONT) }, 0);
+    let out = tokio::task::spawn_blocking(move || collector.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success(), "{:?}", out.status);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["candidates"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(report["quarantined"], 0, "{report}");
+    assert_eq!(report["packs_retired"], 0, "{report}");
+    assert_eq!(report["packs_deleted"], 0, "{report}");
+    for (k, data) in [(&key, &doomed), (&fresh_key, &fresh)] {
+        let (status, got) = download(url, k).await;
+        assert_eq!(status, 200);
+        assert!(got == *data, "a blob acknowledged meanwhile is byte-exact");
+    }
+    // Later runs (past min_age) keep them too, and leave only indexed objects.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    for _ in 0..2 {
+        let (status, body) = run_gc(url).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["quarantined"], 0, "{body}");
+    }
+    for (k, data) in [(&key, &doomed), (&fresh_key, &fresh)] {
+        assert!(download(url, k).await.1 == *data);
+    }
+    assert_eq!(objects(&prefix).await as i64, pack_rows(db.url()).await);
+}
+
+// The batched dedup lookup of the shared index (one query per batch): `append_many`
+// answers exactly what `append` would, in order, including repeats inside the batch and
+// blocks stored by another session; the blocks read back after the commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_blocks_is_looked_up_in_one_query_with_appends_answers() {
+    use graviton::storage::PutOutcome::{Duplicate, Fresh};
+    let test = "a_batch_of_blocks_is_looked_up_in_one_query_with_appends_answers";
+    let Some((_db, store, _dir)) = shared_store(test).await else {
+        return;
+    };
+    let manifests: Arc<dyn ManifestStore> =
+        Arc::new(PgManifestStore::new(store.shared().unwrap().pool().clone()));
+    let blocks: Vec<Bytes> = (0..4)
+        .map(|i| Bytes::from(random_bytes(40 << 10, 60 + i)))
+        .collect();
+    let keyed = |i: usize| (BlockKey::of(&blocks[i]), blocks[i].clone());
+    let mut first = store.begin().unwrap();
+    first.append_many(vec![keyed(0), keyed(1)]).await.unwrap();
+    first.commit().await.unwrap();
+
+    let mut second = store.begin().unwrap();
+    let outcomes = second
+        .append_many(vec![
+            keyed(0),
+            keyed(2),
+            keyed(2),
+            keyed(1),
+            keyed(3),
+            keyed(0),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(
+        outcomes,
+        vec![Duplicate, Fresh, Duplicate, Duplicate, Fresh, Duplicate]
+    );
+    second
+        .commit_manifest(manifest_of(&blocks), manifests.clone(), None)
+        .await
+        .unwrap();
+    for block in &blocks {
+        assert_eq!(
+            store.get(BlockKey::of(block)).await.unwrap().as_ref(),
+            Some(block)
+        );
+    }
+}

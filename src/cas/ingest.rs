@@ -40,7 +40,11 @@ const FRAME_QUEUE: usize = 4;
 /// Body bytes gathered into one batch before it is handed to the chunker thread.
 const BATCH_BYTES: usize = 256 * 1024;
 /// Chunks queued between the chunker and the block writes.
-const CHUNK_QUEUE: usize = 8;
+const CHUNK_QUEUE: usize = 4;
+/// Queued chunks handed to the write session in one `append_many` at most. The queue was
+/// 8 deep before batching; 4 queued plus a batch of 5 keeps the memory bound (and so
+/// every admission footprint) exactly where it was.
+const APPEND_BATCH: usize = CHUNK_QUEUE + 1;
 
 /// Largest body frame the memory bound assumes: hyper's HTTP/1 read buffer limit
 /// (8 KiB + 100 × 4 KiB = 408 KiB), rounded up. A body frame is cut from that buffer.
@@ -51,8 +55,8 @@ pub const MAX_BODY_FRAME: usize = 416 * 1024;
 /// the batch being gathered and the batch the chunker works on (each below
 /// `BATCH_BYTES + MAX_BODY_FRAME`); the chunker's buffer (below `max_chunk`) and the chunk
 /// it is cutting; `CHUNK_QUEUE` queued chunks and one the chunker waits to send; and
-/// `STORE_IN_FLIGHT` blocks inside the write session (being appended, queued for the
-/// pack writer, and being written).
+/// `STORE_IN_FLIGHT` blocks inside the write session (the batch being appended, queued for
+/// the pack writer, and being written).
 pub const fn memory_bound(max_chunk: usize) -> usize {
     (FRAME_QUEUE + 2) * (BATCH_BYTES + MAX_BODY_FRAME)
         + 2 * max_chunk
@@ -60,9 +64,9 @@ pub const fn memory_bound(max_chunk: usize) -> usize {
         + STORE_IN_FLIGHT * max_chunk
 }
 
-/// Blocks a write session holds at once: the one being appended, the pack writer's queue
-/// and the block it is writing.
-const STORE_IN_FLIGHT: usize = crate::storage::pack::WRITER_QUEUE + 2;
+/// Blocks a write session holds at once: the batch being appended (`APPEND_BATCH`), the
+/// pack writer's queue and the block it is writing.
+const STORE_IN_FLIGHT: usize = crate::storage::pack::WRITER_QUEUE + APPEND_BATCH + 1;
 
 /// [`memory_bound`] of the chunker in use.
 pub const MEMORY_BOUND: usize = memory_bound(super::chunker::MAX_CHUNK);
@@ -310,14 +314,22 @@ async fn store_blocks(
         fresh: 0,
         fresh_bytes: 0,
     };
-    while let Some((key, data)) = chunks.recv().await {
-        let size = data.len() as u32;
-        let outcome = session.append(key, data).await?;
-        if outcome == PutOutcome::Fresh {
-            stored.fresh += 1;
-            stored.fresh_bytes += u64::from(size);
+    let mut batch = Vec::with_capacity(APPEND_BATCH);
+    // Whatever the chunker has queued (up to APPEND_BATCH) goes to the session at once, so
+    // a store with a remote index looks the batch up in one round trip.
+    while chunks.recv_many(&mut batch, APPEND_BATCH).await > 0 {
+        let sizes: Vec<(BlockKey, u32)> = batch
+            .iter()
+            .map(|(key, data)| (*key, data.len() as u32))
+            .collect();
+        let outcomes = session.append_many(std::mem::take(&mut batch)).await?;
+        for ((key, size), outcome) in sizes.into_iter().zip(outcomes) {
+            if outcome == PutOutcome::Fresh {
+                stored.fresh += 1;
+                stored.fresh_bytes += u64::from(size);
+            }
+            stored.refs.push(BlockRef { key, size });
         }
-        stored.refs.push(BlockRef { key, size });
     }
     Ok::<_, StoreError>(stored).map_err(IngestError::from)
 }

@@ -53,6 +53,19 @@ pub trait WriteSession: Send + 'static {
     /// Add a block (the caller guarantees `key == BLAKE3(data)`).
     fn append(&mut self, key: BlockKey, data: Bytes) -> StoreFuture<'_, PutOutcome>;
 
+    /// Append `blocks` in order; the outcomes are those `append` would give, in order. A
+    /// store whose dedup lookup is a network round trip (the cluster's PostgreSQL index)
+    /// answers the whole batch with one query.
+    fn append_many(&mut self, blocks: Vec<(BlockKey, Bytes)>) -> StoreFuture<'_, Vec<PutOutcome>> {
+        Box::pin(async move {
+            let mut outcomes = Vec::with_capacity(blocks.len());
+            for (key, data) in blocks {
+                outcomes.push(self.append(key, data).await?);
+            }
+            Ok(outcomes)
+        })
+    }
+
     /// Make every appended block durable and visible (see the module docs).
     fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport>;
 

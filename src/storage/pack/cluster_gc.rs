@@ -35,6 +35,7 @@ use sqlx::{Connection, PgConnection, Row};
 
 use super::format::{self, PackId};
 use super::gc::{GcOptions, GcReport, Progress, blocking, mark};
+use super::pause;
 use super::shared::PgIndex;
 use super::{PackStore, now_ms};
 use crate::cas::BlockKey;
@@ -119,6 +120,7 @@ async fn run(
     progress.phase("mark", 0);
     let live = mark(manifests).await?;
     report.live_blocks = live.len() as u64;
+    pause::after("gc mark");
 
     // 2. select unmarked entries older than the grace period
     progress.phase("select", 0);
@@ -161,12 +163,14 @@ async fn run(
         }
     }
     drop(live);
+    pause::after("gc select");
 
     // 3. mark again, just before changing anything
     progress.phase("mark again", 0);
     let live_again = mark(manifests).await?;
     candidates.retain(|(key, _)| !live_again.contains(key));
     drop(live_again);
+    pause::after("gc mark again");
     report.candidates = candidates.len() as u64;
     report.quarantined_bytes = candidates.iter().map(|(_, len)| u64::from(*len)).sum();
 
@@ -189,6 +193,7 @@ async fn run(
             report.quarantined += moved;
             progress.advance(chunk.len() as u64);
         }
+        pause::after("gc quarantine");
     }
 
     // 5. retire packs older than the grace period with no live entry left
@@ -226,6 +231,7 @@ async fn run(
         .await
         .map_err(|e| db_error("retire packs", e))?
         .rows_affected();
+        pause::after("gc retire");
     }
 
     // 6. orphans: objects no row names, older than the grace period by the S3 clock
@@ -245,6 +251,7 @@ async fn run(
         }
         if delete_orphan(store, index, id).await? {
             report.orphan_packs_deleted += 1;
+            pause::after("gc orphan deleted");
         }
     }
     // This node's own spool leftovers (crashed uploads), by the local clock.
@@ -289,6 +296,7 @@ async fn run(
             .await
             .map_err(|e| db_error("purge quarantined blocks", e))?
             .rows_affected();
+            pause::after("gc purge quarantine");
             for (raw, size) in expired {
                 let Some(id) = PackId::try_from_slice(&raw) else {
                     continue;
@@ -300,6 +308,7 @@ async fn run(
             }
         }
     }
+    pause::after("gc done");
     report.duration_ms = started.elapsed().as_millis() as u64;
     Ok(report)
 }

@@ -19,8 +19,8 @@
 //!    retired packs older than `retention` are removed for good.
 //!
 //! One collector per data directory: the redb file is opened by one process only, and
-//! within a process runs are serialised by a mutex. Memory: the mark set holds 32 bytes
-//! per live block plus the table overhead (about 80 MB per million blocks).
+//! within a process runs are serialised by a mutex. Memory: the mark set is a sorted
+//! vector of the live block keys ([`MarkSet`], 32 to 64 bytes per live block).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -31,6 +31,7 @@ use prometheus_client::metrics::histogram::Histogram;
 
 use super::format::{self, PackId};
 use super::index::{Location, PackRecord};
+use super::pause;
 use super::{PackStore, now_ms};
 use crate::cas::BlockKey;
 use crate::storage::{BlockStore, ManifestStore, StoreError};
@@ -155,15 +156,46 @@ impl GcMetrics {
 
 static RUNNING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// The mark set: every block key some manifest references, sorted and deduplicated. It
+/// costs 32 bytes per live block (up to 64 with the vector's spare capacity); the
+/// `HashSet` it replaced cost about 70 (see docs/performance.md, "GC at 1 M blocks").
+pub struct MarkSet(Vec<BlockKey>);
+
+impl MarkSet {
+    /// Build from keys in any order, with repeats.
+    pub fn from_keys(mut keys: Vec<BlockKey>) -> Self {
+        keys.sort_unstable();
+        keys.dedup();
+        Self(keys)
+    }
+
+    pub fn contains(&self, key: &BlockKey) -> bool {
+        self.0.binary_search(key).is_ok()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 /// The mark phase (both collectors): every block some manifest references.
-pub(super) async fn mark(manifests: &dyn ManifestStore) -> Result<HashSet<BlockKey>, StoreError> {
-    let mut live = HashSet::new();
+pub(super) async fn mark(manifests: &dyn ManifestStore) -> Result<MarkSet, StoreError> {
+    let mut keys: Vec<BlockKey> = Vec::new();
     manifests
         .for_each_block(&mut |key| {
-            live.insert(key);
+            if keys.len() == keys.capacity() && keys.len() >= 4096 {
+                // Manifests share blocks: drop repeats before the vector grows.
+                keys.sort_unstable();
+                keys.dedup();
+            }
+            keys.push(key);
         })
         .await?;
-    Ok(live)
+    Ok(MarkSet::from_keys(keys))
 }
 
 /// Run index or file work on the blocking pool (both collectors).
@@ -199,6 +231,7 @@ pub async fn collect(
     progress.phase("mark", 0);
     let live = mark(manifests).await?;
     report.live_blocks = live.len() as u64;
+    pause::after("gc mark");
 
     // 2. select
     let index_len = {
@@ -227,12 +260,14 @@ pub async fn collect(
         .await?
     };
     progress.advance(index_len);
+    pause::after("gc select");
 
     // 3. mark again, just before changing anything
     progress.phase("mark again", 0);
     let live_again = mark(manifests).await?;
     candidates.retain(|(key, _)| !live_again.contains(key));
     drop(live_again);
+    pause::after("gc mark again");
     report.candidates = candidates.len() as u64;
     report.quarantined_bytes = candidates.iter().map(|(_, at)| u64::from(at.len)).sum();
 
@@ -250,6 +285,7 @@ pub async fn collect(
         report.quarantined =
             blocking(move || store2.index()?.quarantine(&keys, cutoff, now_ms())).await?;
         progress.advance(report.candidates);
+        pause::after("gc quarantine");
     }
 
     // 5. compact sparse packs, retire empty ones (only packs older than the cutoff)
@@ -272,11 +308,17 @@ pub async fn collect(
             }
             progress.advance(1);
         }
+        if !to_compact.is_empty() {
+            pause::after("gc compact");
+        }
         let store2 = store.clone();
         let ids = to_retire.clone();
         report.packs_retired = blocking(move || store2.index()?.retire_packs(&ids))
             .await?
             .len() as u64;
+        if report.packs_retired > 0 {
+            pause::after("gc retire");
+        }
     } else {
         report.packs_rewritten = to_compact.len() as u64;
         report.packs_retired = to_retire.len() as u64;
@@ -292,17 +334,21 @@ pub async fn collect(
         if record_of.contains_key(&id) || modified >= cutoff {
             continue;
         }
-        // Re-read the pack table: a commit may have named it since the snapshot.
-        let store2 = store.clone();
-        let known =
-            blocking(move || Ok(store2.index()?.packs()?.iter().any(|p| p.id == id))).await?;
-        if known {
+        if options.dry_run {
+            report.orphan_packs_deleted += 1;
             continue;
         }
-        report.orphan_packs_deleted += 1;
-        if !options.dry_run {
-            let store2 = store.clone();
-            blocking(move || store2.medium().delete(&id)).await?;
+        // Deleted inside a write transaction that checks again that no row names it, so
+        // no commit can name it meanwhile (STO-11).
+        let store2 = store.clone();
+        let deleted = blocking(move || {
+            let medium = store2.medium().clone();
+            store2.index()?.delete_orphan(&id, &|id| medium.delete(id))
+        })
+        .await?;
+        if deleted {
+            report.orphan_packs_deleted += 1;
+            pause::after("gc orphan deleted");
         }
     }
     for entry in std::fs::read_dir(store.spool_dir())
@@ -336,16 +382,19 @@ pub async fn collect(
             let store2 = store.clone();
             report.purged_entries =
                 blocking(move || store2.index()?.purge_quarantine(before)).await?;
+            pause::after("gc purge quarantine");
             for pack in expired {
                 let store2 = store.clone();
-                // Claim the row first (a racing dedup commit can no longer revive it),
-                // then delete the object; a crash in between leaves an orphan object.
+                // The object is deleted inside the write transaction that removes the row
+                // (no commit or revival in between, STO-11); a crash before that commit
+                // leaves a retired row with no object, which the next purge removes.
                 let deleted = blocking(move || {
-                    if !store2.index()?.claim_retired_pack(&pack.id, before)? {
-                        return Ok(false);
-                    }
-                    store2.medium().delete(&pack.id)?;
-                    Ok(true)
+                    let medium = store2.medium().clone();
+                    store2.index()?.purge_retired_pack(&pack.id, before, &|id| {
+                        medium.delete(id)?;
+                        pause::after("gc purge deleted");
+                        Ok(())
+                    })
                 })
                 .await?;
                 if deleted {
@@ -355,6 +404,7 @@ pub async fn collect(
             }
         }
     }
+    pause::after("gc done");
     report.duration_ms = started.elapsed().as_millis() as u64;
     Ok(report)
 }
@@ -391,6 +441,7 @@ async fn compact_pack(store: &PackStore, id: &PackId) -> Result<bool, StoreError
             .open(&spool)
             .map_err(|e| StoreError::io("open spool file", e))?;
         store.medium().publish(file, &spool, &new_id)?;
+        pause::after("gc compact published");
         let record = PackRecord {
             id: new_id,
             size: encoded.len() as u64,
@@ -521,4 +572,26 @@ pub async fn migrate_blocks(
         progress.advance(batch.len() as u64);
     }
     Ok(moved)
+}
+
+#[cfg(test)]
+mod mark_set_tests {
+    use super::*;
+
+    proptest::proptest! {
+        // The sorted mark set answers exactly as a hash set of the same keys would.
+        #[test]
+        fn the_mark_set_contains_exactly_the_marked_keys(
+            marked in proptest::collection::vec(0u8..40, 0..200),
+            probes in proptest::collection::vec(0u8..40, 0..50),
+        ) {
+            let key = |b: u8| BlockKey([b; 32]);
+            let set = MarkSet::from_keys(marked.iter().map(|b| key(*b)).collect());
+            let reference: HashSet<BlockKey> = marked.iter().map(|b| key(*b)).collect();
+            proptest::prop_assert_eq!(set.len(), reference.len());
+            for probe in probes {
+                proptest::prop_assert_eq!(set.contains(&key(probe)), reference.contains(&key(probe)));
+            }
+        }
+    }
 }

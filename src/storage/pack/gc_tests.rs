@@ -6,7 +6,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::StreamExt;
 
+use std::fs::File;
+use std::path::Path;
+
+use super::format::PackId;
 use super::gc::{self, GcOptions, Quiet};
+use super::medium::Medium;
 use super::*;
 use crate::cas::ingest::{IngestLimits, ingest};
 use crate::cas::read::read_blob;
@@ -35,8 +40,15 @@ struct Fixture {
 impl Fixture {
     fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let store = PackStore::open_local(
+        let medium = medium::LocalMedium::open(&dir.path().join("packs"), false, None).unwrap();
+        Self::on(dir, Arc::new(medium))
+    }
+
+    /// A store on `medium` with its index and manifests under `dir`.
+    fn on(dir: tempfile::TempDir, medium: Arc<dyn Medium>) -> Self {
+        let store = PackStore::open(
             dir.path(),
+            medium,
             PackOptions {
                 pack_size: 32 << 20,
                 fsync: false,
@@ -53,6 +65,10 @@ impl Fixture {
     }
 
     async fn upload(&self, content: &[u8]) -> BlobKey {
+        self.try_upload(content).await.unwrap()
+    }
+
+    async fn try_upload(&self, content: &[u8]) -> Result<BlobKey, crate::cas::ingest::IngestError> {
         let pieces: Vec<Result<Bytes, std::io::Error>> = content
             .chunks(100_000)
             .map(|c| Ok(Bytes::copy_from_slice(c)))
@@ -71,8 +87,7 @@ impl Fixture {
             |_| {},
         )
         .await
-        .unwrap()
-        .key
+        .map(|stored| stored.key)
     }
 
     async fn download(&self, key: BlobKey) -> Vec<u8> {
@@ -318,4 +333,147 @@ async fn a_paused_uploader_whose_dedup_block_was_collected_fails_its_commit() {
     let err = session.commit().await.unwrap_err();
     assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
     assert!(!f.store.contains(shared).await.unwrap());
+}
+
+/// A local medium whose next `delete`, once armed, says so and waits for a go-ahead: it
+/// holds the collector at the instant between deciding to delete a pack and deleting it.
+#[derive(Debug)]
+struct GatedDelete {
+    inner: medium::LocalMedium,
+    gate: std::sync::Mutex<Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>>,
+}
+
+impl Medium for GatedDelete {
+    fn publish(&self, spool: File, spool_path: &Path, id: &PackId) -> Result<(), StoreError> {
+        self.inner.publish(spool, spool_path, id)
+    }
+    fn read(&self, id: &PackId, offset: u64, len: u64) -> Result<Bytes, StoreError> {
+        self.inner.read(id, offset, len)
+    }
+    fn read_all(&self, id: &PackId) -> Result<Bytes, StoreError> {
+        self.inner.read_all(id)
+    }
+    fn delete(&self, id: &PackId) -> Result<(), StoreError> {
+        let gate = self.gate.lock().unwrap().take();
+        if let Some((entered, go)) = gate {
+            entered.send(()).unwrap();
+            go.recv().unwrap();
+        }
+        self.inner.delete(id)
+    }
+    fn exists(&self, id: &PackId) -> Result<bool, StoreError> {
+        self.inner.exists(id)
+    }
+    fn list(&self) -> Result<Vec<(PackId, u64)>, StoreError> {
+        self.inner.list()
+    }
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+}
+
+// Checks STO-11: an upload re-publishes a pack under the name of a retired twin (same
+// blocks, same order, so the same name) while the collector purges that twin. The
+// collector deletes the object between the upload's publish and its commit. The upload
+// must then fail with a retry answer, never commit an index entry over a missing pack.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pack_republished_while_its_retired_twin_is_purged_is_never_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let (renamed_tx, renamed_rx) = std::sync::mpsc::channel::<()>();
+    let renamed_tx = std::sync::Mutex::new(renamed_tx);
+    let trace: SyncTrace = Arc::new(move |step| {
+        if step == "pack renamed" {
+            let _ = renamed_tx.lock().unwrap().send(());
+        }
+    });
+    let local = medium::LocalMedium::open(&dir.path().join("packs"), false, Some(trace)).unwrap();
+    let gated = Arc::new(GatedDelete {
+        inner: local,
+        gate: std::sync::Mutex::new(None),
+    });
+    let f = Arc::new(Fixture::on(dir, gated.clone()));
+    let content = data(1 << 20, 21);
+    let key = f.upload(&content).await;
+    assert_eq!(f.pack_files(), 1);
+
+    // the blob is deleted and its pack retired by a first run
+    assert!(f.manifests.delete(key).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let run = gc::collect(
+        &f.store,
+        f.manifests.as_ref(),
+        options(Duration::ZERO, false, false),
+        &mut Quiet,
+    )
+    .await
+    .unwrap();
+    assert_eq!(run.packs_retired, 1, "{run:?}");
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    while renamed_rx.try_recv().is_ok() {}
+
+    // the purge run stops right before it deletes the retired pack's object
+    let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel();
+    *gated.gate.lock().unwrap() = Some((entered_tx, go_rx));
+    let purge = {
+        let f = f.clone();
+        tokio::spawn(async move {
+            gc::collect(
+                &f.store,
+                f.manifests.as_ref(),
+                options(Duration::ZERO, false, true),
+                &mut Quiet,
+            )
+            .await
+        })
+    };
+    let entered_rx = tokio::task::spawn_blocking(move || entered_rx.recv().map(|()| entered_rx))
+        .await
+        .unwrap()
+        .unwrap();
+    drop(entered_rx);
+
+    // the same content is uploaded again: its pack is published under the same name
+    let upload = {
+        let f = f.clone();
+        let content = content.clone();
+        tokio::spawn(async move { f.try_upload(&content).await })
+    };
+    tokio::task::spawn_blocking(move || renamed_rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    // now the collector deletes the object
+    go_tx.send(()).unwrap();
+    let run = purge.await.unwrap().unwrap();
+    assert_eq!(run.packs_deleted, 1, "{run:?}");
+
+    match upload.await.unwrap() {
+        Ok(again) => {
+            // committed: then its blocks must be readable
+            let manifest = f.manifests.get(again).await.unwrap().unwrap();
+            let mut stream = Box::pin(read_blob(
+                Arc::new(f.store.clone()),
+                Arc::new(manifest),
+                None,
+            ));
+            let mut out = Vec::new();
+            while let Some(piece) = stream.next().await {
+                out.extend_from_slice(&piece.unwrap_or_else(|e| {
+                    panic!("an acknowledged upload lost its pack to the purge: {e}")
+                }));
+            }
+            assert_eq!(out, content);
+        }
+        Err(err) => {
+            assert!(err.to_string().contains("retry"), "{err}");
+            assert!(f.manifests.get(key).await.unwrap().is_none(), "no manifest");
+        }
+    }
+    // every pack the index names is on the medium, and a retry stores the blob
+    for pack in f.store.index().unwrap().packs().unwrap() {
+        assert!(f.store.medium().exists(&pack.id).unwrap(), "{}", pack.id);
+    }
+    let again = f.upload(&content).await;
+    assert_eq!(f.download(again).await, content);
 }

@@ -123,6 +123,9 @@ macro_rules! r {
     };
 }
 
+/// redb's page cache for the index (its default is 1 GiB).
+pub const INDEX_CACHE_BYTES: usize = 32 << 20;
+
 /// The embedded (redb) index of one node.
 pub struct RedbIndex {
     db: Database,
@@ -136,7 +139,15 @@ impl std::fmt::Debug for RedbIndex {
 
 impl RedbIndex {
     pub fn open(path: &Path) -> Result<Self, StoreError> {
-        let db = r!("open", Database::create(path))?;
+        // redb's page cache defaults to 1 GiB, so a full scan (the collector's select)
+        // made the process as large as the index; bounded here (docs/performance.md,
+        // "GC at 1 M blocks").
+        let db = r!(
+            "open",
+            redb::Builder::new()
+                .set_cache_size(INDEX_CACHE_BYTES)
+                .create(path)
+        )?;
         let txn = r!("begin", db.begin_write())?;
         {
             r!("create table", txn.open_table(BLOCKS))?;
@@ -156,10 +167,28 @@ impl RedbIndex {
         }
     }
 
-    /// One durable transaction per upload (see the module docs).
-    pub fn commit(&self, batch: &CommitBatch) -> Result<(), StoreError> {
+    /// One durable transaction per upload (see the module docs). `present` says whether a
+    /// pack is on the medium: every pack of the batch is checked inside the transaction,
+    /// because the collector deletes an object only while it holds the write transaction
+    /// (STO-11), so a pack that is present now stays present until this commit names it.
+    /// A missing one (a same-named twin purged, or an orphan swept, after this upload
+    /// published it) fails the commit with a retry answer.
+    pub fn commit(
+        &self,
+        batch: &CommitBatch,
+        present: &dyn Fn(&PackId) -> Result<bool, StoreError>,
+    ) -> Result<(), StoreError> {
         let mut txn = r!("begin", self.db.begin_write())?;
         r!("durability", txn.set_durability(Durability::Immediate))?;
+        for pack in &batch.packs {
+            if !present(&pack.id)? {
+                return Err(StoreError::Unavailable(format!(
+                    "pack {} was deleted by the collector before the upload committed; \
+                     retry the upload",
+                    pack.id
+                )));
+            }
+        }
         {
             let mut blocks = r!("open", txn.open_table(BLOCKS))?;
             let mut quarantine = r!("open", txn.open_table(QUARANTINE))?;
@@ -333,25 +362,52 @@ impl RedbIndex {
         Ok(restored)
     }
 
-    /// Take a retired pack out of the table if it was retired before `before_ms`, so that
-    /// nothing can revive it; the caller then deletes its object. Returns whether it did.
-    pub fn claim_retired_pack(&self, id: &PackId, before_ms: u64) -> Result<bool, StoreError> {
+    /// Purge a pack retired before `before_ms`: inside one write transaction, check that
+    /// it is still retired, call `delete` (which deletes its object), then remove its row.
+    /// No upload can commit in between (one writer), and an upload that re-published the
+    /// same name meanwhile finds the object gone when its commit checks it (STO-11).
+    /// Returns whether the pack was purged; an error from `delete` changes nothing.
+    pub fn purge_retired_pack(
+        &self,
+        id: &PackId,
+        before_ms: u64,
+        delete: &dyn Fn(&PackId) -> Result<(), StoreError>,
+    ) -> Result<bool, StoreError> {
         let txn = r!("begin", self.db.begin_write())?;
-        let claimed = {
+        {
             let mut packs = r!("open", txn.open_table(PACKS))?;
             let record = r!("read", packs.get(id.0.as_slice()))?
                 .map(|v| PackRecord::decode(&id.0, v.value()))
                 .transpose()?;
             match record {
-                Some(record) if record.retired && record.sealed_ms < before_ms => {
-                    r!("remove", packs.remove(id.0.as_slice()))?;
-                    true
-                }
-                _ => false,
+                Some(record) if record.retired && record.sealed_ms < before_ms => {}
+                _ => return Ok(false),
             }
-        };
+            delete(id)?;
+            r!("remove", packs.remove(id.0.as_slice()))?;
+        }
         r!("commit", txn.commit())?;
-        Ok(claimed)
+        Ok(true)
+    }
+
+    /// Delete an orphan object (one no pack row names) inside a write transaction, after
+    /// checking there that still no row names it (STO-11). Returns whether it deleted.
+    pub fn delete_orphan(
+        &self,
+        id: &PackId,
+        delete: &dyn Fn(&PackId) -> Result<(), StoreError>,
+    ) -> Result<bool, StoreError> {
+        let txn = r!("begin", self.db.begin_write())?;
+        {
+            let packs = r!("open", txn.open_table(PACKS))?;
+            if r!("read", packs.get(id.0.as_slice()))?.is_some() {
+                return Ok(false);
+            }
+            delete(id)?;
+        }
+        // Nothing changed; the transaction only excluded commits while the object went.
+        r!("abort", txn.abort())?;
+        Ok(true)
     }
 
     /// Drop quarantined entries older than `before_ms` for good.
@@ -511,12 +567,15 @@ mod tests {
         let index = RedbIndex::open(&dir.path().join("i.redb")).unwrap();
         let a = BlockKey([1; 32]);
         index
-            .commit(&CommitBatch {
-                packs: vec![pack(9)],
-                new: vec![(a, loc(9, 40))],
-                reused: vec![],
-                now_ms: 1000,
-            })
+            .commit(
+                &CommitBatch {
+                    packs: vec![pack(9)],
+                    new: vec![(a, loc(9, 40))],
+                    reused: vec![],
+                    now_ms: 1000,
+                },
+                &|_| Ok(true),
+            )
             .unwrap();
         assert_eq!(index.lookup(&a).unwrap().unwrap().last_ref_ms, 1000);
         // a reference newer than the cutoff is not collected
@@ -525,22 +584,28 @@ mod tests {
         assert!(index.lookup(&a).unwrap().is_none());
         // a dedup commit restores it from the quarantine while the pack lives
         index
-            .commit(&CommitBatch {
-                reused: vec![a],
-                now_ms: 6000,
-                ..Default::default()
-            })
+            .commit(
+                &CommitBatch {
+                    reused: vec![a],
+                    now_ms: 6000,
+                    ..Default::default()
+                },
+                &|_| Ok(true),
+            )
             .unwrap();
         assert_eq!(index.lookup(&a).unwrap().unwrap().last_ref_ms, 6000);
         // once purged, the dedup commit fails instead of trusting a stale answer
         assert_eq!(index.quarantine(&[a], 7000, 7000).unwrap(), 1);
         assert_eq!(index.purge_quarantine(8000).unwrap(), 1);
         let err = index
-            .commit(&CommitBatch {
-                reused: vec![a],
-                now_ms: 9000,
-                ..Default::default()
-            })
+            .commit(
+                &CommitBatch {
+                    reused: vec![a],
+                    now_ms: 9000,
+                    ..Default::default()
+                },
+                &|_| Ok(true),
+            )
             .unwrap_err();
         assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
     }
@@ -551,12 +616,15 @@ mod tests {
         let index = RedbIndex::open(&dir.path().join("i.redb")).unwrap();
         let (a, b) = (BlockKey([1; 32]), BlockKey([2; 32]));
         index
-            .commit(&CommitBatch {
-                packs: vec![pack(1), pack(2)],
-                new: vec![(a, loc(1, 40)), (b, loc(2, 40))],
-                reused: vec![],
-                now_ms: 5,
-            })
+            .commit(
+                &CommitBatch {
+                    packs: vec![pack(1), pack(2)],
+                    new: vec![(a, loc(1, 40)), (b, loc(2, 40))],
+                    reused: vec![],
+                    now_ms: 5,
+                },
+                &|_| Ok(true),
+            )
             .unwrap();
         let moved = index
             .relocate(

@@ -78,6 +78,7 @@ impl LocalMedium {
         if let Some(trace) = &self.trace {
             (trace.0)(step);
         }
+        super::pause::after(step);
     }
 
     fn file(&self, id: &PackId) -> Result<Arc<File>, StoreError> {

@@ -29,6 +29,7 @@ pub mod format;
 pub mod gc;
 pub mod index;
 pub mod medium;
+pub mod pause;
 pub mod s3;
 pub mod shared;
 
@@ -239,6 +240,7 @@ impl PackStore {
         if let Some(trace) = &self.inner.options.trace {
             trace(step);
         }
+        pause::after(step);
     }
 }
 
@@ -368,7 +370,11 @@ impl PackSession {
             return Ok((report, None));
         }
         let store = self.store.clone();
-        blocking(move || store.index()?.commit(&batch)).await?;
+        blocking(move || {
+            let medium = store.medium().clone();
+            store.index()?.commit(&batch, &|id| medium.exists(id))
+        })
+        .await?;
         self.store.note("index committed");
         Ok((report, None))
     }
@@ -379,6 +385,33 @@ impl Drop for PackSession {
         // A session dropped before `commit` finished is an abort: the writer sees the flag
         // when its queue closes and removes its spool file instead of sealing it.
         self.aborted.store(true, Ordering::SeqCst);
+    }
+}
+
+impl PackSession {
+    /// Store a block not seen before in this session; `known` is the index's answer (a
+    /// hint, confirmed again inside the commit, STO-3).
+    async fn store_block(
+        &mut self,
+        key: BlockKey,
+        data: Bytes,
+        known: bool,
+    ) -> Result<PutOutcome, StoreError> {
+        if known {
+            self.reused.push(key);
+            return Ok(PutOutcome::Duplicate);
+        }
+        self.fresh_bytes += data.len() as u64;
+        let writer = self.start_writer();
+        if writer.tx.send((key, data)).await.is_err() {
+            // The writer stopped: its error explains why.
+            let writer = self.writer.take().expect("writer present");
+            return Err(match writer.done.await {
+                Ok(Err(err)) => err,
+                _ => StoreError::Unavailable("pack writer stopped".into()),
+            });
+        }
+        Ok(PutOutcome::Fresh)
     }
 }
 
@@ -394,21 +427,34 @@ impl WriteSession for PackSession {
                 // One query; the answer is confirmed again inside the commit (STO-3).
                 Index::Shared(index) => index.lookup(&key).await?.is_some(),
             };
-            if known {
-                self.reused.push(key);
-                return Ok(PutOutcome::Duplicate);
+            self.store_block(key, data, known).await
+        })
+    }
+
+    fn append_many(&mut self, blocks: Vec<(BlockKey, Bytes)>) -> StoreFuture<'_, Vec<PutOutcome>> {
+        Box::pin(async move {
+            let mut outcomes = Vec::with_capacity(blocks.len());
+            let Some(index) = self.store.shared().cloned() else {
+                for (key, data) in blocks {
+                    outcomes.push(self.append(key, data).await?);
+                }
+                return Ok(outcomes);
+            };
+            // One query for the whole batch (a hint, confirmed in the commit, STO-3).
+            let unseen: Vec<BlockKey> = blocks
+                .iter()
+                .map(|(key, _)| *key)
+                .filter(|key| !self.seen.contains(key))
+                .collect();
+            let known = index.lookup_many(&unseen).await?;
+            for (key, data) in blocks {
+                if !self.seen.insert(key) {
+                    outcomes.push(PutOutcome::Duplicate);
+                    continue;
+                }
+                outcomes.push(self.store_block(key, data, known.contains(&key)).await?);
             }
-            self.fresh_bytes += data.len() as u64;
-            let writer = self.start_writer();
-            if writer.tx.send((key, data)).await.is_err() {
-                // The writer stopped: its error explains why.
-                let writer = self.writer.take().expect("writer present");
-                return Err(match writer.done.await {
-                    Ok(Err(err)) => err,
-                    _ => StoreError::Unavailable("pack writer stopped".into()),
-                });
-            }
-            Ok(PutOutcome::Fresh)
+            Ok(outcomes)
         })
     }
 

@@ -81,6 +81,31 @@ impl PgIndex {
         .transpose()
     }
 
+    /// Which of `keys` are stored (not quarantined): one query for the whole batch. Like
+    /// [`Self::lookup`], the answer is only a hint that lets an upload skip writing bytes.
+    pub async fn lookup_many(&self, keys: &[BlockKey]) -> Result<HashSet<BlockKey>, StoreError> {
+        if keys.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let raw: Vec<&[u8]> = keys.iter().map(|k| k.0.as_slice()).collect();
+        let rows: Vec<(Vec<u8>,)> = sqlx::query_as(
+            "SELECT block_hash FROM pack_blocks
+             WHERE block_hash = ANY($1) AND quarantined_at IS NULL",
+        )
+        .bind(&raw)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| db_error("look up blocks", e))?;
+        rows.into_iter()
+            .map(|(hash,)| {
+                hash.as_slice()
+                    .try_into()
+                    .map(BlockKey)
+                    .map_err(|_| StoreError::Corrupt("block hash damaged in the index".into()))
+            })
+            .collect()
+    }
+
     /// One upload's commit (see the module docs); with `manifest`, the manifest is
     /// created in the same transaction and its outcome returned.
     pub async fn commit(

@@ -1,0 +1,432 @@
+//! Fault tests of the pack store with real processes: `graviton gc` killed with SIGKILL
+//! after each step of a collector run, and `graviton serve` killed at each durability
+//! step of an upload. Each process is stopped at a known point by the test-only pause
+//! hook (`GRAVITON_TEST_PAUSE_AFTER=<step>`, `src/storage/pack/pause.rs`): the process
+//! logs `paused after <step>` and waits there; the test reads that line, then kills it.
+//!
+//! After every kill: every acknowledged blob downloads byte-exact, deleted and
+//! unacknowledged blobs stay absent, the index is recovered on restart, the next collector
+//! runs complete, `graviton verify` is clean, and no pack is left that the index does not
+//! name (STO-7, STO-12).
+
+mod support;
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use support::node::random_bytes;
+
+const BIN: &str = env!("CARGO_BIN_EXE_graviton");
+const ADMIN_TOKEN: &str = "admin-token-for-pack-faults-0123";
+const PAUSE: &str = "GRAVITON_TEST_PAUSE_AFTER";
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
+/// The settings every process of these tests shares: fsync on, no grace period and no
+/// retention (so one run after the crash finishes the work), compaction of any pack
+/// under 90 % live.
+fn settings(command: &mut Command, dir: &Path) {
+    command
+        .env("GRAVITON_STORAGE__DATA_DIR", dir)
+        .env("GRAVITON_STORAGE__FSYNC", "true")
+        .env("GRAVITON_STORAGE__GC__MIN_AGE", "0s")
+        .env("GRAVITON_STORAGE__GC__RETENTION", "0s")
+        .env("GRAVITON_STORAGE__GC__COMPACT_BELOW", "0.9")
+        .env("GRAVITON_ADMIN__TOKEN", ADMIN_TOKEN)
+        .env_remove(PAUSE);
+}
+
+/// A `graviton serve` on `port`; with `pause`, it stops at that step.
+fn serve(dir: &Path, port: u16, pause: Option<&str>) -> Child {
+    let mut command = Command::new(BIN);
+    command.args(["serve", "--listen", &format!("127.0.0.1:{port}")]);
+    settings(&mut command, dir);
+    if let Some(step) = pause {
+        command.env(PAUSE, step);
+    }
+    command
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn graviton serve")
+}
+
+/// Wait until the process prints its pause line (the other stderr lines are drained).
+fn wait_paused(child: &mut Child, step: &str) {
+    let stderr = child.stderr.take().expect("stderr piped");
+    let wanted = format!("paused after {step} ({PAUSE})");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            if line.contains(&wanted) {
+                let _ = tx.send(Ok(()));
+                // keep draining so the process never blocks on a full pipe
+                continue;
+            }
+            seen.push(line);
+        }
+        let _ = tx.send(Err(seen.join("\n")));
+    });
+    match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(Ok(())) => {}
+        Ok(Err(log)) => panic!("the process ended without pausing after {step}:\n{log}"),
+        Err(_) => panic!("no pause after {step} within 120 s"),
+    }
+}
+
+fn kill9(child: &mut Child) {
+    // SIGKILL: no shutdown code runs.
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+async fn wait_ready(url: &str) {
+    assert!(
+        support::wait_until(Duration::from_secs(30), || async {
+            client()
+                .get(format!("{url}/readyz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        })
+        .await,
+        "node did not become ready"
+    );
+}
+
+async fn upload(url: &str, data: &[u8]) -> String {
+    let response = client()
+        .post(format!("{url}/v1/blobs"))
+        .body(data.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    let body: serde_json::Value = response.json().await.unwrap();
+    body["key"].as_str().unwrap().to_string()
+}
+
+async fn download(url: &str, key: &str) -> (u16, Vec<u8>) {
+    let response = client()
+        .get(format!("{url}/v1/blobs/{key}"))
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.bytes().await.unwrap().to_vec())
+}
+
+async fn delete(url: &str, key: &str) {
+    let response = client()
+        .delete(format!("{url}/v1/blobs/{key}"))
+        .bearer_auth(ADMIN_TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 204);
+}
+
+/// Send the head and all of `data` of an upload on a raw socket, without waiting for the
+/// answer (the server pauses before it answers); returns the socket.
+fn start_upload(port: u16, data: &[u8]) -> std::net::TcpStream {
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let head = format!(
+        "POST /v1/blobs HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+        data.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.write_all(data).unwrap();
+    stream
+}
+
+/// Whatever the server answered on `stream` before it died.
+fn answer(mut stream: std::net::TcpStream) -> String {
+    use std::io::Read;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut rest = Vec::new();
+    let _ = stream.read_to_end(&mut rest);
+    String::from_utf8_lossy(&rest).into_owned()
+}
+
+/// An offline command on the stopped node's directory (exit status and stdout).
+fn offline(dir: &Path, args: &[&str]) -> (bool, serde_json::Value) {
+    let mut command = Command::new(BIN);
+    command.args(args);
+    settings(&mut command, dir);
+    let out = command.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success() || args[0] == "verify",
+        "graviton {args:?} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = serde_json::from_str(&stdout).unwrap_or(serde_json::Value::Null);
+    (out.status.success(), report)
+}
+
+fn walk_packs(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk_packs(&path));
+        } else if path.extension().is_some_and(|e| e == "pack") {
+            out.push(path);
+        }
+    }
+    out
+}
+
+/// Finish the collector's work after a crash and check what is left: two complete runs
+/// (the second purges what the first retired), `verify` clean, and every pack file on
+/// disk is one the index names.
+fn collect_to_the_end(dir: &Path) {
+    for _ in 0..2 {
+        std::thread::sleep(Duration::from_millis(10));
+        offline(dir, &["gc", "--purge"]);
+    }
+    let (clean, report) = offline(dir, &["verify"]);
+    assert!(clean, "verify after the crash and two runs: {report}");
+    assert_eq!(report["entries_affected"], 0, "{report}");
+    assert_eq!(
+        report["packs_checked"].as_u64().unwrap() as usize,
+        walk_packs(&dir.join("packs")).len(),
+        "every pack left is indexed and live: {report}"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.join("packs").join("tmp"))
+            .unwrap()
+            .count(),
+        0,
+        "no spool file is left"
+    );
+}
+
+/// What the GC crash tests store before the crash.
+struct Contents {
+    keep: Vec<u8>,
+    half: Vec<u8>,
+    whole: Vec<u8>,
+    gone: Vec<u8>,
+    unacked: Vec<u8>,
+}
+
+impl Contents {
+    fn new() -> Self {
+        let whole = random_bytes(4 << 20, 2);
+        Self {
+            keep: random_bytes(2 << 20, 1),
+            half: whole[..2 << 20].to_vec(),
+            whole,
+            gone: random_bytes(2 << 20, 3),
+            unacked: random_bytes(1 << 20, 4),
+        }
+    }
+
+    fn key(data: &[u8]) -> String {
+        graviton::cas::BlobKey::of(data).to_string()
+    }
+
+    /// Acknowledged blobs are byte-exact; deleted and unacknowledged ones are absent.
+    async fn check(&self, url: &str) {
+        for live in [&self.keep, &self.half] {
+            let (status, body) = download(url, &Self::key(live)).await;
+            assert_eq!(status, 200);
+            assert!(body == *live, "an acknowledged blob is byte-exact");
+        }
+        for absent in [&self.whole, &self.gone, &self.unacked] {
+            assert_eq!(download(url, &Self::key(absent)).await.0, 404);
+        }
+    }
+}
+
+/// Store the contents: `keep` and `half` live; `whole` (which shares half its blocks with
+/// `half`, so its pack is compacted) and `gone` deleted; `unacked` killed after its pack
+/// was sealed and before the index commit (an orphan pack). Leaves the node stopped.
+async fn prepare(dir: &Path, contents: &Contents) {
+    let port = support::free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut node = serve(dir, port, None);
+    wait_ready(&url).await;
+    upload(&url, &contents.keep).await;
+    let whole = upload(&url, &contents.whole).await;
+    upload(&url, &contents.half).await;
+    let gone = upload(&url, &contents.gone).await;
+    delete(&url, &whole).await;
+    delete(&url, &gone).await;
+    kill9(&mut node);
+
+    let mut node = serve(dir, port, Some("pack directory synced"));
+    wait_ready(&url).await;
+    let stream = start_upload(port, &contents.unacked);
+    wait_paused(&mut node, "pack directory synced");
+    kill9(&mut node);
+    assert!(!answer(stream).contains("201"), "never acknowledged");
+}
+
+/// Kill `graviton gc --purge` after `step`, then check the store and finish the work.
+async fn gc_killed_after(step: &str, purge_first: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let contents = Contents::new();
+    prepare(dir.path(), &contents).await;
+    if purge_first {
+        // a first complete run retires what the crashed run will purge
+        offline(dir.path(), &["gc"]);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    let mut command = Command::new(BIN);
+    command.args(["gc", "--purge"]);
+    settings(&mut command, dir.path());
+    let mut gc = command
+        .env(PAUSE, step)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_paused(&mut gc, step);
+    kill9(&mut gc);
+
+    // restart: the index is recovered and nothing acknowledged is lost
+    let port = support::free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut node = serve(dir.path(), port, None);
+    wait_ready(&url).await;
+    contents.check(&url).await;
+    kill9(&mut node);
+
+    collect_to_the_end(dir.path());
+    let mut node = serve(dir.path(), port, None);
+    wait_ready(&url).await;
+    contents.check(&url).await;
+    // the store still takes uploads, including of collected content
+    let again = upload(&url, &contents.gone).await;
+    assert!(download(&url, &again).await.1 == contents.gone);
+    kill9(&mut node);
+}
+
+// Checks STO-12.
+#[tokio::test]
+async fn gc_killed_after_mark() {
+    gc_killed_after("gc mark", false).await;
+}
+
+// Checks STO-12.
+#[tokio::test]
+async fn gc_killed_after_select() {
+    gc_killed_after("gc select", false).await;
+}
+
+// Checks STO-12.
+#[tokio::test]
+async fn gc_killed_after_mark_again() {
+    gc_killed_after("gc mark again", false).await;
+}
+
+// Checks STO-12.
+#[tokio::test]
+async fn gc_killed_after_quarantine() {
+    gc_killed_after("gc quarantine", false).await;
+}
+
+// Checks STO-12: the rewritten pack is published but the index not yet pointed at it.
+#[tokio::test]
+async fn gc_killed_after_a_compaction_rewrite_is_published() {
+    gc_killed_after("gc compact published", false).await;
+}
+
+// Checks STO-12.
+#[tokio::test]
+async fn gc_killed_after_compaction() {
+    gc_killed_after("gc compact", false).await;
+}
+
+// Checks STO-12.
+#[tokio::test]
+async fn gc_killed_after_retire() {
+    gc_killed_after("gc retire", false).await;
+}
+
+// Checks STO-12.
+#[tokio::test]
+async fn gc_killed_after_an_orphan_is_deleted() {
+    gc_killed_after("gc orphan deleted", false).await;
+}
+
+// Checks STO-12.
+#[tokio::test]
+async fn gc_killed_after_the_quarantine_is_purged() {
+    gc_killed_after("gc purge quarantine", true).await;
+}
+
+// Checks STO-12: the object is deleted, the transaction removing its row not committed.
+#[tokio::test]
+async fn gc_killed_after_a_purged_pack_is_deleted() {
+    gc_killed_after("gc purge deleted", true).await;
+}
+
+// Checks STO-12.
+#[tokio::test]
+async fn gc_killed_at_the_end_of_a_run() {
+    gc_killed_after("gc done", true).await;
+}
+
+/// Kill `graviton serve` after `step` of an upload, restart, and check.
+async fn upload_killed_after(step: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let port = support::free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let acked = random_bytes(3 << 20, 11);
+    let pending = random_bytes(3 << 20, 12);
+    let mut node = serve(dir.path(), port, None);
+    wait_ready(&url).await;
+    let key = upload(&url, &acked).await;
+    kill9(&mut node);
+
+    let mut node = serve(dir.path(), port, Some(step));
+    wait_ready(&url).await;
+    let stream = start_upload(port, &pending);
+    wait_paused(&mut node, step);
+    kill9(&mut node);
+    assert!(!answer(stream).contains("201"), "never acknowledged");
+
+    let mut node = serve(dir.path(), port, None);
+    wait_ready(&url).await;
+    assert!(
+        download(&url, &key).await.1 == acked,
+        "acknowledged blob byte-exact"
+    );
+    let pending_key = graviton::cas::BlobKey::of(&pending).to_string();
+    assert_eq!(download(&url, &pending_key).await.0, 404, "no partial blob");
+    // the retry is acknowledged and byte-exact
+    assert_eq!(upload(&url, &pending).await, pending_key);
+    assert!(download(&url, &pending_key).await.1 == pending);
+    kill9(&mut node);
+    collect_to_the_end(dir.path());
+}
+
+// Checks STO-7: the pack's data is synced, not yet renamed (a spool file is left).
+#[tokio::test]
+async fn upload_killed_after_the_pack_data_sync() {
+    upload_killed_after("pack data synced").await;
+}
+
+// Checks STO-7: the pack is published, the index not committed (an orphan pack).
+#[tokio::test]
+async fn upload_killed_after_the_pack_is_published() {
+    upload_killed_after("pack directory synced").await;
+}
+
+// Checks STO-7: the index is committed, the manifest not created.
+#[tokio::test]
+async fn upload_killed_after_the_index_commit() {
+    upload_killed_after("index committed").await;
+}
