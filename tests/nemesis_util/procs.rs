@@ -59,6 +59,9 @@ id = "{id}"
 listen = "127.0.0.1:{public}"
 shutdown_grace = "3s"
 
+[log]
+format = "json"
+
 [storage]
 data_dir = "{data}"
 backend = "fs"
@@ -181,9 +184,18 @@ internal_token = "{TOKEN}"
         self.child.is_some()
     }
 
+    /// The process's log file (JSON lines, appended across restarts).
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// The last `lines` log lines, without the ownership records.
     pub fn log_tail(&self, lines: usize) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let all: Vec<&str> = text.lines().collect();
+        let all: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.contains(graviton::upload::record::TARGET))
+            .collect();
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 }
