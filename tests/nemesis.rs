@@ -1,6 +1,6 @@
 //! Nemesis suite on real processes: three `graviton serve` processes (and, in one scenario,
 //! a standalone `graviton manager`) on a fresh PostgreSQL database, one PostgreSQL role per
-//! process, under client load, while faults chosen from a seeded RNG are injected. The
+//! process, blocks on the test S3 server, under client load, while faults chosen from a seeded RNG are injected. The
 //! history of every upload attempt is checked against the invariants of docs/locality.md
 //! §13 (checks LOC-1, LOC-2, LOC-3, LOC-4, LOC-5, LOC-6). Replay: `GRAVITON_NEMESIS_SEED=<seed>`; more
 //! rounds: `GRAVITON_NEMESIS_ITERATIONS=<n>` or `scripts/drill --nemesis`.

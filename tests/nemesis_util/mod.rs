@@ -113,6 +113,12 @@ impl Cluster {
         };
         let dir = tempfile::tempdir().unwrap();
         let suffix = crate::support::unique_suffix();
+        // Blocks on the test S3 server (one prefix per cluster), each process with a
+        // directory of its own; the block index is the cluster's PostgreSQL.
+        let prefix = format!("nemesis-{scenario}-{suffix}");
+        let storage = |id: &str| {
+            crate::support::cluster::s3_storage_toml(scenario, &dir.path().join(id), &prefix, "")
+        };
         let mut nodes = Vec::new();
         for i in 0..n {
             let id = format!("node-{}", (b'a' + i as u8) as char);
@@ -121,7 +127,16 @@ impl Cluster {
             let kind = Kind::Node {
                 embedded_manager: !standalone_manager,
             };
-            nodes.push(Proc::start(dir.path(), &id, &role, &url, SHARDS, kind));
+            let storage = storage(&id)?;
+            nodes.push(Proc::start(
+                dir.path(),
+                &id,
+                &role,
+                &url,
+                SHARDS,
+                kind,
+                &storage,
+            ));
         }
         let manager = if standalone_manager {
             let role = format!("gnem_{suffix}_mgr");
@@ -133,6 +148,7 @@ impl Cluster {
                 &url,
                 SHARDS,
                 Kind::Manager,
+                &storage("manager-1")?,
             ))
         } else {
             None

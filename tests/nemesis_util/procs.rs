@@ -40,6 +40,7 @@ impl Proc {
         database_url: &str,
         shard_count: u32,
         kind: Kind,
+        storage: &str,
     ) -> Self {
         let (public, internal, control) = (
             crate::support::free_port(),
@@ -62,11 +63,7 @@ shutdown_grace = "3s"
 [log]
 format = "json"
 
-[storage]
-data_dir = "{data}"
-backend = "fs"
-shared_mount = true
-fsync = false
+{storage}
 
 [cluster]
 enabled = true
@@ -86,7 +83,6 @@ internal_listen = "127.0.0.1:{internal}"
 control_listen = "127.0.0.1:{control}"
 internal_token = "{TOKEN}"
 "#,
-                data = dir.join("shared-data").display(),
                 ttl = NODE_TTL.as_millis(),
             ),
         )
