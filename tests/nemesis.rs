@@ -45,7 +45,7 @@ const STALL: Duration = Duration::from_secs(10);
 /// terminated) until declared dead and its shards moved; then A's table reads made to fail
 /// or stall, A let back in, and uploads for sessions of A's former shards sent to A and to
 /// the new owner at the same time. Checks LOC-1 (A must not answer 201 as owner), LOC-2,
-/// LOC-3, LOC-4.
+/// LOC-3, LOC-4, LOC-5, LOC-6.
 async fn cut_off_node_returns(scenario: &str, reads: BrokenReads) {
     for iteration in 1..=iterations() {
         let (seed, mut rng) = scenario_rng(scenario, iteration);
@@ -179,13 +179,13 @@ async fn cut_off_node_returns(scenario: &str, reads: BrokenReads) {
     }
 }
 
-// Checks LOC-1, LOC-2, LOC-3, LOC-4 (issue 9 item 1, reads failing).
+// Checks LOC-1, LOC-2, LOC-3, LOC-4, LOC-5, LOC-6 (issue 9 item 1, reads failing).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemesis_cut_off_node_returns_with_failing_reads() {
     cut_off_node_returns("cut_off_reads_fail", BrokenReads::Fail).await;
 }
 
-// Checks LOC-1, LOC-2, LOC-3, LOC-4 (issue 9 item 1, reads stalled).
+// Checks LOC-1, LOC-2, LOC-3, LOC-4, LOC-5, LOC-6 (issue 9 item 1, reads stalled).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemesis_cut_off_node_returns_with_stalled_reads() {
     cut_off_node_returns("cut_off_reads_stall", BrokenReads::Stall).await;
@@ -253,7 +253,7 @@ async fn inject(cluster: &mut Cluster, rng: &mut StdRng, fault: Fault) {
     }
 }
 
-// Checks LOC-1, LOC-2, LOC-3, LOC-4 under seeded node and PostgreSQL faults.
+// Checks LOC-1, LOC-2, LOC-3, LOC-4, LOC-5, LOC-6 under seeded node and PostgreSQL faults.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemesis_random_node_and_postgres_faults() {
     let scenario = "random_faults";
@@ -283,7 +283,7 @@ async fn nemesis_random_node_and_postgres_faults() {
     }
 }
 
-// Checks LOC-3 (and LOC-1, LOC-2, LOC-4): a standalone manager (nodes run no embedded one)
+// Checks LOC-3 (and LOC-1, LOC-2, LOC-4, LOC-5, LOC-6): a standalone manager (nodes run no embedded one)
 // is killed with -9, paused past the TTL, and has its lock connection terminated; after each
 // fault the test (playing the process supervisor: it restarts a manager that exited) expects
 // an acting manager again, and proves it acts by killing a node whose shards must move.
