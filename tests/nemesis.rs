@@ -1,8 +1,8 @@
 //! Nemesis suite on real processes: three `graviton serve` processes (and, in one scenario,
 //! a standalone `graviton manager`) on a fresh PostgreSQL database, one PostgreSQL role per
-//! process, under client load, while faults chosen from a seeded RNG are injected. The
+//! process, blocks on the test S3 server, under client load, while faults chosen from a seeded RNG are injected. The
 //! history of every upload attempt is checked against the invariants of docs/locality.md
-//! §13 (checks LOC-1, LOC-2, LOC-3, LOC-4). Replay: `GRAVITON_NEMESIS_SEED=<seed>`; more
+//! §13 (checks LOC-1, LOC-2, LOC-3, LOC-4, LOC-5, LOC-6). Replay: `GRAVITON_NEMESIS_SEED=<seed>`; more
 //! rounds: `GRAVITON_NEMESIS_ITERATIONS=<n>` or `scripts/drill --nemesis`.
 
 mod nemesis_util;
@@ -16,6 +16,7 @@ use nemesis_util::procs::NODE_TTL;
 use nemesis_util::{Cluster, base_seed, iterations, load, scenario_rng};
 use rand::Rng;
 use rand::rngs::StdRng;
+use support::postgres_server::StopMode;
 use tokio_util::sync::CancellationToken;
 
 fn banner(scenario: &str, iteration: usize, seed: u64) {
@@ -44,7 +45,7 @@ const STALL: Duration = Duration::from_secs(10);
 /// terminated) until declared dead and its shards moved; then A's table reads made to fail
 /// or stall, A let back in, and uploads for sessions of A's former shards sent to A and to
 /// the new owner at the same time. Checks LOC-1 (A must not answer 201 as owner), LOC-2,
-/// LOC-3, LOC-4.
+/// LOC-3, LOC-4, LOC-5, LOC-6.
 async fn cut_off_node_returns(scenario: &str, reads: BrokenReads) {
     for iteration in 1..=iterations() {
         let (seed, mut rng) = scenario_rng(scenario, iteration);
@@ -178,13 +179,13 @@ async fn cut_off_node_returns(scenario: &str, reads: BrokenReads) {
     }
 }
 
-// Checks LOC-1, LOC-2, LOC-3, LOC-4 (issue 9 item 1, reads failing).
+// Checks LOC-1, LOC-2, LOC-3, LOC-4, LOC-5, LOC-6 (issue 9 item 1, reads failing).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemesis_cut_off_node_returns_with_failing_reads() {
     cut_off_node_returns("cut_off_reads_fail", BrokenReads::Fail).await;
 }
 
-// Checks LOC-1, LOC-2, LOC-3, LOC-4 (issue 9 item 1, reads stalled).
+// Checks LOC-1, LOC-2, LOC-3, LOC-4, LOC-5, LOC-6 (issue 9 item 1, reads stalled).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemesis_cut_off_node_returns_with_stalled_reads() {
     cut_off_node_returns("cut_off_reads_stall", BrokenReads::Stall).await;
@@ -252,7 +253,7 @@ async fn inject(cluster: &mut Cluster, rng: &mut StdRng, fault: Fault) {
     }
 }
 
-// Checks LOC-1, LOC-2, LOC-3, LOC-4 under seeded node and PostgreSQL faults.
+// Checks LOC-1, LOC-2, LOC-3, LOC-4, LOC-5, LOC-6 under seeded node and PostgreSQL faults.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemesis_random_node_and_postgres_faults() {
     let scenario = "random_faults";
@@ -282,7 +283,7 @@ async fn nemesis_random_node_and_postgres_faults() {
     }
 }
 
-// Checks LOC-3 (and LOC-1, LOC-2, LOC-4): a standalone manager (nodes run no embedded one)
+// Checks LOC-3 (and LOC-1, LOC-2, LOC-4, LOC-5, LOC-6): a standalone manager (nodes run no embedded one)
 // is killed with -9, paused past the TTL, and has its lock connection terminated; after each
 // fault the test (playing the process supervisor: it restarts a manager that exited) expects
 // an acting manager again, and proves it acts by killing a node whose shards must move.
@@ -370,7 +371,8 @@ async fn nemesis_standalone_manager_faults() {
     }
 }
 
-// Checks LOC-1, LOC-2, LOC-3, LOC-4 across a rolling restart (SIGTERM, start, ready) of
+// Checks LOC-7 (zero uploads failed after the client's bounded retries of documented
+// retryable answers) and LOC-1..LOC-6 across a rolling restart (SIGTERM, start, ready) of
 // every node under load, in an order from the seeded RNG.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemesis_rolling_restart() {
@@ -400,6 +402,86 @@ async fn nemesis_rolling_restart() {
             cluster.fault(format!("start {id}"));
             let back = cluster.converged(Duration::from_secs(30)).await;
             cluster.fault(format!("{id} back, cluster converged={back}"));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        stop.cancel();
+        for w in workers {
+            let _ = w.await;
+        }
+        // LOC-7: no upload failed once the client's retries are counted.
+        cluster.check_no_failed_uploads();
+        cluster.finish(seed, iteration).await;
+    }
+}
+
+/// PostgreSQL faults of the `postgres_restart` scenario (on a private server).
+#[derive(Clone, Copy, Debug)]
+enum PgRestart {
+    /// `pg_ctl restart -m immediate`: every backend killed, crash recovery.
+    Immediate,
+    /// `pg_ctl restart -m fast`: sessions terminated, clean shutdown.
+    Fast,
+    /// `pg_ctl stop -m immediate`, down past the node TTL, then start.
+    DownPastTtl,
+}
+
+// Checks LOC-3 after each PostgreSQL restart (and LOC-1, LOC-2, LOC-4, LOC-5, LOC-6): the
+// cluster runs on a private PostgreSQL server (the machine's shared one must not be
+// restarted) that is restarted under load in RNG order: immediate, fast, and down for
+// longer than the node TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nemesis_postgres_restart() {
+    let scenario = "postgres_restart";
+    for iteration in 1..=iterations() {
+        let (seed, mut rng) = scenario_rng(scenario, iteration);
+        banner(scenario, iteration, seed);
+        let Some(server) = support::postgres_server::PostgresServer::start(scenario) else {
+            return;
+        };
+        let Some(mut cluster) = Cluster::start_on(scenario, 3, false, Some(server)).await else {
+            return;
+        };
+        let stop = CancellationToken::new();
+        let pool = Arc::new(load::sessions(&mut rng, 12));
+        let workers =
+            cluster
+                .history
+                .spawn_workers(3, rng.random(), pool, cluster.targets(), stop.clone());
+        let mut order = [
+            PgRestart::Immediate,
+            PgRestart::Fast,
+            PgRestart::DownPastTtl,
+        ];
+        for k in (1..order.len()).rev() {
+            order.swap(k, rng.random_range(0..=k));
+        }
+        for fault in order {
+            tokio::time::sleep(Duration::from_millis(rng.random_range(500..1500))).await;
+            let server = cluster.server.as_mut().expect("private server");
+            let what = match fault {
+                PgRestart::Immediate => {
+                    tokio::task::block_in_place(|| server.restart(StopMode::Immediate));
+                    "pg_ctl restart -m immediate".to_string()
+                }
+                PgRestart::Fast => {
+                    tokio::task::block_in_place(|| server.restart(StopMode::Fast));
+                    "pg_ctl restart -m fast".to_string()
+                }
+                PgRestart::DownPastTtl => {
+                    let down = NODE_TTL + Duration::from_millis(rng.random_range(500..1500));
+                    tokio::task::block_in_place(|| server.stop(StopMode::Immediate));
+                    tokio::time::sleep(down).await;
+                    let server = cluster.server.as_mut().expect("private server");
+                    tokio::task::block_in_place(|| server.start_again());
+                    format!("pg_ctl stop -m immediate, down {down:?}, start")
+                }
+            };
+            cluster.fault(what.clone());
+            // LOC-3: an acting manager and a converged cluster again.
+            cluster
+                .check_manager(Duration::from_secs(30), &format!("after {what}"))
+                .await;
+            cluster.fault(format!("converged after {what}"));
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
         stop.cancel();

@@ -372,3 +372,82 @@ async fn reregistration_keeps_a_drain_and_refusals_say_why() {
         HeartbeatReply::Missing
     );
 }
+
+// The manager's batched statements (one per round for completions, assignments and
+// revocations) keep every row's own conditions: a stale epoch, a wrong owner or an
+// unacknowledged move of a live owner is skipped, the rest of the batch applies.
+#[tokio::test]
+async fn batched_moves_apply_row_by_row_conditions() {
+    let Some(db) = TestDatabase::create("batched_moves_apply_row_by_row_conditions").await else {
+        return;
+    };
+    let store = support::placement::store(db.url()).await;
+    store.bootstrap(6).await.unwrap();
+    let (a, b) = (NodeId::parse("a").unwrap(), NodeId::parse("b").unwrap());
+    let inc_a = store.register_node(&registration("a")).await.unwrap();
+    store.register_node(&registration("b")).await.unwrap();
+    let term = store.bump_term(&a).await.unwrap();
+    let mut tx = store.fenced(term).await.unwrap();
+    // Shard 5 is quoted at a stale epoch: not assigned.
+    let mut assigned = tx
+        .assign_many(
+            &(0..6)
+                .map(|s| (ShardId(s), Epoch(if s == 5 { 3 } else { 0 }), a.clone()))
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .unwrap();
+    assigned.sort();
+    assert_eq!(
+        assigned,
+        (0..5).map(|s| (ShardId(s), Epoch(1))).collect::<Vec<_>>()
+    );
+    // Shard 3 quoted with the wrong owner, shard 4 at a stale epoch: not revoked.
+    let mut revoked = tx
+        .revoke_many(&[
+            (ShardId(0), Epoch(1), a.clone(), b.clone()),
+            (ShardId(1), Epoch(1), a.clone(), b.clone()),
+            (ShardId(2), Epoch(1), a.clone(), b.clone()),
+            (ShardId(3), Epoch(1), b.clone(), b.clone()),
+            (ShardId(4), Epoch(0), a.clone(), b.clone()),
+        ])
+        .await
+        .unwrap();
+    revoked.sort();
+    assert_eq!(revoked, [ShardId(0), ShardId(1), ShardId(2)]);
+    tx.commit("shards").await.unwrap();
+    // Only shards 0 and 1 acknowledged: shard 2's live owner has not, so it stays.
+    store
+        .ack_revocations(&a, inc_a, &[(ShardId(0), Epoch(1)), (ShardId(1), Epoch(1))])
+        .await
+        .unwrap();
+    let mut tx = store.fenced(term).await.unwrap();
+    let mut completed = tx
+        .complete_moves(&[
+            (ShardId(0), Epoch(1), b.clone()),
+            (ShardId(1), Epoch(1), b.clone()),
+            (ShardId(2), Epoch(1), b.clone()),
+        ])
+        .await
+        .unwrap();
+    completed.sort();
+    assert_eq!(completed, [(ShardId(0), Epoch(2)), (ShardId(1), Epoch(2))]);
+    tx.commit("shards").await.unwrap();
+    let table = store.read_table().await.unwrap();
+    let owners: Vec<_> = table
+        .shards
+        .iter()
+        .map(|e| (e.owner.clone(), e.epoch, e.moving_to.clone()))
+        .collect();
+    assert_eq!(
+        owners,
+        vec![
+            (Some(b.clone()), Epoch(2), None),
+            (Some(b.clone()), Epoch(2), None),
+            (Some(a.clone()), Epoch(1), Some(b.clone())),
+            (Some(a.clone()), Epoch(1), None),
+            (Some(a.clone()), Epoch(1), None),
+            (None, Epoch(0), None),
+        ]
+    );
+}

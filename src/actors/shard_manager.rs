@@ -192,7 +192,11 @@ pub async fn run_round(
     }
 
     let mut shards: Vec<ShardEntry> = table.shards.clone();
-    for entry in shards.iter_mut() {
+    // Completions, then assignments and revocations, each as one statement over every
+    // shard of the round (a drain of hundreds of shards is three round trips, not
+    // hundreds); every row keeps its own conditions.
+    let mut completing = Vec::new();
+    for entry in shards.iter() {
         let Some(target) = entry.moving_to.clone() else {
             continue;
         };
@@ -205,18 +209,20 @@ pub async fn run_round(
         {
             continue;
         }
-        if let Some(epoch) = tx.complete_move(entry.shard, entry.epoch, &target).await? {
-            entry.owner = Some(target);
-            entry.epoch = epoch;
-            entry.moving_to = None;
-            entry.revoke_acked = false;
-            outcome.completed += 1;
-            changed = true;
-        }
+        completing.push((entry.shard, entry.epoch, target));
+    }
+    for (shard, epoch) in tx.complete_moves(&completing).await? {
+        let entry = &mut shards[shard.0 as usize];
+        entry.owner = entry.moving_to.take();
+        entry.epoch = epoch;
+        entry.revoke_acked = false;
+        outcome.completed += 1;
+        changed = true;
     }
 
     let owners: Vec<Option<NodeId>> = shards.iter().map(handoff::effective_owner).collect();
     let moves = rebalance::plan(&owners, &states, budget);
+    let (mut assigning, mut revoking) = (Vec::new(), Vec::new());
     for planned in &moves {
         let entry = &mut shards[planned.shard.0 as usize];
         let owner_state = entry.owner.as_ref().and_then(|o| states.get(o).copied());
@@ -227,25 +233,14 @@ pub async fn run_round(
                 {
                     continue;
                 }
-                if let Some(epoch) = tx.assign_now(entry.shard, entry.epoch, &to).await? {
-                    entry.owner = Some(to);
-                    entry.epoch = epoch;
-                    entry.moving_to = None;
-                    entry.revoke_acked = false;
-                    outcome.assigned += 1;
-                    changed = true;
-                }
+                assigning.push((entry.shard, entry.epoch, to));
             }
             Action::Revoke { to } => {
                 if entry.moving_to.as_ref() == Some(&to) {
                     continue;
                 }
                 let owner = entry.owner.clone().expect("revoke has an owner");
-                if tx.revoke(entry.shard, entry.epoch, &owner, &to).await? {
-                    entry.moving_to = Some(to);
-                    outcome.revoked += 1;
-                    changed = true;
-                }
+                revoking.push((entry.shard, entry.epoch, owner, to));
             }
             Action::Cancel => {
                 let owner = entry.owner.clone().expect("cancel has an owner");
@@ -258,6 +253,24 @@ pub async fn run_round(
                 }
             }
         }
+    }
+    let assign_to: HashMap<u32, NodeId> = assigning.iter().map(|m| (m.0.0, m.2.clone())).collect();
+    for (shard, epoch) in tx.assign_many(&assigning).await? {
+        let to = assign_to.get(&shard.0).cloned();
+        let entry = &mut shards[shard.0 as usize];
+        entry.owner = to;
+        entry.epoch = epoch;
+        entry.moving_to = None;
+        entry.revoke_acked = false;
+        outcome.assigned += 1;
+        changed = true;
+    }
+    let revoke_to: HashMap<u32, NodeId> = revoking.iter().map(|m| (m.0.0, m.3.clone())).collect();
+    for shard in tx.revoke_many(&revoking).await? {
+        let to = revoke_to.get(&shard.0).cloned();
+        shards[shard.0 as usize].moving_to = to;
+        outcome.revoked += 1;
+        changed = true;
     }
     outcome.pending = shards.iter().filter(|s| s.moving_to.is_some()).count();
     if changed {

@@ -94,6 +94,9 @@ pub struct IngestReport {
     pub duplicate_blocks: usize,
     pub fresh_bytes: u64,
     pub manifest: CreateOutcome,
+    /// When the manifest commit was sent (after every block was stored): the lower bound
+    /// of the commit instant, for the owner-side ownership record (`upload::record`).
+    pub commit_sent: std::time::SystemTime,
 }
 
 /// Why an upload failed. Nothing is visible after any of these.
@@ -179,6 +182,7 @@ where
     // or with it in one transaction when the index shares the manifests' database.
     let blocks_total = stored.refs.len();
     let manifest = Manifest::new(key, stored.refs, unix_millis());
+    let commit_sent = std::time::SystemTime::now();
     let (_, outcome) = session.commit_manifest(manifest, manifests, fence).await?;
     Ok(IngestReport {
         key,
@@ -187,6 +191,7 @@ where
         duplicate_blocks: blocks_total - stored.fresh,
         fresh_bytes: stored.fresh_bytes,
         manifest: outcome,
+        commit_sent,
     })
 }
 

@@ -9,6 +9,7 @@
 //! count, which a revocation acknowledgement waits on, drops last).
 
 use super::UploadError;
+use super::record::OwnershipRecord;
 use crate::actors::IngestTicket;
 use crate::admission::{AdmissionPermit, Outcome};
 use crate::placement::IngestPermit;
@@ -28,19 +29,21 @@ struct SessionGuards {
     permit: IngestPermit,
     ticket: IngestTicket,
     fence: CommitFence,
+    record: OwnershipRecord,
 }
 
 impl UploadClaim {
     pub(super) fn new(
         admission: AdmissionPermit,
-        session: Option<(IngestPermit, IngestTicket, CommitFence)>,
+        session: Option<(IngestPermit, IngestTicket, CommitFence, OwnershipRecord)>,
     ) -> Self {
         Self {
             admission,
-            session: session.map(|(permit, ticket, fence)| SessionGuards {
+            session: session.map(|(permit, ticket, fence, record)| SessionGuards {
                 permit,
                 ticket,
                 fence,
+                record,
             }),
         }
     }
@@ -48,6 +51,15 @@ impl UploadClaim {
     /// The commit fence of a session upload: `(shard, node, epoch)` of its ingest permit.
     pub fn fence(&self) -> Option<CommitFence> {
         self.session.as_ref().map(|s| s.fence.clone())
+    }
+
+    /// Write the owner-side `ingest commit` record of a session upload whose manifest
+    /// committed (`commit_sent`: when the commit was sent). Before [`Self::finish`], so the
+    /// record precedes the permit's release.
+    pub fn record_commit(&self, commit_sent: std::time::SystemTime) {
+        if let Some(session) = &self.session {
+            session.record.committed(commit_sent);
+        }
     }
 
     /// The session ticket (progress reports), for a session upload.

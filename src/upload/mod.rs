@@ -12,10 +12,12 @@
 //!
 //! Order of work (every refusal before the body leaves it unread): admission (unless a
 //! forwarder's pre-flight already admitted this transfer) → ingest permit for the shard
-//! → session ticket → body → commit (binds: LOC-1) → outcome.
+//! → session ticket → `ingest begin` record → body → commit (binds: LOC-1) → `ingest
+//! commit` record → outcome (the records: [`record`]).
 
 mod claim;
 mod error;
+pub mod record;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -123,6 +125,9 @@ impl UploadService {
             result = self.run(declared, body, &claim) => result.map_err(UploadError::from),
             cancelled = claim.cancelled() => Err(cancelled),
         };
+        if let Ok(report) = &result {
+            claim.record_commit(report.commit_sent);
+        }
         claim.finish(&result);
         let outcome = match &result {
             Ok(_) => "ok",
@@ -169,7 +174,11 @@ impl UploadService {
             epoch: permit.epoch(),
             node: self.parts.node.clone(),
         };
-        Ok(UploadClaim::new(admission, Some((permit, ticket, fence))))
+        let record = record::OwnershipRecord::begin(&route.key, &fence);
+        Ok(UploadClaim::new(
+            admission,
+            Some((permit, ticket, fence, record)),
+        ))
     }
 
     /// Admit a forwarded upload in its pre-flight and park the admission for the POST;

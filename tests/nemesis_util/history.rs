@@ -45,6 +45,8 @@ pub struct Attempt {
     pub op: u64,
     /// `tenant/session`.
     pub session: String,
+    /// The session as the owner-side records name it (`upload::record::session_tag`).
+    pub tag: String,
     pub shard: u32,
     /// Node the request was sent to.
     pub node: String,
@@ -313,6 +315,7 @@ mod tests {
         Attempt {
             op: start,
             session: session.to_string(),
+            tag: session.to_string(),
             shard: 7,
             node: node.to_string(),
             start: at(start),

@@ -31,10 +31,14 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Clone)]
 pub struct History {
     pub t0: Instant,
+    /// `t0` on the wall clock (µs since the Unix epoch), the nodes' record timeline.
+    pub t0_unix_us: u64,
     pub attempts: Arc<Mutex<Vec<Attempt>>>,
     next_op: Arc<AtomicU64>,
     pub acked_ops: Arc<AtomicU64>,
     pub failed_ops: Arc<AtomicU64>,
+    /// One line per logical upload that failed after its retries (its last answer).
+    pub failures: Arc<Mutex<Vec<String>>>,
     pub client: reqwest::Client,
     pub shard_count: u32,
 }
@@ -43,10 +47,12 @@ impl History {
     pub fn new(shard_count: u32) -> Self {
         Self {
             t0: Instant::now(),
+            t0_unix_us: graviton::upload::record::unix_micros(std::time::SystemTime::now()),
             attempts: Arc::default(),
             next_op: Arc::default(),
             acked_ops: Arc::default(),
             failed_ops: Arc::default(),
+            failures: Arc::default(),
             client: reqwest::Client::builder()
                 .no_proxy()
                 .timeout(REQUEST_TIMEOUT)
@@ -133,6 +139,7 @@ impl History {
         let attempt = Attempt {
             op,
             session: format!("{}/{}", key.tenant, key.session),
+            tag: graviton::upload::record::session_tag(key),
             shard: self.shard(key),
             node: target.id.clone(),
             start,
@@ -159,7 +166,8 @@ impl History {
     ) -> bool {
         let op = self.new_op();
         let content_seed = rng.random::<u64>();
-        for _ in 0..MAX_ATTEMPTS {
+        let mut last = None;
+        for n in 1..=MAX_ATTEMPTS {
             let target = &targets[rng.random_range(0..targets.len())];
             let attempt = self
                 .attempt(target, key, op, content_seed, len, false)
@@ -168,12 +176,23 @@ impl History {
                 self.acked_ops.fetch_add(1, Ordering::Relaxed);
                 return true;
             }
-            if !attempt.retryable() {
+            let retryable = attempt.retryable();
+            last = Some((n, attempt));
+            if !retryable {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(rng.random_range(50..250))).await;
         }
         self.failed_ops.fetch_add(1, Ordering::Relaxed);
+        if let Some((n, attempt)) = last {
+            self.failures.lock().unwrap().push(format!(
+                "op {op} session {} failed after {n} attempt(s), last: {:?} from {} at {:.3}s",
+                attempt.session,
+                attempt.outcome,
+                attempt.node,
+                attempt.end.as_secs_f64()
+            ));
+        }
         false
     }
 

@@ -1,6 +1,7 @@
 //! The nemesis harness: a cluster of real processes on a fresh database, one PostgreSQL role
 //! per process, client load recording a history, a shard-table sampler, fault bookkeeping,
-//! and the after-run checks of docs/locality.md §13 (LOC-1..LOC-4).
+//! the owner-side ownership records read from the nodes' logs, and the after-run checks
+//! of docs/locality.md §13 (LOC-1..LOC-6).
 //!
 //! Reproducible from a seed: `GRAVITON_NEMESIS_SEED` (random when unset, printed at start);
 //! each scenario iteration derives its own seed from it. `GRAVITON_NEMESIS_ITERATIONS`
@@ -10,6 +11,7 @@ pub mod history;
 pub mod load;
 pub mod pg;
 pub mod procs;
+pub mod records;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -23,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::TestDatabase;
 use crate::support::node::random_bytes;
+use crate::support::postgres_server::PostgresServer;
 use history::{ShardSample, Violation};
 use load::{History, Target};
 use pg::{Pg, Roles};
@@ -71,6 +74,8 @@ pub struct Cluster {
     _dir: tempfile::TempDir,
     db: TestDatabase,
     _roles: Roles,
+    /// The private PostgreSQL server the cluster runs on, if any (dropped last).
+    pub server: Option<PostgresServer>,
 }
 
 fn admin_url() -> String {
@@ -82,8 +87,23 @@ impl Cluster {
     /// Start `n` nodes (and a standalone manager when `standalone_manager`) and wait until
     /// the cluster converged. `None` when PostgreSQL is missing (loud skip).
     pub async fn start(scenario: &str, n: usize, standalone_manager: bool) -> Option<Self> {
-        let mut roles = Roles::new(&admin_url());
-        let db = TestDatabase::create(scenario).await?;
+        Self::start_on(scenario, n, standalone_manager, None).await
+    }
+
+    /// [`Cluster::start`] on `server` (a private PostgreSQL the scenario may restart)
+    /// instead of the machine's shared one.
+    pub async fn start_on(
+        scenario: &str,
+        n: usize,
+        standalone_manager: bool,
+        server: Option<PostgresServer>,
+    ) -> Option<Self> {
+        let admin = server
+            .as_ref()
+            .map(PostgresServer::admin_url)
+            .unwrap_or_else(admin_url);
+        let mut roles = Roles::new(&admin);
+        let db = TestDatabase::create_on(scenario, &admin).await?;
         graviton::cli::migrate(db.url())
             .await
             .expect("migrate as admin");
@@ -93,6 +113,12 @@ impl Cluster {
         };
         let dir = tempfile::tempdir().unwrap();
         let suffix = crate::support::unique_suffix();
+        // Blocks on the test S3 server (one prefix per cluster), each process with a
+        // directory of its own; the block index is the cluster's PostgreSQL.
+        let prefix = format!("nemesis-{scenario}-{suffix}");
+        let storage = |id: &str| {
+            crate::support::cluster::s3_storage_toml(scenario, &dir.path().join(id), &prefix, "")
+        };
         let mut nodes = Vec::new();
         for i in 0..n {
             let id = format!("node-{}", (b'a' + i as u8) as char);
@@ -101,7 +127,16 @@ impl Cluster {
             let kind = Kind::Node {
                 embedded_manager: !standalone_manager,
             };
-            nodes.push(Proc::start(dir.path(), &id, &role, &url, SHARDS, kind));
+            let storage = storage(&id)?;
+            nodes.push(Proc::start(
+                dir.path(),
+                &id,
+                &role,
+                &url,
+                SHARDS,
+                kind,
+                &storage,
+            ));
         }
         let manager = if standalone_manager {
             let role = format!("gnem_{suffix}_mgr");
@@ -113,6 +148,7 @@ impl Cluster {
                 &url,
                 SHARDS,
                 Kind::Manager,
+                &storage("manager-1")?,
             ))
         } else {
             None
@@ -140,6 +176,7 @@ impl Cluster {
             _dir: dir,
             db,
             _roles: roles,
+            server,
         };
         let converged = cluster.converged(Duration::from_secs(60)).await;
         assert!(
@@ -296,6 +333,26 @@ impl Cluster {
         }
     }
 
+    /// LOC-7: no logical upload failed after the client's bounded retries of documented
+    /// retryable answers (`load::MAX_ATTEMPTS`). Prints the count either way.
+    pub fn check_no_failed_uploads(&mut self) {
+        let failures = self.history.failures.lock().unwrap().clone();
+        let acked = self
+            .history
+            .acked_ops
+            .load(std::sync::atomic::Ordering::Relaxed);
+        eprintln!(
+            "NEMESIS {} LOC-7 uploads: {acked} succeeded, {} failed after retries (budget {} attempts)",
+            self.scenario,
+            failures.len(),
+            load::MAX_ATTEMPTS
+        );
+        for f in failures {
+            self.violations
+                .push(Violation::new("LOC-7", format!("failed upload: {f}")));
+        }
+    }
+
     /// LOC-2: every acknowledged blob downloads byte-exact from every node.
     pub async fn check_reads(&mut self) {
         let acked = history::acknowledged(&self.history.snapshot());
@@ -360,11 +417,15 @@ impl Cluster {
         let attempts = self.history.snapshot();
         let samples = self.samples.lock().unwrap().clone();
         let mut violations = history::check(&attempts, &samples);
+        let logs: Vec<&std::path::Path> = self.nodes.iter().map(|n| n.log_path()).collect();
+        let records = records::read_logs(&logs);
+        violations.extend(records::check(&attempts, &records, self.history.t0_unix_us));
         violations.append(&mut self.violations);
         let ops = attempts.iter().map(|a| a.op).collect::<HashSet<_>>().len();
         eprintln!(
             "NEMESIS scenario={} iteration={} seed={seed} base_seed={} operations={ops} attempts={} \
-             acked_ops={} failed_ops={} shard_samples={} faults={} violations={}",
+             acked_ops={} failed_ops={} shard_samples={} owner_begins={} owner_commits={} \
+             faults={} violations={}",
             self.scenario,
             iteration,
             base_seed(),
@@ -376,6 +437,8 @@ impl Cluster {
                 .failed_ops
                 .load(std::sync::atomic::Ordering::Relaxed),
             samples.len(),
+            records.iter().filter(|r| r.commit.is_none()).count(),
+            records.iter().filter(|r| r.commit.is_some()).count(),
             self.faults.len(),
             violations.len()
         );

@@ -40,6 +40,7 @@ impl Proc {
         database_url: &str,
         shard_count: u32,
         kind: Kind,
+        storage: &str,
     ) -> Self {
         let (public, internal, control) = (
             crate::support::free_port(),
@@ -59,11 +60,10 @@ id = "{id}"
 listen = "127.0.0.1:{public}"
 shutdown_grace = "3s"
 
-[storage]
-data_dir = "{data}"
-backend = "fs"
-shared_mount = true
-fsync = false
+[log]
+format = "json"
+
+{storage}
 
 [cluster]
 enabled = true
@@ -83,7 +83,6 @@ internal_listen = "127.0.0.1:{internal}"
 control_listen = "127.0.0.1:{control}"
 internal_token = "{TOKEN}"
 "#,
-                data = dir.join("shared-data").display(),
                 ttl = NODE_TTL.as_millis(),
             ),
         )
@@ -181,9 +180,18 @@ internal_token = "{TOKEN}"
         self.child.is_some()
     }
 
+    /// The process's log file (JSON lines, appended across restarts).
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// The last `lines` log lines, without the ownership records.
     pub fn log_tail(&self, lines: usize) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let all: Vec<&str> = text.lines().collect();
+        let all: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.contains(graviton::upload::record::TARGET))
+            .collect();
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 }

@@ -9,6 +9,8 @@
 //! * [`TestDatabase`]: a fresh PostgreSQL database per test on the server named by
 //!   `GRAVITON_TEST_DATABASE_URL` (default: the local server on 127.0.0.1:5432), dropped
 //!   again when the test ends.
+//! * [`postgres_server::PostgresServer`]: a private PostgreSQL server (initdb + pg_ctl on a
+//!   free port) for faults the shared server must not see: restarts and stops.
 //!
 //! When a service is missing the helpers return `None` after printing a loud `SKIPPED`
 //! line, so a plain `cargo test` on a bare laptop still runs the unit suite. With
@@ -22,6 +24,7 @@ pub mod node;
 pub mod pki;
 pub mod placement;
 pub mod postgres;
+pub mod postgres_server;
 pub mod redis;
 pub mod redis_cluster;
 

@@ -18,6 +18,12 @@ impl TestDatabase {
     pub async fn create(test: &str) -> Option<Self> {
         let admin_url = std::env::var("GRAVITON_TEST_DATABASE_URL")
             .unwrap_or_else(|_| DEFAULT_ADMIN_URL.to_string());
+        Self::create_on(test, &admin_url).await
+    }
+
+    /// [`TestDatabase::create`] on the server of `admin_url` (a private server, say).
+    pub async fn create_on(test: &str, admin_url: &str) -> Option<Self> {
+        let admin_url = admin_url.to_string();
         let mut admin = match PgConnection::connect(&admin_url).await {
             Ok(conn) => conn,
             Err(err) => {

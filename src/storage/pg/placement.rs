@@ -451,24 +451,6 @@ impl FencedTx {
         Ok(query.execute(&mut *self.tx).await?.rows_affected() == 1)
     }
 
-    /// A shard-row UPDATE that moves ownership (`$1` shard, `$2` read epoch, `$3` the new
-    /// owner) and returns the new epoch, `None` when the row did not match.
-    async fn move_shard(
-        &mut self,
-        sql: &'static str,
-        shard: ShardId,
-        read_epoch: Epoch,
-        to: &NodeId,
-    ) -> Result<Option<Epoch>, PlacementStoreError> {
-        let epoch: Option<i64> = sqlx::query_scalar(sql)
-            .bind(shard.0 as i32)
-            .bind(read_epoch.0)
-            .bind(to.as_str())
-            .fetch_optional(&mut *self.tx)
-            .await?;
-        Ok(epoch.map(Epoch))
-    }
-
     /// Declare `node` dead if (by the database clock) its heartbeat is older than `ttl_ms`.
     pub async fn mark_dead_if_silent(
         &mut self,
@@ -506,14 +488,8 @@ impl FencedTx {
         read_epoch: Epoch,
         to: &NodeId,
     ) -> Result<Option<Epoch>, PlacementStoreError> {
-        self.move_shard(
-            "UPDATE placement_shards SET node_id = $3, epoch = epoch + 1, moving_to = NULL, revoke_acked = false, updated_at = now()
-             WHERE shard = $1 AND epoch = $2 RETURNING epoch",
-            shard,
-            read_epoch,
-            to,
-        )
-        .await
+        let moved = self.assign_many(&[(shard, read_epoch, to.clone())]).await?;
+        Ok(moved.first().map(|m| m.1))
     }
 
     /// Request the revocation of a shard from its live owner towards `to`.
@@ -524,14 +500,10 @@ impl FencedTx {
         owner: &NodeId,
         to: &NodeId,
     ) -> Result<bool, PlacementStoreError> {
-        self.update_shard(
-            "UPDATE placement_shards SET moving_to = $4, updated_at = now()
-             WHERE shard = $1 AND epoch = $2 AND node_id = $3",
-            shard,
-            read_epoch,
-            &[owner, to],
-        )
-        .await
+        let revoked = self
+            .revoke_many(&[(shard, read_epoch, owner.clone(), to.clone())])
+            .await?;
+        Ok(!revoked.is_empty())
     }
 
     /// Cancel a move in progress: the owner keeps the shard at the same epoch.
@@ -559,18 +531,100 @@ impl FencedTx {
         read_epoch: Epoch,
         to: &NodeId,
     ) -> Result<Option<Epoch>, PlacementStoreError> {
-        self.move_shard(
-            "UPDATE placement_shards s SET node_id = s.moving_to, epoch = s.epoch + 1, moving_to = NULL,
+        let moved = self
+            .complete_moves(&[(shard, read_epoch, to.clone())])
+            .await?;
+        Ok(moved.first().map(|m| m.1))
+    }
+
+    /// [`Self::assign_now`] for many shards in one statement: `(shard, read epoch, to)`.
+    /// Returns the new epoch of every shard whose row matched.
+    pub async fn assign_many(
+        &mut self,
+        moves: &[(ShardId, Epoch, NodeId)],
+    ) -> Result<Vec<(ShardId, Epoch)>, PlacementStoreError> {
+        self.move_many(
+            "UPDATE placement_shards s SET node_id = m.target, epoch = s.epoch + 1, moving_to = NULL,
                     revoke_acked = false, updated_at = now()
-             WHERE s.shard = $1 AND s.epoch = $2 AND s.moving_to = $3
-               AND (s.revoke_acked OR NOT EXISTS (
-                    SELECT 1 FROM placement_nodes n WHERE n.id = s.node_id AND n.state <> 'dead'))
-             RETURNING s.epoch",
-            shard,
-            read_epoch,
-            to,
+             FROM unnest($1::int[], $2::bigint[], $3::text[]) AS m(shard, epoch, target)
+             WHERE s.shard = m.shard AND s.epoch = m.epoch
+             RETURNING s.shard, s.epoch",
+            moves,
         )
         .await
+    }
+
+    /// [`Self::complete_move`] for many shards in one statement: `(shard, read epoch, to)`,
+    /// with the same acknowledged-or-dead re-check per row. Returns the new epoch of every
+    /// shard whose row matched.
+    pub async fn complete_moves(
+        &mut self,
+        moves: &[(ShardId, Epoch, NodeId)],
+    ) -> Result<Vec<(ShardId, Epoch)>, PlacementStoreError> {
+        self.move_many(
+            "UPDATE placement_shards s SET node_id = s.moving_to, epoch = s.epoch + 1, moving_to = NULL,
+                    revoke_acked = false, updated_at = now()
+             FROM unnest($1::int[], $2::bigint[], $3::text[]) AS m(shard, epoch, target)
+             WHERE s.shard = m.shard AND s.epoch = m.epoch AND s.moving_to = m.target
+               AND (s.revoke_acked OR NOT EXISTS (
+                    SELECT 1 FROM placement_nodes n WHERE n.id = s.node_id AND n.state <> 'dead'))
+             RETURNING s.shard, s.epoch",
+            moves,
+        )
+        .await
+    }
+
+    /// [`Self::revoke`] for many shards in one statement: `(shard, read epoch, owner, to)`.
+    /// Returns the shards whose row matched.
+    pub async fn revoke_many(
+        &mut self,
+        moves: &[(ShardId, Epoch, NodeId, NodeId)],
+    ) -> Result<Vec<ShardId>, PlacementStoreError> {
+        if moves.is_empty() {
+            return Ok(Vec::new());
+        }
+        let shards: Vec<i32> = moves.iter().map(|m| m.0.0 as i32).collect();
+        let epochs: Vec<i64> = moves.iter().map(|m| m.1.0).collect();
+        let owners: Vec<&str> = moves.iter().map(|m| m.2.as_str()).collect();
+        let targets: Vec<&str> = moves.iter().map(|m| m.3.as_str()).collect();
+        let rows: Vec<i32> = sqlx::query_scalar(
+            "UPDATE placement_shards s SET moving_to = m.target, updated_at = now()
+             FROM unnest($1::int[], $2::bigint[], $3::text[], $4::text[]) AS m(shard, epoch, owner, target)
+             WHERE s.shard = m.shard AND s.epoch = m.epoch AND s.node_id = m.owner
+             RETURNING s.shard",
+        )
+        .bind(&shards)
+        .bind(&epochs)
+        .bind(&owners)
+        .bind(&targets)
+        .fetch_all(&mut *self.tx)
+        .await?;
+        Ok(rows.into_iter().map(|s| ShardId(s as u32)).collect())
+    }
+
+    /// A many-row ownership UPDATE over `unnest($1 shards, $2 read epochs, $3 targets)`
+    /// returning `(shard, new epoch)` of the rows that matched.
+    async fn move_many(
+        &mut self,
+        sql: &'static str,
+        moves: &[(ShardId, Epoch, NodeId)],
+    ) -> Result<Vec<(ShardId, Epoch)>, PlacementStoreError> {
+        if moves.is_empty() {
+            return Ok(Vec::new());
+        }
+        let shards: Vec<i32> = moves.iter().map(|m| m.0.0 as i32).collect();
+        let epochs: Vec<i64> = moves.iter().map(|m| m.1.0).collect();
+        let targets: Vec<&str> = moves.iter().map(|m| m.2.as_str()).collect();
+        let rows: Vec<(i32, i64)> = sqlx::query_as(sql)
+            .bind(&shards)
+            .bind(&epochs)
+            .bind(&targets)
+            .fetch_all(&mut *self.tx)
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(s, e)| (ShardId(s as u32), Epoch(e)))
+            .collect())
     }
 
     /// Lock a node row for the rest of the transaction and return its current state.
