@@ -158,6 +158,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     admission.supervise_under(supervisor.root());
     let cluster_mode = config.cluster.enabled;
     let mut shared_manifests: Option<Arc<dyn ManifestStore>> = None;
+    let mut ledger_pool = None;
     let cluster: Arc<ClusterHandle> = if cluster_mode {
         let mut cluster_config = config.cluster.clone();
         if cluster_config.internal_addr.is_empty() {
@@ -175,6 +176,8 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         crate::storage::pg::migrate(&pool)
             .await
             .map_err(|e| StartError::Cluster(e.to_string()))?;
+        // The resumable-upload ledger lives beside the manifests, so a new owner finds it.
+        ledger_pool = Some(pool.clone());
         if options.manifests.is_none() {
             // Cluster nodes share manifests through PostgreSQL so any node serves any blob.
             shared_manifests = Some(Arc::new(PgManifestStore::new(pool.clone())));
@@ -266,6 +269,13 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     let edge = crate::http::EdgeMetrics::default();
     metrics.register_with(|registry| edge.register(registry));
 
+    let ledger: Arc<dyn crate::upload::ledger::UploadLedger> = match ledger_pool {
+        Some(pool) => Arc::new(crate::upload::ledger::PgLedger::new(pool)),
+        None => Arc::new(
+            crate::upload::ledger::RedbLedger::open(&data_dir.join("uploads.redb"))
+                .map_err(storage_err)?,
+        ),
+    };
     let uploads = Arc::new(crate::upload::UploadService::new(
         crate::upload::UploadParts {
             node: node_id.clone(),
@@ -279,6 +289,11 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
                 body_idle_timeout: config.upload.body_idle_timeout.get(),
             },
             metrics: metrics.clone(),
+            ledger,
+            resumable: crate::upload::resumable::ResumableLimits {
+                part_footprint: config.upload.resumable_part_footprint.bytes(),
+                expiry: config.upload.resumable_expiry.get(),
+            },
         },
     ));
     let state = Arc::new(AppState {
@@ -302,6 +317,10 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     let weak = Arc::downgrade(&state);
     tasks.spawn("collector schedule", move |stop| {
         tasks::collect_on_schedule(weak.clone(), stop)
+    });
+    let weak = Arc::downgrade(&state);
+    tasks.spawn("resumable upload sweep", move |stop| {
+        tasks::sweep_expired_uploads(weak.clone(), stop)
     });
 
     let cluster_parts = if cluster_mode {
