@@ -663,3 +663,111 @@ async fn blocks_of_an_incomplete_upload_survive_the_collector_and_a_restart() {
     assert!(download(&url2, &key).await == data);
     node.shutdown().await;
 }
+
+/// The tus-js-client install (scripts/tus-client-deps): its node_modules directory.
+fn tus_client_modules(test: &str) -> Option<String> {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let deps = std::process::Command::new(format!("{root}/scripts/tus-client-deps"))
+        .current_dir(root)
+        .output()
+        .expect("run scripts/tus-client-deps");
+    if !deps.status.success() {
+        support::missing_service(
+            test,
+            &format!(
+                "tus-js-client could not be installed: {}",
+                String::from_utf8_lossy(&deps.stderr)
+            ),
+        );
+        return None;
+    }
+    Some(String::from_utf8_lossy(&deps.stdout).trim().to_string())
+}
+
+/// Run tests/tus_client/upload.cjs; its JSON line.
+async fn run_tus_js(
+    modules: &str,
+    endpoint: &str,
+    file: &std::path::Path,
+    chunk: usize,
+    stop_after: u32,
+    resume: Option<&str>,
+) -> serde_json::Value {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/tus_client/upload.cjs");
+    let mut command = tokio::process::Command::new("node");
+    command
+        .arg(script)
+        .arg(modules)
+        .arg(endpoint)
+        .arg(file)
+        .arg(chunk.to_string())
+        .arg(TENANT)
+        .arg(stop_after.to_string());
+    if let Some(url) = resume {
+        command.arg(url);
+    }
+    let output = tokio::time::timeout(Duration::from_secs(120), command.output())
+        .await
+        .expect("tus-js-client finished within 120 s")
+        .expect("run node");
+    assert!(
+        output.status.success(),
+        "tus-js-client failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&output.stdout)))
+}
+
+#[tokio::test]
+async fn tus_js_client_uploads_in_several_patches_byte_exact() {
+    // Checks TUS-2 with a tus client this project did not write: tus-js-client uploads in
+    // 512 KiB PATCHes, goes away after two, resumes from the server's offset, and the
+    // blob equals a one-shot upload of the same bytes.
+    let Some(modules) = tus_client_modules("tus_js_client") else {
+        return;
+    };
+    let node = TestNode::start().await;
+    let data = random_bytes((3 << 20) + 777, 31);
+    let file = node.dir.path().join("upload.bin");
+    std::fs::write(&file, &data).unwrap();
+    let endpoint = format!("{}/v1/uploads", node.url);
+    let chunk = 512 << 10;
+
+    let first = run_tus_js(&modules, &endpoint, &file, chunk, 2, None).await;
+    assert_eq!(first["aborted"], true, "{first}");
+    let url = first["url"].as_str().unwrap().to_string();
+    assert!(url.starts_with(&endpoint), "{url}");
+    assert_eq!(offset_of(&url).await, 2 * chunk as u64);
+    assert!(first["blobKey"].is_null());
+
+    let second = run_tus_js(&modules, &endpoint, &file, chunk, 0, Some(&url)).await;
+    assert_eq!(second["aborted"], false, "{second}");
+    assert_eq!(second["url"], url);
+    assert!(
+        second["heads"].as_u64().unwrap() >= 1,
+        "resumed with a HEAD: {second}"
+    );
+    let rest = data.len() - 2 * chunk;
+    assert_eq!(
+        second["patches"].as_u64().unwrap(),
+        rest.div_ceil(chunk) as u64,
+        "{second}"
+    );
+    let expected = BlobKey::of(&data);
+    assert_eq!(second["blobKey"], expected.to_string());
+    assert!(download(&node.url, &expected.to_string()).await == data);
+
+    let other = TestNode::start().await;
+    let response = client()
+        .post(format!("{}/v1/blobs", other.url))
+        .body(data.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    assert_eq!(
+        manifest_blocks(&node, &expected),
+        manifest_blocks(&other, &expected)
+    );
+}
