@@ -771,3 +771,179 @@ async fn tus_js_client_uploads_in_several_patches_byte_exact() {
         manifest_blocks(&other, &expected)
     );
 }
+
+/// A request that a well-behaved tus client retries: 503 with `Retry-After` (a shard in
+/// motion, an owner being replaced).
+async fn retrying(make: impl Fn() -> reqwest::RequestBuilder) -> reqwest::Response {
+    for _ in 0..50 {
+        let response = make().send().await.unwrap();
+        if !(response.status() == 503 && response.headers().contains_key("retry-after")) {
+            return response;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    make().send().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_forwards_to_the_owner_and_resumes_after_the_owner_is_killed() {
+    // Checks TUS-1 and TUS-2 across nodes: created and patched through a non-owner
+    // (forwarded, PATCH pre-flighted), then the owner is killed with kill -9, its shard
+    // moves, and the client resumes through the other node to a byte-exact blob.
+    use graviton::ids::{SessionId, SessionKey};
+    use support::cluster::{NodeProcess, is_ready};
+    const SHARDS: u32 = 8;
+    let Some(db) = support::TestDatabase::create("tus_cluster_owner_killed").await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared-data");
+    let db_url = db.url().to_string();
+    let mut nodes: Vec<NodeProcess> = ["tus-a", "tus-b"]
+        .iter()
+        .map(|id| NodeProcess::start(dir.path(), id, &db_url, SHARDS, &shared))
+        .collect();
+    let settled = support::wait_until(Duration::from_secs(60), || {
+        let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+        let db_url = db_url.clone();
+        async move {
+            for url in &urls {
+                if !is_ready(&client(), url).await {
+                    return false;
+                }
+            }
+            let status = graviton::cli::cluster_status(&db_url).await.unwrap();
+            status.unassigned_shards == 0
+                && status.moving_shards == 0
+                && status.nodes.iter().filter(|n| n.shards > 0).count() == 2
+        }
+    })
+    .await;
+    assert!(settled, "cluster did not settle:\n{}", nodes[0].log_text());
+    let status = graviton::cli::cluster_status(&db_url).await.unwrap();
+    let owner_of = |status: &graviton::cli::ClusterStatus, key: &SessionKey| {
+        let shard = graviton::placement::hash::shard_of(key, SHARDS);
+        status
+            .shards
+            .iter()
+            .find(|s| s.shard == shard)
+            .and_then(|s| s.owner.clone())
+            .map(|o| o.to_string())
+    };
+    // A session owned by tus-a; the client talks to tus-b.
+    let key = loop {
+        let key = SessionKey {
+            tenant: TENANT.parse().unwrap(),
+            session: SessionId::new_random(),
+        };
+        if owner_of(&status, &key).as_deref() == Some("tus-a") {
+            break key;
+        }
+    };
+    let (a, b) = (nodes[0].url.clone(), nodes[1].url.clone());
+    let data = random_bytes((3 << 20) + 99, 55);
+    let created = retrying(|| {
+        client()
+            .post(format!("{b}/v1/uploads"))
+            .header("tus-resumable", "1.0.0")
+            .header("upload-length", data.len().to_string())
+            .header("x-graviton-tenant-id", TENANT)
+            .header("x-graviton-upload-session-id", key.session.to_string())
+    })
+    .await;
+    assert_eq!(created.status(), 201, "{:?}", created.text().await);
+    let location = header(created.headers(), "location").unwrap().to_string();
+    assert_eq!(
+        location,
+        format!("/v1/uploads/{}.{}", key.tenant, key.session)
+    );
+    let first = (1 << 20) + 5;
+    let part = |url: &str, offset: usize, bytes: Vec<u8>| {
+        let url = format!("{url}{location}");
+        let bytes = bytes::Bytes::from(bytes);
+        async move {
+            retrying(|| {
+                client()
+                    .patch(&url)
+                    .header("tus-resumable", "1.0.0")
+                    .header("content-type", OCTETS)
+                    .header("upload-offset", offset.to_string())
+                    .body(bytes.clone())
+            })
+            .await
+        }
+    };
+    // Send data[from..to] as a tus client does: after a retryable failure (5xx with
+    // Retry-After), HEAD for the offset the server kept and resume from there.
+    let send_range = |url: String, from: usize, to: usize| {
+        let data = &data;
+        let location = &location;
+        async move {
+            let upload = format!("{url}{location}");
+            let mut offset = from;
+            for _ in 0..20 {
+                let response = part(&url, offset, data[offset..to].to_vec()).await;
+                let status = response.status().as_u16();
+                if !(status >= 500 && response.headers().contains_key("retry-after")) {
+                    return response;
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let head =
+                    retrying(|| client().head(&upload).header("tus-resumable", "1.0.0")).await;
+                offset = header(head.headers(), "upload-offset")
+                    .and_then(|o| o.parse().ok())
+                    .unwrap_or(offset);
+            }
+            panic!("the PATCH never went through");
+        }
+    };
+    let patched = send_range(b.clone(), 0, first).await;
+    assert_eq!(
+        patched.status(),
+        204,
+        "{:?}\n--- tus-a:\n{}\n--- tus-b:\n{}",
+        patched.text().await,
+        nodes[0].log_text(),
+        nodes[1].log_text()
+    );
+    assert_eq!(
+        header(patched.headers(), "upload-offset"),
+        Some(first.to_string().as_str())
+    );
+    // The owner's view, directly; and a wrong offset refused in the forwarded pre-flight.
+    assert_eq!(offset_of(&format!("{a}{location}")).await, first as u64);
+    let wrong = part(&b, 7, vec![1; 10]).await;
+    assert_eq!(wrong.status(), 409);
+    assert_eq!(
+        header(wrong.headers(), "upload-offset"),
+        Some(first.to_string().as_str())
+    );
+
+    // kill -9 of the owner; its shards move to tus-b.
+    nodes[0].kill9();
+    let moved = support::wait_until(Duration::from_secs(60), || {
+        let db_url = db_url.clone();
+        async move {
+            let status = graviton::cli::cluster_status(&db_url).await.unwrap();
+            status.moving_shards == 0 && owner_of(&status, &key).as_deref() == Some("tus-b")
+        }
+    })
+    .await;
+    assert!(moved, "the shard never moved:\n{}", nodes[1].log_text());
+    let upload = format!("{b}{location}");
+    let head = retrying(|| client().head(&upload).header("tus-resumable", "1.0.0")).await;
+    assert_eq!(head.status(), 200);
+    let offset: usize = header(head.headers(), "upload-offset")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(offset, first, "the offset survived the owner");
+    let done = send_range(b.clone(), offset, data.len()).await;
+    assert_eq!(done.status(), 204, "{:?}", done.text().await);
+    let expected = BlobKey::of(&data).to_string();
+    assert_eq!(
+        header(done.headers(), "graviton-blob-key"),
+        Some(expected.as_str())
+    );
+    assert!(download(&b, &expected).await == data);
+}

@@ -35,6 +35,7 @@ pub mod ops;
 pub mod rejections;
 pub mod tls;
 pub mod tus;
+pub mod tus_internal;
 pub mod upload;
 
 use std::sync::Arc;

@@ -16,12 +16,13 @@ use axum::response::{IntoResponse, Response};
 
 use super::headers::{SESSION_HEADER, content_length, single_value};
 use super::{ApiError, AppState};
+use crate::admission::Outcome;
 use crate::cas::ingest::IngestError;
 use crate::ids::{SessionId, SessionKey};
 use crate::placement::{LocalRoute, OwnerTarget, Route};
 use crate::tus::{self, TusError, UploadId};
-use crate::upload::UploadError;
 use crate::upload::resumable::{PartDeclared, PartReceipt};
+use crate::upload::{UploadError, UploadService};
 
 fn tus_error(err: TusError) -> ApiError {
     match err {
@@ -45,7 +46,7 @@ fn text<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
 
-fn set(response: &mut Response, name: &'static str, value: impl ToString) {
+pub(crate) fn set(response: &mut Response, name: &'static str, value: impl ToString) {
     if let Ok(value) = HeaderValue::from_str(&value.to_string()) {
         response
             .headers_mut()
@@ -54,7 +55,7 @@ fn set(response: &mut Response, name: &'static str, value: impl ToString) {
 }
 
 /// Every tus answer carries `Tus-Resumable`; a 412 also `Tus-Version`.
-fn tus_answer(mut response: Response) -> Response {
+pub(crate) fn tus_answer(mut response: Response) -> Response {
     set(&mut response, tus::TUS_RESUMABLE, tus::VERSION);
     if response.status() == StatusCode::PRECONDITION_FAILED {
         set(&mut response, tus::TUS_VERSION, tus::VERSION);
@@ -62,13 +63,13 @@ fn tus_answer(mut response: Response) -> Response {
     response
 }
 
-fn refused(err: ApiError) -> Response {
+pub(crate) fn refused(err: ApiError) -> Response {
     tus_answer(err.into_response())
 }
 
-/// An upload service error as a tus answer: a checksum mismatch is 460 (the tus checksum
+/// An upload service error as a tus error: a checksum mismatch is 460 (the tus checksum
 /// extension) with code `digest_mismatch`; an offset conflict names the current offset.
-fn upload_refused(err: UploadError) -> Response {
+pub(crate) fn upload_api_error(err: UploadError) -> (ApiError, Option<u64>) {
     let current = match &err {
         UploadError::OffsetMismatch { current } => Some(*current),
         _ => None,
@@ -80,6 +81,12 @@ fn upload_refused(err: UploadError) -> Response {
         api.message =
             "the PATCH body differs from its Upload-Checksum; the offset did not advance".into();
     }
+    (api, current)
+}
+
+/// [`upload_api_error`] as the answer.
+pub(crate) fn upload_refused(err: UploadError) -> Response {
+    let (api, current) = upload_api_error(err);
     let mut response = refused(api);
     if let Some(current) = current {
         set(&mut response, tus::UPLOAD_OFFSET, current);
@@ -104,7 +111,7 @@ fn resumable(headers: &HeaderMap) -> Result<(), ApiError> {
     tus::check_resumable(text(headers, tus::TUS_RESUMABLE)).map_err(tus_error)
 }
 
-fn upload_id(raw: &str) -> Result<UploadId, ApiError> {
+pub(crate) fn upload_id(raw: &str) -> Result<UploadId, ApiError> {
     raw.parse()
         .map_err(|_| ApiError::not_found("upload_not_found", "no such upload"))
 }
@@ -156,8 +163,7 @@ fn is_part_body(headers: &HeaderMap) -> bool {
 /// `POST /v1/uploads`: creation (and creation-with-upload).
 pub async fn create(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     match create_inner(&app, &headers, body).await {
-        Ok(response) => tus_answer(response),
-        Err(response) => response,
+        Ok(response) | Err(response) => response,
     }
 }
 
@@ -166,23 +172,8 @@ async fn create_inner(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, Response> {
-    resumable(headers).map_err(refused)?;
-    let length = tus::parse_length(
-        text(headers, tus::UPLOAD_LENGTH),
-        text(headers, tus::UPLOAD_DEFER_LENGTH),
-    )
-    .map_err(|e| refused(tus_error(e)))?;
-    if length > app.config.upload.max_blob_size.bytes() {
-        return Err(refused(ApiError::blob_too_large()));
-    }
-    let metadata = tus::parse_metadata(text(headers, tus::UPLOAD_METADATA))
-        .map_err(|e| refused(tus_error(e)))?;
-    let with_upload = is_part_body(headers);
-    let declared = if with_upload {
-        part_headers(headers).map_err(refused)?
-    } else {
-        PartDeclared::default()
-    };
+    let (length, metadata, with_upload, declared) =
+        creation_headers(headers, app.config.upload.max_blob_size.bytes()).map_err(refused)?;
     let header_tenant = super::admission::tenant_header(headers).map_err(refused)?;
     let session =
         match single_value(headers, SESSION_HEADER, "invalid_session_id").map_err(refused)? {
@@ -207,23 +198,46 @@ async fn create_inner(
         .await
         .map_err(refused)?;
     let id = UploadId(SessionKey { tenant, session });
-    let location = format!("/v1/uploads/{id}");
     let local = match route(app, &id).map_err(refused)? {
         Route::Local(local) => local,
         Route::Remote(target) => {
-            return Ok(forward(app, target, id, headers, body, None).await);
+            return Ok(forward(app, target, id, reqwest::Method::POST, headers, body).await);
         }
     };
-    let created = app
-        .uploads
+    create_here(
+        &app.uploads,
+        local,
+        id,
+        length,
+        metadata,
+        declared,
+        with_upload,
+        body,
+    )
+    .await
+}
+
+/// Create an upload on this node (its owner), and run its first part when the request
+/// carries one (creation-with-upload) or the upload is empty.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn create_here(
+    uploads: &UploadService,
+    local: LocalRoute,
+    id: UploadId,
+    length: u64,
+    metadata: Option<String>,
+    declared: PartDeclared,
+    with_upload: bool,
+    body: Body,
+) -> Result<Response, Response> {
+    let location = format!("/v1/uploads/{id}");
+    let mut receipt = uploads
         .create_upload(id, length, metadata)
         .await
         .map_err(upload_refused)?;
-    let mut receipt = created;
     if with_upload || length == 0 {
         let body = if with_upload { body } else { Body::empty() };
-        match app
-            .uploads
+        match uploads
             .patch(Some(local), None, id, 0, declared, body.into_data_stream())
             .await
         {
@@ -239,7 +253,32 @@ async fn create_inner(
     let mut response = StatusCode::CREATED.into_response();
     set(&mut response, "location", &location);
     state_headers(&mut response, &receipt);
-    Ok(response)
+    Ok(tus_answer(response))
+}
+
+/// The parsed creation headers: length, metadata, whether a first part is attached, and
+/// its declared length and checksum.
+pub(crate) fn creation_headers(
+    headers: &HeaderMap,
+    max_blob_size: u64,
+) -> Result<(u64, Option<String>, bool, PartDeclared), ApiError> {
+    resumable(headers)?;
+    let length = tus::parse_length(
+        text(headers, tus::UPLOAD_LENGTH),
+        text(headers, tus::UPLOAD_DEFER_LENGTH),
+    )
+    .map_err(tus_error)?;
+    if length > max_blob_size {
+        return Err(ApiError::blob_too_large());
+    }
+    let metadata = tus::parse_metadata(text(headers, tus::UPLOAD_METADATA)).map_err(tus_error)?;
+    let with_upload = is_part_body(headers);
+    let declared = if with_upload {
+        part_headers(headers)?
+    } else {
+        PartDeclared::default()
+    };
+    Ok((length, metadata, with_upload, declared))
 }
 
 /// `HEAD /v1/uploads/{id}`: the offset.
@@ -253,17 +292,22 @@ pub async fn head(
         let id = upload_id(&raw).map_err(refused)?;
         authorize(&app, &headers, &id).await.map_err(refused)?;
         if let Route::Remote(target) = route(&app, &id).map_err(refused)? {
-            return Ok(forward(&app, target, id, &headers, Body::empty(), None).await);
+            let method = reqwest::Method::HEAD;
+            return Ok(forward(&app, target, id, method, &headers, Body::empty()).await);
         }
-        let (receipt, metadata) = app
-            .uploads
-            .upload_status(id)
-            .await
-            .map_err(upload_refused)?;
-        Ok::<_, Response>(status_response(&receipt, metadata.as_deref()))
+        status_here(&app.uploads, id).await
     }
     .await;
     result.unwrap_or_else(|e| e)
+}
+
+/// The state of an upload owned here.
+pub(crate) async fn status_here(
+    uploads: &UploadService,
+    id: UploadId,
+) -> Result<Response, Response> {
+    let (receipt, metadata) = uploads.upload_status(id).await.map_err(upload_refused)?;
+    Ok(status_response(&receipt, metadata.as_deref()))
 }
 
 /// The answer of a HEAD.
@@ -310,10 +354,11 @@ pub async fn patch(
         let local = match route(&app, &id).map_err(refused)? {
             Route::Local(local) => local,
             Route::Remote(target) => {
-                return Ok(forward(&app, target, id, &headers, body, Some(())).await);
+                let method = reqwest::Method::PATCH;
+                return Ok(forward(&app, target, id, method, &headers, body).await);
             }
         };
-        patch_local(&app, local, None, id, offset, declared, body).await
+        patch_here(&app.uploads, local, None, id, offset, declared, body).await
     }
     .await;
     result.unwrap_or_else(|e| e)
@@ -321,8 +366,8 @@ pub async fn patch(
 
 /// A PATCH ingested on this node (directly, or forwarded by another node with the
 /// admission its pre-flight made).
-pub async fn patch_local(
-    app: &AppState,
+pub(crate) async fn patch_here(
+    uploads: &UploadService,
     local: LocalRoute,
     admitted: Option<crate::admission::AdmissionPermit>,
     id: UploadId,
@@ -330,8 +375,7 @@ pub async fn patch_local(
     declared: PartDeclared,
     body: Body,
 ) -> Result<Response, Response> {
-    let receipt = app
-        .uploads
+    let receipt = uploads
         .patch(
             Some(local),
             admitted,
@@ -358,31 +402,61 @@ pub async fn delete(
         let id = upload_id(&raw).map_err(refused)?;
         authorize(&app, &headers, &id).await.map_err(refused)?;
         if let Route::Remote(target) = route(&app, &id).map_err(refused)? {
-            return Ok(forward(&app, target, id, &headers, Body::empty(), None).await);
+            let method = reqwest::Method::DELETE;
+            return Ok(forward(&app, target, id, method, &headers, Body::empty()).await);
         }
-        app.uploads.terminate(id).await.map_err(upload_refused)?;
-        Ok::<_, Response>(tus_answer(StatusCode::NO_CONTENT.into_response()))
+        terminate_here(&app.uploads, id).await
     }
     .await;
     result.unwrap_or_else(|e| e)
 }
 
-/// A request for an upload owned by another node. Forwarding tus requests to the owner
-/// is not built yet (docs/resumable.md, "Not done"): the client is told to retry, which
-/// succeeds once it reaches the owner (or after the shard moves here).
+/// Terminate an upload owned here.
+pub(crate) async fn terminate_here(
+    uploads: &UploadService,
+    id: UploadId,
+) -> Result<Response, Response> {
+    uploads.terminate(id).await.map_err(upload_refused)?;
+    Ok(tus_answer(StatusCode::NO_CONTENT.into_response()))
+}
+
+/// Hand a request for an upload owned by another node to the owner (`forward::tus`).
 async fn forward(
-    _app: &AppState,
-    _target: OwnerTarget,
-    _id: UploadId,
-    _headers: &HeaderMap,
-    _body: Body,
-    _part: Option<()>,
+    app: &AppState,
+    target: OwnerTarget,
+    id: UploadId,
+    method: reqwest::Method,
+    headers: &HeaderMap,
+    body: Body,
 ) -> Response {
-    refused(
-        ApiError::unavailable(
+    let Some(forwarder) = &app.forwarder else {
+        return refused(ApiError::unavailable(
             "owner_unavailable",
-            "this upload is owned by another node; resumable uploads are not forwarded yet",
-        )
-        .with_retry_after(super::error::RETRY_OWNERSHIP),
-    )
+            "this upload is owned by another node and forwarding is not configured",
+        ));
+    };
+    let with_body = method == reqwest::Method::PATCH
+        || (method == reqwest::Method::POST && is_part_body(headers));
+    // A body is relayed under the relay's local permits; the owner admits the part (one
+    // cluster lease) in the pre-flight, before the body moves.
+    let admission = if with_body {
+        match app.admission.admit_relay(id.key().tenant).await {
+            Ok(permit) => Some(permit),
+            Err(err) => return refused(err.into()),
+        }
+    } else {
+        None
+    };
+    app.metrics.forwarded_uploads.inc();
+    let response = forwarder
+        .forward_tus(target, id, method, headers, body, app.cluster.as_ref())
+        .await;
+    if let Some(admission) = admission {
+        admission.set_outcome(if response.status().is_success() {
+            Outcome::Completed
+        } else {
+            Outcome::Failed
+        });
+    }
+    tus_answer(response)
 }

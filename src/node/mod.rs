@@ -399,11 +399,19 @@ async fn start_cluster_parts(
         source,
     })?;
     let stop = CancellationToken::new();
-    let router = internal::router(internal::InternalState {
+    let internal_state = internal::InternalState {
         token,
         epochs: state.cluster.clone(),
         ingest: Arc::new(state.uploads.clone()),
-    });
+    };
+    // Forwarded tus requests (http::tus_internal) share the listener and its checks.
+    let tus_routes =
+        crate::http::tus_internal::router(crate::http::tus_internal::TusInternalState {
+            internal: internal_state.clone(),
+            uploads: state.uploads.clone(),
+            max_blob_size: config.upload.max_blob_size.bytes(),
+        });
+    let router = internal::router(internal_state).merge(tus_routes);
     let tls = if config.http.internal_tls.enabled() {
         Some(
             crate::http::tls::internal_acceptor(&config.http.internal_tls)
