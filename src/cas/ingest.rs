@@ -668,6 +668,102 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn parts_resumed_at_the_last_cut_give_the_one_shot_blocks_and_key() {
+        // Checks TUS-2 at the pipeline: whatever the PATCH boundaries, the blocks of the
+        // parts (each starting from the previous part's staged tail) are the cuts of
+        // FastCDC over the whole input, and the hasher carried along gives the blob key.
+        let dir = tempfile::tempdir().unwrap();
+        let (blocks, _) = stores(dir.path());
+        let content = data((2 << 20) + 4_321, 5);
+        let expected: Vec<usize> = crate::cas::chunker::chunk_lengths(&content);
+        for splits in [
+            vec![1usize, 70_000, 70_001, 1 << 20],
+            vec![262_144, 524_288],
+            vec![content.len() - 1],
+        ] {
+            let mut bounds = vec![0];
+            bounds.extend(splits);
+            bounds.push(content.len());
+            let mut tail = Bytes::new();
+            let mut whole = blake3::Hasher::new();
+            let mut lengths = Vec::new();
+            for pair in bounds.windows(2) {
+                let mut session = blocks.begin().unwrap();
+                let start = PartStart {
+                    tail: std::mem::take(&mut tail),
+                    whole,
+                    remaining: (content.len() - pair[0]) as u64,
+                    keep_partial: false,
+                };
+                let part = ingest_part(
+                    body_of(&content[pair[0]..pair[1]], 10_000),
+                    limits(None),
+                    start,
+                    session.as_mut(),
+                    |_| {},
+                )
+                .await
+                .unwrap();
+                session.commit().await.unwrap();
+                assert!(part.tail.len() < crate::cas::chunker::MAX_CHUNK);
+                assert_eq!(part.complete, pair[1] == content.len());
+                lengths.extend(part.refs.iter().map(|r| r.size as usize));
+                tail = part.tail;
+                whole = part.whole;
+            }
+            assert!(tail.is_empty());
+            assert_eq!(lengths, expected);
+            assert_eq!(*whole.finalize().as_bytes(), BlobKey::of(&content).hash);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_broken_part_keeps_what_arrived_unless_a_checksum_was_declared() {
+        let dir = tempfile::tempdir().unwrap();
+        let (blocks, _) = stores(dir.path());
+        let content = data(600_000, 6);
+        let broken = || {
+            let mut pieces: Vec<Result<Bytes, std::io::Error>> = content
+                .chunks(100_000)
+                .map(|c| Ok(Bytes::copy_from_slice(c)))
+                .collect();
+            pieces.push(Err(std::io::Error::other("connection reset")));
+            futures_util::stream::iter(pieces)
+        };
+        let start = |keep_partial| PartStart {
+            tail: Bytes::new(),
+            whole: blake3::Hasher::new(),
+            remaining: 10 << 20,
+            keep_partial,
+        };
+        let mut session = blocks.begin().unwrap();
+        let part = ingest_part(
+            broken(),
+            limits(None),
+            start(true),
+            session.as_mut(),
+            |_| {},
+        )
+        .await
+        .unwrap();
+        assert_eq!(part.received, content.len() as u64);
+        assert!(matches!(part.interrupted, Some(IngestError::Body(_))));
+        let kept: usize =
+            part.refs.iter().map(|r| r.size as usize).sum::<usize>() + part.tail.len();
+        assert_eq!(kept, content.len());
+        let checked = IngestLimits {
+            digest: Some(BodyDigest::Sha1([0; 20])),
+            ..limits(None)
+        };
+        let mut session = blocks.begin().unwrap();
+        let err = ingest_part(broken(), checked, start(true), session.as_mut(), |_| {})
+            .await
+            .err()
+            .unwrap();
+        assert!(matches!(err, IngestError::Body(_)), "{err}");
+    }
+
+    #[tokio::test]
     async fn empty_body_is_a_valid_empty_blob() {
         let dir = tempfile::tempdir().unwrap();
         let (blocks, manifests) = stores(dir.path());
