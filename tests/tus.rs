@@ -912,6 +912,21 @@ async fn a_cluster_forwards_to_the_owner_and_resumes_after_the_owner_is_killed()
     );
     // The owner's view, directly; and a wrong offset refused in the forwarded pre-flight.
     assert_eq!(offset_of(&format!("{a}{location}")).await, first as u64);
+    let forwarded_head = retrying(|| {
+        client()
+            .head(format!("{b}{location}"))
+            .header("tus-resumable", "1.0.0")
+    })
+    .await;
+    assert_eq!(forwarded_head.status(), 200);
+    assert_eq!(
+        header(forwarded_head.headers(), "upload-offset"),
+        Some(first.to_string().as_str())
+    );
+    assert_eq!(
+        header(forwarded_head.headers(), "cache-control"),
+        Some("no-store")
+    );
     let wrong = part(&b, 7, vec![1; 10]).await;
     assert_eq!(wrong.status(), 409);
     assert_eq!(
@@ -946,4 +961,207 @@ async fn a_cluster_forwards_to_the_owner_and_resumes_after_the_owner_is_killed()
         Some(expected.as_str())
     );
     assert!(download(&b, &expected).await == data);
+}
+
+#[tokio::test]
+async fn with_auth_on_the_upload_belongs_to_the_tokens_organization() {
+    // The tenant rules of plain uploads: the token is checked before anything else, the
+    // upload's tenant is the token's organization, and another organization's token is
+    // refused (403) on every request for the upload.
+    use jsonwebtoken::{Algorithm, EncodingKey, Header};
+    const ISSUER: &str = "https://idp.test";
+    let other = "5d1e2f30-4a5b-4c6d-8e7f-9a0b1c2d3e4f";
+    let pair = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+    let key = EncodingKey::from_ec_pem(pair.serialize_pem().as_bytes()).unwrap();
+    let mut jwk = jsonwebtoken::jwk::Jwk::from_encoding_key(&key, Algorithm::ES256).unwrap();
+    jwk.common.key_id = Some("k1".into());
+    let dir = tempfile::tempdir().unwrap();
+    let jwks = dir.path().join("jwks.json");
+    std::fs::write(
+        &jwks,
+        serde_json::to_string(&jsonwebtoken::jwk::JwkSet { keys: vec![jwk] }).unwrap(),
+    )
+    .unwrap();
+    let token = |org: &str| {
+        let now = jsonwebtoken::get_current_timestamp();
+        let mut header = Header::new(Algorithm::ES256);
+        header.kid = Some("k1".into());
+        let claims = serde_json::json!({"iss": ISSUER, "aud": "graviton", "sub": "u",
+            "org_id": org, "exp": now + 600, "iat": now});
+        jsonwebtoken::encode(&header, &claims, &key).unwrap()
+    };
+    let node = TestNode::start_with(
+        |c| {
+            c.auth = graviton::auth::AuthConfig {
+                enabled: true,
+                issuers: vec![graviton::auth::IssuerConfig {
+                    issuer: ISSUER.into(),
+                    audience: vec!["graviton".into()],
+                    jwks_file: Some(jwks.clone()),
+                    ..Default::default()
+                }],
+            };
+        },
+        Default::default(),
+    )
+    .await;
+    let post = |bearer: Option<String>| {
+        let mut request = client()
+            .post(format!("{}/v1/uploads", node.url))
+            .header("tus-resumable", "1.0.0")
+            .header("upload-length", "4");
+        if let Some(bearer) = bearer {
+            request = request.bearer_auth(bearer);
+        }
+        request.send()
+    };
+    assert_eq!(post(None).await.unwrap().status(), 401);
+    let created = post(Some(token(TENANT))).await.unwrap();
+    assert_eq!(created.status(), 201);
+    let location = header(created.headers(), "location").unwrap().to_string();
+    assert!(
+        location.starts_with(&format!("/v1/uploads/{TENANT}.")),
+        "{location}"
+    );
+    let upload = format!("{}{location}", node.url);
+    let send = |method: reqwest::Method, bearer: Option<String>| {
+        let mut request = client()
+            .request(method.clone(), &upload)
+            .header("tus-resumable", "1.0.0");
+        if method == reqwest::Method::PATCH {
+            request = request
+                .header("content-type", OCTETS)
+                .header("upload-offset", "0")
+                .body(vec![1u8; 4]);
+        }
+        if let Some(bearer) = bearer {
+            request = request.bearer_auth(bearer);
+        }
+        request.send()
+    };
+    use reqwest::Method;
+    for method in [Method::HEAD, Method::PATCH, Method::DELETE] {
+        assert_eq!(send(method.clone(), None).await.unwrap().status(), 401);
+        let refused = send(method.clone(), Some(token(other))).await.unwrap();
+        assert_eq!(refused.status(), 403, "{method}");
+    }
+    let done = send(Method::PATCH, Some(token(TENANT))).await.unwrap();
+    assert_eq!(done.status(), 204);
+    assert_eq!(
+        header(done.headers(), "graviton-blob-key"),
+        Some(BlobKey::of(&[1u8; 4]).to_string().as_str())
+    );
+}
+
+#[tokio::test]
+async fn the_postgres_ledger_keeps_the_same_contract() {
+    // The cluster's ledger (sql/0009_uploads.sql): compare-and-set advance, blocks in
+    // order, completion, expiry sweep, the collector's view.
+    use bytes::Bytes;
+    use graviton::cas::{BlockKey, BlockRef};
+    use graviton::tus::UploadId;
+    use graviton::upload::ledger::{Advance, PgLedger, UploadLedger, UploadRow};
+    let Some(db) = support::TestDatabase::create("tus_pg_ledger").await else {
+        return;
+    };
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(db.url())
+        .await
+        .unwrap();
+    graviton::storage::pg::migrate(&pool).await.unwrap();
+    let ledger = PgLedger::new(pool);
+    let id = |n: u8| -> UploadId {
+        format!("{TENANT}.0b8e2f3a-1c4d-4e5f-8a9b-0c1d2e3f4a{n:02x}")
+            .parse()
+            .unwrap()
+    };
+    let row = |expires_ms| UploadRow {
+        length: 100,
+        offset: 0,
+        expires_ms,
+        created_ms: 1,
+        metadata: Some("k dg==".into()),
+        block_count: 0,
+        blob_key: None,
+    };
+    let block = |n: u8, size| BlockRef {
+        key: BlockKey([n; 32]),
+        size,
+    };
+    let step = |offset, tail: &'static [u8], blocks| Advance {
+        offset,
+        tail: Bytes::from_static(tail),
+        blocks,
+        expires_ms: 5000,
+        blob_key: None,
+    };
+    assert!(ledger.create(id(1), &row(1000), 10).await.unwrap());
+    assert!(!ledger.create(id(1), &row(1000), 10).await.unwrap());
+    assert!(
+        ledger
+            .advance(id(1), 0, step(40, b"xy", vec![block(1, 38)]))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !ledger
+            .advance(id(1), 0, step(40, b"zz", vec![block(9, 38)]))
+            .await
+            .unwrap()
+    );
+    assert!(
+        ledger
+            .advance(id(1), 40, step(90, b"abc", vec![block(2, 47), block(3, 1)]))
+            .await
+            .unwrap()
+    );
+    let (got, tail) = ledger.get(id(1)).await.unwrap().unwrap();
+    assert_eq!((got.offset, got.block_count, got.expires_ms), (90, 3, 5000));
+    assert_eq!(got.metadata.as_deref(), Some("k dg=="));
+    assert_eq!(&tail[..], b"abc");
+    assert_eq!(
+        ledger.blocks(id(1)).await.unwrap(),
+        vec![block(1, 38), block(2, 47), block(3, 1)]
+    );
+    let mut marked = Vec::new();
+    ledger
+        .for_each_block(&mut |k| marked.push(k))
+        .await
+        .unwrap();
+    assert_eq!(marked.len(), 3);
+    let key = BlobKey {
+        hash: [7; 32],
+        size: 100,
+    };
+    let done = Advance {
+        blob_key: Some(key),
+        ..step(100, b"", vec![])
+    };
+    assert!(ledger.advance(id(1), 90, done).await.unwrap());
+    let (got, tail) = ledger.get(id(1)).await.unwrap().unwrap();
+    assert_eq!(got.blob_key, Some(key.to_string()));
+    assert!(tail.is_empty() && ledger.blocks(id(1)).await.unwrap().is_empty());
+    // Expiry: swept with its blocks; an expired id may be created again.
+    assert!(ledger.create(id(2), &row(100), 0).await.unwrap());
+    assert!(
+        ledger
+            .advance(
+                id(2),
+                0,
+                Advance {
+                    expires_ms: 100,
+                    ..step(5, b"12345", vec![block(4, 1)])
+                }
+            )
+            .await
+            .unwrap()
+    );
+    assert_eq!(ledger.sweep(4000).await.unwrap(), 1, "only the expired one");
+    assert!(ledger.get(id(2)).await.unwrap().is_none());
+    assert!(ledger.blocks(id(2)).await.unwrap().is_empty());
+    assert!(ledger.create(id(3), &row(100), 0).await.unwrap());
+    assert!(ledger.create(id(3), &row(9000), 200).await.unwrap());
+    assert!(ledger.delete(id(3)).await.unwrap());
+    assert!(!ledger.delete(id(3)).await.unwrap());
 }
