@@ -210,6 +210,14 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
             Arc::new(FsManifestStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?)
         }
     };
+    // Opened before the listener binds: a node that accepts connections is fully started.
+    let ledger: Arc<dyn crate::upload::ledger::UploadLedger> = match ledger_pool {
+        Some(pool) => Arc::new(crate::upload::ledger::PgLedger::new(pool)),
+        None => Arc::new(
+            crate::upload::ledger::RedbLedger::open(&data_dir.join("uploads.redb"))
+                .map_err(storage_err)?,
+        ),
+    };
     let forwarder = if cluster_mode {
         let options = ForwardOptions::from_config(&config.control).ok_or_else(|| {
             StartError::Control("control.internal_token is required in cluster mode".into())
@@ -269,13 +277,6 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     let edge = crate::http::EdgeMetrics::default();
     metrics.register_with(|registry| edge.register(registry));
 
-    let ledger: Arc<dyn crate::upload::ledger::UploadLedger> = match ledger_pool {
-        Some(pool) => Arc::new(crate::upload::ledger::PgLedger::new(pool)),
-        None => Arc::new(
-            crate::upload::ledger::RedbLedger::open(&data_dir.join("uploads.redb"))
-                .map_err(storage_err)?,
-        ),
-    };
     let uploads = Arc::new(crate::upload::UploadService::new(
         crate::upload::UploadParts {
             node: node_id.clone(),
