@@ -325,8 +325,15 @@ impl UploadService {
                 .await
                 .map_err(IngestError::from)?
             {
-                // Terminated or expired while the PATCH ran.
-                return Err(UploadError::UploadNotFound);
+                // Terminated or swept while the PATCH ran, or another writer (a previous
+                // owner of the shard) advanced it first: this PATCH's bytes are not
+                // counted (its blocks are unreferenced and left to the collector).
+                return Err(match self.live_row(id).await {
+                    Ok((row, _)) => UploadError::OffsetMismatch {
+                        current: row.offset,
+                    },
+                    Err(err) => err,
+                });
             }
         }
         if complete {
