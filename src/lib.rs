@@ -42,4 +42,5 @@ pub mod placement;
 pub mod session;
 pub mod storage;
 pub mod telemetry;
+pub mod tus;
 pub mod upload;

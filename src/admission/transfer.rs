@@ -13,6 +13,15 @@ use crate::ids::TenantId;
 /// Backend label of the block store every transfer reads or writes.
 pub const BACKEND: &str = "fs";
 
+fn part_request(tenant: TenantId, footprint: Footprint) -> TransferRequest {
+    TransferRequest {
+        operation: Operation::Upload,
+        tenant: Some(tenant),
+        backend: BACKEND.to_string(),
+        footprint,
+    }
+}
+
 fn request(operation: Operation, tenant: Option<TenantId>) -> TransferRequest {
     TransferRequest {
         operation,
@@ -36,6 +45,28 @@ impl Admission {
     /// The relay's share of a forwarded upload: local permits only.
     pub async fn admit_relay(&self, tenant: TenantId) -> Result<AdmissionPermit, Error> {
         self.admit_local(request(Operation::ForwardedUpload, Some(tenant)))
+            .await
+    }
+
+    /// One PATCH of a resumable upload on the node that holds its bytes: local permits
+    /// and the cluster lease for `footprint` (the staged part's, see `tus::part_footprint`).
+    pub async fn admit_part(
+        &self,
+        tenant: TenantId,
+        footprint: Footprint,
+    ) -> Result<AdmissionPermit, Error> {
+        self.admit(part_request(tenant, footprint)).await
+    }
+
+    /// [`Admission::admit_part`] made by the owner in a forwarder's pre-flight: one lease
+    /// for the part plus the relay.
+    pub async fn admit_forwarded_part(
+        &self,
+        tenant: TenantId,
+        footprint: Footprint,
+    ) -> Result<AdmissionPermit, Error> {
+        let relay = Footprint::for_operation(Operation::ForwardedUpload, MAX_CHUNK as u64);
+        self.admit_spanning(part_request(tenant, footprint), relay)
             .await
     }
 

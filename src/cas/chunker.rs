@@ -69,6 +69,11 @@ impl StreamChunker {
         self.buffer.len()
     }
 
+    /// Take the bytes not cut yet (the staged tail of a resumable upload part).
+    pub fn take_rest(&mut self) -> Bytes {
+        self.buffer.split().freeze()
+    }
+
     /// The next chunk, if its boundary is already decided. With `eof` set, the remaining
     /// bytes are cut as the end of the input.
     pub fn next_chunk(&mut self, eof: bool) -> Option<Bytes> {

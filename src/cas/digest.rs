@@ -21,6 +21,55 @@ impl std::fmt::Debug for ContentDigest {
     }
 }
 
+/// A digest a client declared for a body: a whole upload's SHA-256 (`Content-Digest`), or
+/// one tus PATCH's `Upload-Checksum` (SHA-1 or SHA-256). The pipeline computes only the
+/// declared one and compares before anything commits.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum BodyDigest {
+    Sha256([u8; 32]),
+    Sha1([u8; 20]),
+}
+
+impl From<ContentDigest> for BodyDigest {
+    fn from(digest: ContentDigest) -> Self {
+        BodyDigest::Sha256(digest.0)
+    }
+}
+
+/// A running hash of the declared algorithm.
+pub(crate) enum BodyHasher {
+    Sha256(sha2::Sha256),
+    Sha1(sha1::Sha1),
+}
+
+impl BodyHasher {
+    pub(crate) fn for_digest(digest: &BodyDigest) -> Self {
+        use sha2::Digest;
+        match digest {
+            BodyDigest::Sha256(_) => BodyHasher::Sha256(sha2::Sha256::new()),
+            BodyDigest::Sha1(_) => BodyHasher::Sha1(sha1::Sha1::new()),
+        }
+    }
+
+    pub(crate) fn update(&mut self, data: &[u8]) {
+        use sha2::Digest;
+        match self {
+            BodyHasher::Sha256(h) => h.update(data),
+            BodyHasher::Sha1(h) => h.update(data),
+        }
+    }
+
+    /// Does the hash of everything fed equal `expected`?
+    pub(crate) fn matches(self, expected: &BodyDigest) -> bool {
+        use sha2::Digest;
+        match (self, expected) {
+            (BodyHasher::Sha256(h), BodyDigest::Sha256(e)) => <[u8; 32]>::from(h.finalize()) == *e,
+            (BodyHasher::Sha1(h), BodyDigest::Sha1(e)) => <[u8; 20]>::from(h.finalize()) == *e,
+            _ => false,
+        }
+    }
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

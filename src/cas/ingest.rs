@@ -23,11 +23,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
-use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
 use super::chunker::StreamChunker;
-use super::digest::ContentDigest;
+use super::digest::{BodyDigest, BodyHasher};
 use super::keys::{BlobKey, BlockKey};
 use super::manifest::{BlockRef, Manifest};
 use crate::storage::manifest::CommitFence;
@@ -80,9 +79,10 @@ pub struct IngestLimits {
     pub declared_size: Option<u64>,
     /// Abort when the body delivers nothing for this long.
     pub idle_timeout: Duration,
-    /// The SHA-256 the client declared for the whole body; checked before anything
-    /// commits (a mismatch is [`IngestError::DigestMismatch`]).
-    pub digest: Option<ContentDigest>,
+    /// The digest the client declared for this body (a whole upload's SHA-256, or one
+    /// PATCH's `Upload-Checksum`); checked before anything commits (a mismatch is
+    /// [`IngestError::DigestMismatch`]).
+    pub digest: Option<BodyDigest>,
 }
 
 /// What an upload produced.
@@ -110,8 +110,10 @@ pub enum IngestError {
     BodyIdle(Duration),
     #[error("request body failed: {0}")]
     Body(String),
-    #[error("the body's SHA-256 differs from the declared digest")]
+    #[error("the body's digest differs from the declared digest")]
     DigestMismatch,
+    #[error("the body runs past the upload's declared length ({remaining} bytes were left)")]
+    PastUploadLength { remaining: u64 },
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error("ingest pipeline stopped unexpectedly: {0}")]
@@ -121,7 +123,20 @@ pub enum IngestError {
 enum Frame {
     /// A batch of body frames (batched to keep thread hand-offs few when frames are small).
     Data(Vec<Bytes>),
-    End,
+    /// The end of this body; `eof`: also the end of the blob (cut everything), else the
+    /// bytes after the last cut are handed back as the staged tail of a resumable upload.
+    End { eof: bool },
+}
+
+/// How the body of one run relates to the blob.
+#[derive(Debug, Clone, Copy)]
+enum Span {
+    /// The whole blob: the end of the body is the end of the input.
+    Whole,
+    /// One PATCH of a resumable upload with `remaining` bytes left in the blob. With
+    /// `keep_partial`, a body that breaks or goes idle ends the part where it broke (what
+    /// arrived is kept), instead of failing it.
+    Part { remaining: u64, keep_partial: bool },
 }
 
 /// Chunk, hash and store a body; write the manifest; report. `on_bytes` is called with
@@ -154,30 +169,29 @@ where
     S: Stream<Item = Result<Bytes, E>> + Send + Unpin,
     E: std::fmt::Display,
 {
-    let (frame_tx, frame_rx) = mpsc::channel::<Frame>(FRAME_QUEUE);
-    let (chunk_tx, chunk_rx) = mpsc::channel::<(BlockKey, Bytes)>(CHUNK_QUEUE);
-    let chunking = tokio::task::spawn_blocking(move || chunk_blocks(frame_rx, chunk_tx));
-
     let mut session = blocks.begin()?;
-    let feed = feed_frames(body, limits, frame_tx, &mut on_bytes);
-    let store = store_blocks(chunk_rx, session.as_mut());
-    let ((received, whole_hash), stored) = futures_util::try_join!(feed, store)?;
-
-    chunking
-        .await
-        .map_err(|e| IngestError::Pipeline(format!("chunker task: {e}")))?
-        .ok_or_else(|| IngestError::Pipeline("chunker ended without the end of the body".into()))?;
-
-    let stored_bytes: u64 = stored.refs.iter().map(|r| u64::from(r.size)).sum();
-    if stored_bytes != received {
+    let run = run_pipeline(
+        body,
+        limits,
+        Span::Whole,
+        Bytes::new(),
+        blake3::Hasher::new(),
+        session.as_mut(),
+        &mut on_bytes,
+    )
+    .await?;
+    let received = run.fed.received;
+    let stored_bytes: u64 = run.stored.refs.iter().map(|r| u64::from(r.size)).sum();
+    if stored_bytes != received || !run.tail.is_empty() {
         return Err(IngestError::Pipeline(format!(
             "stored {stored_bytes} bytes of {received} received"
         )));
     }
     let key = BlobKey {
-        hash: whole_hash,
+        hash: *run.fed.whole.finalize().as_bytes(),
         size: received,
     };
+    let stored = run.stored;
     // Blocks durable and indexed (dedup hits confirmed) before the manifest names them,
     // or with it in one transaction when the index shares the manifests' database.
     let blocks_total = stored.refs.len();
@@ -195,31 +209,176 @@ where
     })
 }
 
+/// Where one PATCH of a resumable upload starts (see docs/resumable.md).
+pub struct PartStart {
+    /// The staged tail: the bytes after the last cut point so far (< `MAX_CHUNK`).
+    pub tail: Bytes,
+    /// The whole-content BLAKE3 of every byte accepted so far (tail included).
+    pub whole: blake3::Hasher,
+    /// Bytes left until the upload's declared length.
+    pub remaining: u64,
+    /// Keep what arrived when the body breaks (no per-PATCH checksum was declared).
+    pub keep_partial: bool,
+}
+
+/// What one PATCH produced; nothing of it is durable until the caller commits the
+/// session and records the part in its ledger.
+pub struct PartOutcome {
+    /// Body bytes accepted by this PATCH.
+    pub received: u64,
+    /// Blocks cut and appended by this PATCH, in order.
+    pub refs: Vec<BlockRef>,
+    pub fresh_blocks: usize,
+    pub fresh_bytes: u64,
+    /// The new staged tail (empty when `complete`).
+    pub tail: Bytes,
+    /// The whole-content hash after this PATCH.
+    pub whole: blake3::Hasher,
+    /// The upload reached its declared length: the last block was cut as the end.
+    pub complete: bool,
+    /// The body broke or went idle, and the part was kept up to there.
+    pub interrupted: Option<IngestError>,
+}
+
+/// Run one PATCH of a resumable upload through the pipeline into `session`: the chunker
+/// resumes at the last cut point (its staged tail), so the blocks are those a one-shot
+/// upload of the same bytes produces. The caller commits the session (with the manifest
+/// when `complete`).
+pub async fn ingest_part<S, E>(
+    body: S,
+    limits: IngestLimits,
+    start: PartStart,
+    session: &mut dyn WriteSession,
+    mut on_bytes: impl FnMut(u64) + Send,
+) -> Result<PartOutcome, IngestError>
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + Unpin,
+    E: std::fmt::Display,
+{
+    let tail_in = start.tail.len() as u64;
+    let span = Span::Part {
+        remaining: start.remaining,
+        keep_partial: start.keep_partial,
+    };
+    let run = run_pipeline(
+        body,
+        limits,
+        span,
+        start.tail,
+        start.whole,
+        session,
+        &mut on_bytes,
+    )
+    .await?;
+    let stored_bytes: u64 = run.stored.refs.iter().map(|r| u64::from(r.size)).sum();
+    if stored_bytes + run.tail.len() as u64 != tail_in + run.fed.received {
+        return Err(IngestError::Pipeline(format!(
+            "stored {stored_bytes} bytes and staged {} of {} received",
+            run.tail.len(),
+            tail_in + run.fed.received
+        )));
+    }
+    Ok(PartOutcome {
+        received: run.fed.received,
+        refs: run.stored.refs,
+        fresh_blocks: run.stored.fresh,
+        fresh_bytes: run.stored.fresh_bytes,
+        tail: run.tail,
+        whole: run.fed.whole,
+        complete: run.fed.eof,
+        interrupted: run.fed.interrupted,
+    })
+}
+
+struct Run {
+    fed: Fed,
+    stored: Stored,
+    tail: Bytes,
+}
+
+/// The three stages over one body (see the module docs).
+async fn run_pipeline<S, E>(
+    body: S,
+    limits: IngestLimits,
+    span: Span,
+    tail: Bytes,
+    whole: blake3::Hasher,
+    session: &mut dyn WriteSession,
+    on_bytes: &mut (impl FnMut(u64) + Send),
+) -> Result<Run, IngestError>
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + Unpin,
+    E: std::fmt::Display,
+{
+    let (frame_tx, frame_rx) = mpsc::channel::<Frame>(FRAME_QUEUE);
+    let (chunk_tx, chunk_rx) = mpsc::channel::<(BlockKey, Bytes)>(CHUNK_QUEUE);
+    let chunking = tokio::task::spawn_blocking(move || chunk_blocks(frame_rx, chunk_tx, tail));
+    let feed = feed_frames(body, limits, span, whole, frame_tx, on_bytes);
+    let store = store_blocks(chunk_rx, session);
+    let (fed, stored) = futures_util::try_join!(feed, store)?;
+    let tail = chunking
+        .await
+        .map_err(|e| IngestError::Pipeline(format!("chunker task: {e}")))?
+        .ok_or_else(|| IngestError::Pipeline("chunker ended without the end of the body".into()))?;
+    Ok(Run { fed, stored, tail })
+}
+
+/// What the reader saw.
+struct Fed {
+    received: u64,
+    whole: blake3::Hasher,
+    /// The end of the body was the end of the blob.
+    eof: bool,
+    interrupted: Option<IngestError>,
+}
+
 /// Pull body frames, enforce limits, hash the whole content, pass the frames on in
-/// batches. Returns the byte count and the whole-content BLAKE3 hash. (Hashing here, on
+/// batches. Returns the byte count and the whole-content BLAKE3 hasher. (Hashing here, on
 /// the async side, runs in parallel with the chunker thread's cut-point search.)
 async fn feed_frames<S, E>(
     mut body: S,
     limits: IngestLimits,
+    span: Span,
+    mut whole: blake3::Hasher,
     frames: mpsc::Sender<Frame>,
     on_bytes: &mut (impl FnMut(u64) + Send),
-) -> Result<(u64, [u8; 32]), IngestError>
+) -> Result<Fed, IngestError>
 where
     S: Stream<Item = Result<Bytes, E>> + Send + Unpin,
     E: std::fmt::Display,
 {
     let mut received: u64 = 0;
-    let mut whole = blake3::Hasher::new();
-    // SHA-256 only when the client declared one (it costs about as much as BLAKE3 again).
-    let mut declared_digest = limits.digest.map(|d| (d, Sha256::new()));
+    // The declared digest's hash only when the client declared one (SHA-256 costs about
+    // as much as BLAKE3 again).
+    let mut declared_digest = limits.digest.map(|d| (d, BodyHasher::for_digest(&d)));
+    let keep_partial = matches!(
+        span,
+        Span::Part {
+            keep_partial: true,
+            ..
+        }
+    ) && limits.digest.is_none();
+    let mut interrupted = None;
     let mut batch: Vec<Bytes> = Vec::new();
     let mut batch_bytes = 0usize;
     loop {
-        let next = tokio::time::timeout(limits.idle_timeout, body.next())
-            .await
-            .map_err(|_| IngestError::BodyIdle(limits.idle_timeout))?;
+        let next = match tokio::time::timeout(limits.idle_timeout, body.next()).await {
+            Ok(next) => next,
+            Err(_) if keep_partial => {
+                interrupted = Some(IngestError::BodyIdle(limits.idle_timeout));
+                break;
+            }
+            Err(_) => return Err(IngestError::BodyIdle(limits.idle_timeout)),
+        };
         let Some(frame) = next else { break };
-        let frame = frame.map_err(|e| IngestError::Body(e.to_string()))?;
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(e) if keep_partial => {
+                interrupted = Some(IngestError::Body(e.to_string()));
+                break;
+            }
+            Err(e) => return Err(IngestError::Body(e.to_string())),
+        };
         if frame.is_empty() {
             continue;
         }
@@ -229,6 +388,11 @@ where
                 limit: limits.max_size,
             });
         }
+        if let Span::Part { remaining, .. } = span
+            && received > remaining
+        {
+            return Err(IngestError::PastUploadLength { remaining });
+        }
         if let Some(declared) = limits.declared_size
             && received > declared
         {
@@ -236,8 +400,8 @@ where
         }
         on_bytes(frame.len() as u64);
         whole.update(&frame);
-        if let Some((_, sha)) = declared_digest.as_mut() {
-            sha.update(&frame);
+        if let Some((_, hasher)) = declared_digest.as_mut() {
+            hasher.update(&frame);
         }
         batch_bytes += frame.len();
         batch.push(frame);
@@ -253,32 +417,46 @@ where
             }
         }
     }
-    if let Some(declared) = limits.declared_size
+    if interrupted.is_none()
+        && let Some(declared) = limits.declared_size
         && received != declared
     {
         return Err(IngestError::LengthMismatch { declared, received });
     }
     // Before the end of the body reaches the chunker: a mismatch commits nothing.
-    if let Some((expected, sha)) = declared_digest
-        && <[u8; 32]>::from(sha.finalize()) != expected.0
+    if let Some((expected, hasher)) = declared_digest
+        && !hasher.matches(&expected)
     {
         return Err(IngestError::DigestMismatch);
     }
+    let eof = match span {
+        Span::Whole => true,
+        Span::Part { remaining, .. } => received == remaining,
+    };
     let stopped = |_| IngestError::Pipeline("chunker stopped".into());
     if !batch.is_empty() {
         frames.send(Frame::Data(batch)).await.map_err(stopped)?;
     }
-    frames.send(Frame::End).await.map_err(stopped)?;
-    Ok((received, *whole.finalize().as_bytes()))
+    frames.send(Frame::End { eof }).await.map_err(stopped)?;
+    Ok(Fed {
+        received,
+        whole,
+        eof,
+        interrupted,
+    })
 }
 
-/// Runs on the blocking pool: cut blocks and hash each one. Returns `None` when the body
-/// ended without `Frame::End` (the upload was aborted) or the writer went away.
+/// Runs on the blocking pool: cut blocks and hash each one, starting from `tail` (the
+/// bytes after the last cut of a previous part). Returns the bytes left after the last
+/// cut (empty at the end of the blob), or `None` when the body ended without
+/// `Frame::End` (the upload was aborted) or the writer went away.
 fn chunk_blocks(
     mut frames: mpsc::Receiver<Frame>,
     chunks: mpsc::Sender<(BlockKey, Bytes)>,
-) -> Option<()> {
+    tail: Bytes,
+) -> Option<Bytes> {
     let mut chunker = StreamChunker::new();
+    chunker.push(&tail);
     let emit = |chunk: Bytes| -> Option<()> {
         let key = BlockKey::of(&chunk);
         chunks.blocking_send((key, chunk)).ok()
@@ -293,11 +471,11 @@ fn chunk_blocks(
                     }
                 }
             }
-            Frame::End => {
-                while let Some(chunk) = chunker.next_chunk(true) {
+            Frame::End { eof } => {
+                while let Some(chunk) = chunker.next_chunk(eof) {
                     emit(chunk)?;
                 }
-                return Some(());
+                return Some(chunker.take_rest());
             }
         }
     }
@@ -504,6 +682,102 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
+    }
+
+    #[tokio::test]
+    async fn parts_resumed_at_the_last_cut_give_the_one_shot_blocks_and_key() {
+        // Checks TUS-2 at the pipeline: whatever the PATCH boundaries, the blocks of the
+        // parts (each starting from the previous part's staged tail) are the cuts of
+        // FastCDC over the whole input, and the hasher carried along gives the blob key.
+        let dir = tempfile::tempdir().unwrap();
+        let (blocks, _) = stores(dir.path());
+        let content = data((2 << 20) + 4_321, 5);
+        let expected: Vec<usize> = crate::cas::chunker::chunk_lengths(&content);
+        for splits in [
+            vec![1usize, 70_000, 70_001, 1 << 20],
+            vec![262_144, 524_288],
+            vec![content.len() - 1],
+        ] {
+            let mut bounds = vec![0];
+            bounds.extend(splits);
+            bounds.push(content.len());
+            let mut tail = Bytes::new();
+            let mut whole = blake3::Hasher::new();
+            let mut lengths = Vec::new();
+            for pair in bounds.windows(2) {
+                let mut session = blocks.begin().unwrap();
+                let start = PartStart {
+                    tail: std::mem::take(&mut tail),
+                    whole,
+                    remaining: (content.len() - pair[0]) as u64,
+                    keep_partial: false,
+                };
+                let part = ingest_part(
+                    body_of(&content[pair[0]..pair[1]], 10_000),
+                    limits(None),
+                    start,
+                    session.as_mut(),
+                    |_| {},
+                )
+                .await
+                .unwrap();
+                session.commit().await.unwrap();
+                assert!(part.tail.len() < crate::cas::chunker::MAX_CHUNK);
+                assert_eq!(part.complete, pair[1] == content.len());
+                lengths.extend(part.refs.iter().map(|r| r.size as usize));
+                tail = part.tail;
+                whole = part.whole;
+            }
+            assert!(tail.is_empty());
+            assert_eq!(lengths, expected);
+            assert_eq!(*whole.finalize().as_bytes(), BlobKey::of(&content).hash);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_broken_part_keeps_what_arrived_unless_a_checksum_was_declared() {
+        let dir = tempfile::tempdir().unwrap();
+        let (blocks, _) = stores(dir.path());
+        let content = data(600_000, 6);
+        let broken = || {
+            let mut pieces: Vec<Result<Bytes, std::io::Error>> = content
+                .chunks(100_000)
+                .map(|c| Ok(Bytes::copy_from_slice(c)))
+                .collect();
+            pieces.push(Err(std::io::Error::other("connection reset")));
+            futures_util::stream::iter(pieces)
+        };
+        let start = |keep_partial| PartStart {
+            tail: Bytes::new(),
+            whole: blake3::Hasher::new(),
+            remaining: 10 << 20,
+            keep_partial,
+        };
+        let mut session = blocks.begin().unwrap();
+        let part = ingest_part(
+            broken(),
+            limits(None),
+            start(true),
+            session.as_mut(),
+            |_| {},
+        )
+        .await
+        .unwrap();
+        assert_eq!(part.received, content.len() as u64);
+        assert!(matches!(part.interrupted, Some(IngestError::Body(_))));
+        let kept: usize =
+            part.refs.iter().map(|r| r.size as usize).sum::<usize>() + part.tail.len();
+        assert_eq!(kept, content.len());
+        let checked = IngestLimits {
+            digest: Some(BodyDigest::Sha1([0; 20])),
+            ..limits(None)
+        };
+        let mut session = blocks.begin().unwrap();
+        let err = ingest_part(broken(), checked, start(true), session.as_mut(), |_| {})
+            .await
+            .err()
+            .unwrap();
+        assert!(matches!(err, IngestError::Body(_)), "{err}");
     }
 
     #[tokio::test]

@@ -145,6 +145,13 @@ pub struct UploadConfig {
     pub max_blob_size: ByteSize,
     /// An upload whose body delivers nothing for this long is aborted.
     pub body_idle_timeout: HumanDuration,
+    /// The admission footprint of one resumable (tus) PATCH is
+    /// `min(resumable_part_footprint, remaining length)`.
+    pub resumable_part_footprint: ByteSize,
+    /// A resumable upload expires this long after its last progress.
+    pub resumable_expiry: HumanDuration,
+    /// How often expired resumable uploads are swept.
+    pub resumable_sweep_interval: HumanDuration,
 }
 
 impl Default for UploadConfig {
@@ -152,6 +159,9 @@ impl Default for UploadConfig {
         Self {
             max_blob_size: ByteSize::gib(64),
             body_idle_timeout: HumanDuration::secs(60),
+            resumable_part_footprint: ByteSize::mib(128),
+            resumable_expiry: HumanDuration::secs(24 * 3600),
+            resumable_sweep_interval: HumanDuration::secs(60),
         }
     }
 }
@@ -279,11 +289,27 @@ impl Config {
                 "must be greater than zero",
             ));
         }
-        if self.upload.body_idle_timeout.get().is_zero() {
-            problems.push(Problem::new(
+        for (key, zero) in [
+            (
                 "upload.body_idle_timeout",
-                "must be greater than zero",
-            ));
+                self.upload.body_idle_timeout.get().is_zero(),
+            ),
+            (
+                "upload.resumable_part_footprint",
+                self.upload.resumable_part_footprint.bytes() == 0,
+            ),
+            (
+                "upload.resumable_expiry",
+                self.upload.resumable_expiry.get().is_zero(),
+            ),
+            (
+                "upload.resumable_sweep_interval",
+                self.upload.resumable_sweep_interval.get().is_zero(),
+            ),
+        ] {
+            if zero {
+                problems.push(Problem::new(key, "must be greater than zero"));
+            }
         }
         if let Some(token) = &self.admin.token
             && token.expose().len() < 16

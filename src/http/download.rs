@@ -70,7 +70,7 @@ pub async fn run_gc(
     );
     match crate::storage::pack::gc::collect(
         store,
-        app.manifests.as_ref(),
+        &app.gc_manifests(),
         options,
         &mut crate::storage::pack::gc::Quiet,
     )

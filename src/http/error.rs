@@ -151,6 +151,11 @@ impl From<IngestError> for ApiError {
             // During an upload a corrupt store is an unavailable store, not a bad blob.
             IngestError::Store(err @ StoreError::Corrupt(_)) => ApiError::storage_unavailable(&err),
             IngestError::Store(err) => err.into(),
+            IngestError::PastUploadLength { .. } => ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "upload_length_exceeded",
+                "the PATCH body runs past the upload's Upload-Length; nothing of it was kept",
+            ),
             IngestError::Pipeline(detail) => {
                 tracing::error!(%detail, "ingest pipeline failure");
                 ApiError::internal("the upload failed inside the server")
@@ -196,6 +201,22 @@ impl From<UploadError> for ApiError {
             UploadError::LeaseLost => {
                 crate::admission::Error::Unavailable("lease_lost".into()).into()
             }
+            UploadError::UploadNotFound => {
+                ApiError::not_found("upload_not_found", "no such upload")
+            }
+            UploadError::UploadExpired => {
+                ApiError::new(StatusCode::GONE, "upload_expired", "the upload expired")
+            }
+            UploadError::OffsetMismatch { .. } => ApiError::new(
+                StatusCode::CONFLICT,
+                "offset_mismatch",
+                "Upload-Offset differs from the upload's offset (see Upload-Offset); HEAD the upload and resume from there",
+            ),
+            UploadError::UploadExists => ApiError::new(
+                StatusCode::CONFLICT,
+                "upload_exists",
+                "this session already has an upload; resume it or choose another session",
+            ),
         }
     }
 }
@@ -366,6 +387,11 @@ mod tests {
             UploadError::Ingest(IngestError::BodyIdle(Duration::from_secs(1))),
             UploadError::Ingest(IngestError::Body("x".into())),
             UploadError::Ingest(IngestError::DigestMismatch),
+            UploadError::Ingest(IngestError::PastUploadLength { remaining: 1 }),
+            UploadError::UploadNotFound,
+            UploadError::UploadExpired,
+            UploadError::OffsetMismatch { current: 1 },
+            UploadError::UploadExists,
             UploadError::Ingest(IngestError::Store(StoreError::Corrupt("x".into()))),
             UploadError::Ingest(IngestError::Store(StoreError::Unavailable("x".into()))),
             UploadError::Ingest(IngestError::Pipeline("x".into())),

@@ -169,7 +169,7 @@ impl OwnerIngest for Arc<UploadService> {
 }
 
 /// A reservation id as the owner issues it: 32 lowercase hex digits.
-fn reservation_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+pub(crate) fn reservation_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let Some(value) = headers.get(RESERVATION_HEADER) else {
         return Ok(None);
     };
@@ -186,7 +186,7 @@ fn reservation_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
 
 /// A refusal answered to a HEAD pre-flight: the status, headers and error code of the
 /// JSON error the POST would answer.
-fn refused_preflight(error: ApiError) -> Response {
+pub(crate) fn refused_preflight(error: ApiError) -> Response {
     let code = HeaderValue::from_static(error.code);
     let mut response = error.into_response();
     response.headers_mut().insert(ERROR_CODE_HEADER, code);
@@ -239,10 +239,10 @@ pub async fn serve_with(
 }
 
 /// The parsed, validated head of a forwarded upload.
-struct Checked {
-    key: SessionKey,
-    shard: ShardId,
-    epoch: Epoch,
+pub(crate) struct Checked {
+    pub(crate) key: SessionKey,
+    pub(crate) shard: ShardId,
+    pub(crate) epoch: Epoch,
     content_type: String,
     content_length: Option<u64>,
     digest: Option<crate::cas::digest::ContentDigest>,
@@ -295,7 +295,7 @@ fn numeric_header<T: TryFrom<u64>>(
 }
 
 /// Why a forwarded upload is refused before its body is read.
-enum Refusal {
+pub(crate) enum Refusal {
     Api(ApiError),
     Stale {
         current_owner: Option<NodeId>,
@@ -315,7 +315,7 @@ impl IntoResponse for Refusal {
     }
 }
 
-fn check(
+pub(crate) fn check(
     state: &InternalState,
     tenant: &str,
     session: &str,

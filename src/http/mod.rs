@@ -34,6 +34,8 @@ pub mod openapi;
 pub mod ops;
 pub mod rejections;
 pub mod tls;
+pub mod tus;
+pub mod tus_internal;
 pub mod upload;
 
 use std::sync::Arc;
@@ -129,12 +131,31 @@ pub async fn serve(
     listener::serve(listener, router(state), options, shutdown).await
 }
 
+impl AppState {
+    /// The manifests as the collector must see them: with the blocks of every live
+    /// resumable upload marked (docs/resumable.md).
+    pub fn gc_manifests(&self) -> crate::upload::ledger::LiveUploads {
+        crate::upload::ledger::LiveUploads {
+            manifests: self.manifests.clone(),
+            ledger: self.uploads.ledger().clone(),
+        }
+    }
+}
+
 /// The routes of the public router, as `(path, handlers)`. [`router`] serves exactly these;
 /// [`route_paths`] lists them for the OpenAPI check (`tests/openapi.rs`). Built without
 /// state, so the list can be read without a running node.
 pub fn routes() -> Vec<(&'static str, MethodRouter<Arc<AppState>>)> {
     vec![
         ("/v1/blobs", post(upload::post_blob)),
+        ("/v1/uploads", post(tus::create).options(tus::options)),
+        (
+            "/v1/uploads/{id}",
+            axum::routing::head(tus::head)
+                .patch(tus::patch)
+                .delete(tus::delete)
+                .options(tus::options),
+        ),
         (
             "/v1/blobs/{key}",
             get(download::get_blob).delete(download::delete_blob),

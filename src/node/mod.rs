@@ -159,6 +159,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     admission.supervise_under(supervisor.root());
     let cluster_mode = config.cluster.enabled;
     let mut shared_manifests: Option<Arc<dyn ManifestStore>> = None;
+    let mut ledger_pool = None;
     let cluster: Arc<ClusterHandle> = if cluster_mode {
         let mut cluster_config = config.cluster.clone();
         if cluster_config.internal_addr.is_empty() {
@@ -176,6 +177,8 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         crate::storage::pg::migrate(&pool)
             .await
             .map_err(|e| StartError::Cluster(e.to_string()))?;
+        // The resumable-upload ledger lives beside the manifests, so a new owner finds it.
+        ledger_pool = Some(pool.clone());
         if options.manifests.is_none() {
             // Cluster nodes share manifests through PostgreSQL so any node serves any blob.
             shared_manifests = Some(Arc::new(PgManifestStore::new(pool.clone())));
@@ -207,6 +210,14 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         (None, None) => {
             Arc::new(FsManifestStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?)
         }
+    };
+    // Opened before the listener binds: a node that accepts connections is fully started.
+    let ledger: Arc<dyn crate::upload::ledger::UploadLedger> = match ledger_pool {
+        Some(pool) => Arc::new(crate::upload::ledger::PgLedger::new(pool)),
+        None => Arc::new(
+            crate::upload::ledger::RedbLedger::open(&data_dir.join("uploads.redb"))
+                .map_err(storage_err)?,
+        ),
     };
     let forwarder = if cluster_mode {
         let options = ForwardOptions::from_config(&config.control).ok_or_else(|| {
@@ -280,6 +291,11 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
                 body_idle_timeout: config.upload.body_idle_timeout.get(),
             },
             metrics: metrics.clone(),
+            ledger,
+            resumable: crate::upload::resumable::ResumableLimits {
+                part_footprint: config.upload.resumable_part_footprint.bytes(),
+                expiry: config.upload.resumable_expiry.get(),
+            },
         },
     ));
     let state = Arc::new(AppState {
@@ -303,6 +319,10 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     let weak = Arc::downgrade(&state);
     tasks.spawn("collector schedule", move |stop| {
         tasks::collect_on_schedule(weak.clone(), stop)
+    });
+    let weak = Arc::downgrade(&state);
+    tasks.spawn("resumable upload sweep", move |stop| {
+        tasks::sweep_expired_uploads(weak.clone(), stop)
     });
 
     let cluster_parts = if cluster_mode {
@@ -384,11 +404,19 @@ async fn start_cluster_parts(
         source,
     })?;
     let stop = CancellationToken::new();
-    let router = internal::router(internal::InternalState {
+    let internal_state = internal::InternalState {
         token,
         epochs: state.cluster.clone(),
         ingest: Arc::new(state.uploads.clone()),
-    });
+    };
+    // Forwarded tus requests (http::tus_internal) share the listener and its checks.
+    let tus_routes =
+        crate::http::tus_internal::router(crate::http::tus_internal::TusInternalState {
+            internal: internal_state.clone(),
+            uploads: state.uploads.clone(),
+            max_blob_size: config.upload.max_blob_size.bytes(),
+        });
+    let router = internal::router(internal_state).merge(tus_routes);
     let tls = if config.http.internal_tls.enabled() {
         Some(
             crate::http::tls::internal_acceptor(&config.http.internal_tls)

@@ -1,5 +1,5 @@
-//! The node's background tasks (the collector schedule, the peer feed, the release of lost
-//! sessions) as one supervised set: every task runs under the node's stop token, a task
+//! The node's background tasks (the collector schedule, the sweep of expired resumable
+//! uploads, the peer feed, the release of lost sessions) as one supervised set: every task runs under the node's stop token, a task
 //! that panics is restarted with the supervisors' restart backoff (`actors::restart`), and shutdown cancels and
 //! awaits them all. No bare `tokio::spawn` of a long-lived task elsewhere in the node.
 
@@ -92,7 +92,8 @@ pub async fn collect_on_schedule(app: std::sync::Weak<AppState>, stop: Cancellat
             return;
         };
         let options = GcOptions::from_config(&app.config.storage.gc, false, true);
-        match gc::collect(store, app.manifests.as_ref(), options, &mut gc::Quiet).await {
+        let marked = app.gc_manifests();
+        match gc::collect(store, &marked, options, &mut gc::Quiet).await {
             Ok(report) => {
                 metrics.record(&report);
                 tracing::info!(?report, "collector run finished");
@@ -105,6 +106,29 @@ pub async fn collect_on_schedule(app: std::sync::Weak<AppState>, stop: Cancellat
                 metrics.failures.inc();
                 tracing::warn!(error = %err, "collector run failed")
             }
+        }
+    }
+}
+
+/// Remove expired resumable uploads every `upload.resumable_sweep_interval` (their
+/// ledger rows, staged tails and block lists; the blocks are then the collector's).
+pub async fn sweep_expired_uploads(app: std::sync::Weak<AppState>, stop: CancellationToken) {
+    let Some(interval) = app
+        .upgrade()
+        .map(|app| app.config.upload.resumable_sweep_interval.get())
+    else {
+        return;
+    };
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let Some(app) = app.upgrade() else { return };
+        match app.uploads.sweep_expired().await {
+            Ok(0) => {}
+            Ok(removed) => tracing::info!(removed, "expired resumable uploads removed"),
+            Err(err) => tracing::warn!(error = %err, "resumable upload sweep failed"),
         }
     }
 }

@@ -27,6 +27,18 @@ pub enum UploadError {
     /// The cluster admission lease was lost while the body streamed.
     #[error("the transfer's admission lease was lost")]
     LeaseLost,
+    /// No such resumable upload (never created, terminated, or swept after expiry).
+    #[error("no such upload")]
+    UploadNotFound,
+    /// The resumable upload expired (not swept yet).
+    #[error("the upload expired")]
+    UploadExpired,
+    /// A PATCH's `Upload-Offset` is not the upload's offset (or the upload is complete).
+    #[error("Upload-Offset differs from the upload's offset {current}")]
+    OffsetMismatch { current: u64 },
+    /// The session already has a live resumable upload.
+    #[error("the session already has an upload")]
+    UploadExists,
 }
 
 impl UploadError {
@@ -48,6 +60,10 @@ impl UploadError {
             UploadError::ShardUnavailable | UploadError::ShardMoved | UploadError::LeaseLost => {
                 true
             }
+            UploadError::UploadNotFound
+            | UploadError::UploadExpired
+            | UploadError::OffsetMismatch { .. }
+            | UploadError::UploadExists => false,
         }
     }
 

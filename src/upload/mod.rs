@@ -18,6 +18,8 @@
 mod claim;
 mod error;
 pub mod record;
+pub mod ledger;
+pub mod resumable;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -84,16 +86,28 @@ pub struct UploadParts {
     pub cluster: Arc<ClusterHandle>,
     pub limits: UploadLimits,
     pub metrics: Metrics,
+    /// The ledger of resumable uploads.
+    pub ledger: Arc<dyn ledger::UploadLedger>,
+    pub resumable: resumable::ResumableLimits,
 }
 
 /// Owner-local ingest of uploads (see the module docs).
 pub struct UploadService {
     parts: UploadParts,
+    hashers: resumable::Hashers,
 }
 
 impl UploadService {
     pub fn new(parts: UploadParts) -> Self {
-        Self { parts }
+        Self {
+            parts,
+            hashers: Default::default(),
+        }
+    }
+
+    /// The ledger of resumable uploads (the collector marks its blocks live).
+    pub fn ledger(&self) -> &Arc<dyn ledger::UploadLedger> {
+        &self.parts.ledger
     }
 
     /// The node that ingests here.
@@ -150,10 +164,25 @@ impl UploadService {
         admitted: Option<AdmissionPermit>,
         tenant: Option<TenantId>,
     ) -> Result<UploadClaim, UploadError> {
+        self.claim_with(route, admitted, tenant, None).await
+    }
+
+    /// [`Self::claim`] with an explicit admission footprint (a resumable upload's part)
+    /// instead of the plain upload's.
+    pub(crate) async fn claim_with(
+        &self,
+        route: Option<LocalRoute>,
+        admitted: Option<AdmissionPermit>,
+        tenant: Option<TenantId>,
+        footprint: Option<crate::admission::Footprint>,
+    ) -> Result<UploadClaim, UploadError> {
         let tenant = route.map(|r| r.key.tenant).or(tenant);
-        let admission = match admitted {
-            Some(permit) => permit,
-            None => {
+        let admission = match (admitted, footprint, tenant) {
+            (Some(permit), _, _) => permit,
+            (None, Some(footprint), Some(tenant)) => {
+                self.parts.admission.admit_part(tenant, footprint).await?
+            }
+            (None, _, _) => {
                 self.parts
                     .admission
                     .admit_transfer(Operation::Upload, tenant)
@@ -236,7 +265,7 @@ impl UploadService {
             max_size: parts.limits.max_blob_size,
             declared_size: declared.length,
             idle_timeout: parts.limits.body_idle_timeout,
-            digest: declared.digest,
+            digest: declared.digest.map(Into::into),
         };
         let mut progress = Progress::new(claim.ticket());
         let metrics = parts.metrics.clone();

@@ -45,6 +45,9 @@ use futures_util::future::BoxFuture;
 
 use crate::config::Secret;
 mod source;
+mod tus;
+
+pub use tus::tus_path;
 
 use source::Source;
 

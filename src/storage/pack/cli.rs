@@ -84,7 +84,11 @@ async fn run_cluster_gc(config: &Config, dry_run: bool, purge: bool) -> anyhow::
         .shared()
         .map(|index| index.pool().clone())
         .ok_or_else(|| anyhow::anyhow!("the cluster store has no shared index"))?;
-    let manifests = crate::storage::pg::PgManifestStore::new(pool);
+    // Blocks of live resumable uploads count as referenced (docs/resumable.md).
+    let manifests = crate::upload::ledger::LiveUploads {
+        manifests: Arc::new(crate::storage::pg::PgManifestStore::new(pool.clone())),
+        ledger: Arc::new(crate::upload::ledger::PgLedger::new(pool)),
+    };
     let mut bar = Bar::new();
     Ok(gc::collect(
         &store,
@@ -95,11 +99,18 @@ async fn run_cluster_gc(config: &Config, dry_run: bool, purge: bool) -> anyhow::
     .await?)
 }
 
+/// The node's manifests with the blocks of its live resumable uploads marked too.
 async fn manifests(config: &Config) -> anyhow::Result<Arc<dyn ManifestStore>> {
-    Ok(Arc::new(FsManifestStore::open(
+    let manifests: Arc<dyn ManifestStore> = Arc::new(FsManifestStore::open(
         &config.storage.data_dir,
         config.storage.fsync,
-    )?))
+    )?);
+    let ledger =
+        crate::upload::ledger::RedbLedger::open(&config.storage.data_dir.join("uploads.redb"))?;
+    Ok(Arc::new(crate::upload::ledger::LiveUploads {
+        manifests,
+        ledger: Arc::new(ledger),
+    }))
 }
 
 /// `graviton gc [--dry-run] [--purge] [--restore]`.

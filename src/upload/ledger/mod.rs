@@ -1,0 +1,165 @@
+//! The ledger of resumable (tus) uploads: one row per upload with its declared length,
+//! the offset durably accepted, the expiry, the staged tail (the bytes after the last cut
+//! point, at most one maximum chunk) and the ordered blocks so far; the blob key once
+//! complete. See docs/resumable.md.
+//!
+//! [`UploadLedger`] is the port; [`RedbLedger`] keeps it in `<data_dir>/uploads.redb` on
+//! one node, [`PgLedger`] in the cluster's PostgreSQL (`sql/0009_uploads.sql`), so any
+//! node that becomes the session's owner finds the upload. [`LiveUploads`] makes the
+//! collector treat every block of a live upload as referenced.
+//!
+//! Every write of a PATCH is conditional on the offset it started from
+//! ([`UploadLedger::advance`]): the row moves only from the state the PATCH read.
+
+mod pg;
+mod redb;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+pub use self::pg::PgLedger;
+pub use self::redb::RedbLedger;
+use crate::cas::{BlobKey, BlockKey, BlockRef, Manifest};
+use crate::storage::manifest::CommitFence;
+use crate::storage::{CreateOutcome, ManifestStore, StoreError, StoreFuture};
+use crate::tus::UploadId;
+
+/// One upload's row (without its tail and blocks).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UploadRow {
+    /// `Upload-Length`.
+    pub length: u64,
+    /// Bytes durably accepted: the committed blocks plus the staged tail.
+    pub offset: u64,
+    /// Unix ms after which the upload is gone.
+    pub expires_ms: u64,
+    pub created_ms: u64,
+    /// `Upload-Metadata` as sent (validated).
+    pub metadata: Option<String>,
+    /// Blocks recorded so far (the next block's sequence number).
+    pub block_count: u64,
+    /// The blob's key once the upload is complete.
+    pub blob_key: Option<String>,
+}
+
+impl UploadRow {
+    pub fn is_expired(&self, now_ms: u64) -> bool {
+        now_ms >= self.expires_ms
+    }
+
+    pub fn is_complete(&self) -> bool {
+        self.blob_key.is_some()
+    }
+}
+
+/// What one PATCH durably accepted.
+#[derive(Debug, Clone)]
+pub struct Advance {
+    pub offset: u64,
+    /// The new staged tail (replaces the old one).
+    pub tail: Bytes,
+    /// Blocks cut by this PATCH, appended after the recorded ones.
+    pub blocks: Vec<BlockRef>,
+    pub expires_ms: u64,
+    /// Set on the final PATCH: the blocks and tail are dropped (the manifest holds them).
+    pub blob_key: Option<BlobKey>,
+}
+
+/// The ledger port (see the module docs).
+pub trait UploadLedger: Send + Sync + 'static {
+    /// Record a new upload. `Ok(false)` if a live (unexpired) upload with this id exists;
+    /// an expired one is replaced.
+    fn create(&self, id: UploadId, row: &UploadRow, now_ms: u64) -> StoreFuture<'_, bool>;
+
+    /// The row and the staged tail.
+    fn get(&self, id: UploadId) -> StoreFuture<'_, Option<(UploadRow, Bytes)>>;
+
+    /// The recorded blocks, in order.
+    fn blocks(&self, id: UploadId) -> StoreFuture<'_, Vec<BlockRef>>;
+
+    /// Apply `step` if the row's offset is still `from` (and it is not complete).
+    /// `Ok(false)` when the row is gone or moved on.
+    fn advance(&self, id: UploadId, from: u64, step: Advance) -> StoreFuture<'_, bool>;
+
+    /// Remove an upload (termination). `Ok(false)` if there was none.
+    fn delete(&self, id: UploadId) -> StoreFuture<'_, bool>;
+
+    /// Remove every upload expired at `now_ms`; returns how many.
+    fn sweep(&self, now_ms: u64) -> StoreFuture<'_, u64>;
+
+    /// Visit every block of every upload in the ledger (the collector's mark phase).
+    fn for_each_block<'a>(
+        &'a self,
+        visit: &'a mut (dyn FnMut(BlockKey) + Send),
+    ) -> StoreFuture<'a, ()>;
+}
+
+/// The manifests, seen by the collector with the blocks of live uploads added to every
+/// mark: an incomplete upload's blocks are referenced by the ledger however old they are.
+pub struct LiveUploads {
+    pub manifests: Arc<dyn ManifestStore>,
+    pub ledger: Arc<dyn UploadLedger>,
+}
+
+impl ManifestStore for LiveUploads {
+    fn create(&self, manifest: &Manifest) -> StoreFuture<'_, CreateOutcome> {
+        self.manifests.create(manifest)
+    }
+
+    fn create_fenced<'a>(
+        &'a self,
+        manifest: &'a Manifest,
+        fence: Option<&'a CommitFence>,
+    ) -> StoreFuture<'a, CreateOutcome> {
+        self.manifests.create_fenced(manifest, fence)
+    }
+
+    fn database(&self) -> Option<&sqlx::PgPool> {
+        self.manifests.database()
+    }
+
+    fn get(&self, key: BlobKey) -> StoreFuture<'_, Option<Manifest>> {
+        self.manifests.get(key)
+    }
+
+    fn delete(&self, key: BlobKey) -> StoreFuture<'_, bool> {
+        self.manifests.delete(key)
+    }
+
+    fn for_each_block<'a>(
+        &'a self,
+        visit: &'a mut (dyn FnMut(BlockKey) + Send),
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            self.manifests.for_each_block(visit).await?;
+            self.ledger.for_each_block(visit).await
+        })
+    }
+}
+
+/// A block as the ledgers store it: 32-byte key then the size, little-endian.
+pub(super) fn encode_block(block: &BlockRef) -> [u8; 36] {
+    let mut out = [0u8; 36];
+    out[..32].copy_from_slice(&block.key.0);
+    out[32..].copy_from_slice(&block.size.to_le_bytes());
+    out
+}
+
+pub(super) fn decode_block(raw: &[u8]) -> Result<BlockRef, StoreError> {
+    if raw.len() != 36 {
+        return Err(StoreError::Corrupt("upload ledger block damaged".into()));
+    }
+    let mut key = [0u8; 32];
+    key.copy_from_slice(&raw[..32]);
+    let mut size = [0u8; 4];
+    size.copy_from_slice(&raw[32..]);
+    Ok(BlockRef {
+        key: BlockKey(key),
+        size: u32::from_le_bytes(size),
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,413 @@
+//! Resumable (tus) uploads in the upload service: creation, status, termination, and
+//! each PATCH as one staged part (docs/resumable.md).
+//!
+//! A PATCH, in order (every refusal before the body leaves it unread): the ledger row is
+//! checked (exists, not expired, offset matches, length not exceeded) → the claim with
+//! the part's footprint (`min(part_footprint, remaining)`: admission, ingest permit,
+//! session ticket, the same [`UploadClaim`] as a plain upload) → the row is read again
+//! under the ticket → the body runs through `cas::ingest::ingest_part` from the staged
+//! tail → the write session commits (with the manifest, under the commit fence, on the
+//! final PATCH) → the ledger advances, conditional on the offset the PATCH started from
+//! (TUS-1: the offset counts only bytes that are durable) → the claim is finished.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::Stream;
+
+use super::{UploadClaim, UploadError, UploadService};
+use crate::admission::{AdmissionPermit, Footprint};
+use crate::cas::digest::BodyDigest;
+use crate::cas::ingest::{IngestError, IngestLimits, PartOutcome, PartStart, ingest_part};
+use crate::cas::{BlobKey, BlockKey, Manifest};
+use crate::placement::LocalRoute;
+use crate::storage::StoreError;
+use crate::tus::{UploadId, now_ms, part_footprint};
+
+pub use super::ledger::{Advance, UploadLedger, UploadRow};
+
+/// Limits of resumable uploads (`[upload]`).
+#[derive(Debug, Clone, Copy)]
+pub struct ResumableLimits {
+    /// The admission footprint cap of one PATCH.
+    pub part_footprint: u64,
+    /// How long an upload lives after its last progress.
+    pub expiry: Duration,
+}
+
+/// What a PATCH declared about its body.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PartDeclared {
+    /// `Content-Length` of the PATCH.
+    pub length: Option<u64>,
+    /// `Upload-Checksum`.
+    pub checksum: Option<BodyDigest>,
+}
+
+/// The state of an upload after a PATCH (or at a HEAD).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartReceipt {
+    pub offset: u64,
+    pub length: u64,
+    pub expires_ms: u64,
+    pub blob_key: Option<String>,
+}
+
+/// Whole-content hashers of the uploads this node is ingesting, each with the offset it
+/// has hashed to (`blake3::Hasher` cannot be stored; see docs/resumable.md).
+#[derive(Default)]
+pub(super) struct Hashers {
+    map: Mutex<HashMap<UploadId, (u64, blake3::Hasher)>>,
+}
+
+impl Hashers {
+    fn take(&self, id: &UploadId, offset: u64) -> Option<blake3::Hasher> {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        match map.remove(id) {
+            Some((at, hasher)) if at == offset => Some(hasher),
+            _ => None,
+        }
+    }
+
+    fn put(&self, id: UploadId, offset: u64, hasher: blake3::Hasher) {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        map.insert(id, (offset, hasher));
+    }
+
+    fn forget(&self, id: &UploadId) {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        map.remove(id);
+    }
+
+    fn retain(&self, keep: impl Fn(&UploadId) -> bool) {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        map.retain(|id, _| keep(id));
+    }
+}
+
+fn receipt(row: &UploadRow) -> PartReceipt {
+    PartReceipt {
+        offset: row.offset,
+        length: row.length,
+        expires_ms: row.expires_ms,
+        blob_key: row.blob_key.clone(),
+    }
+}
+
+impl UploadService {
+    /// The live row of `id`: [`UploadError::UploadNotFound`] or
+    /// [`UploadError::UploadExpired`] otherwise.
+    async fn live_row(&self, id: UploadId) -> Result<(UploadRow, Bytes), UploadError> {
+        let (row, tail) = self
+            .ledger()
+            .get(id)
+            .await
+            .map_err(IngestError::from)?
+            .ok_or(UploadError::UploadNotFound)?;
+        if row.is_expired(now_ms()) {
+            return Err(UploadError::UploadExpired);
+        }
+        Ok((row, tail))
+    }
+
+    /// Create an upload of `length` bytes (the tus `creation` extension).
+    pub async fn create_upload(
+        &self,
+        id: UploadId,
+        length: u64,
+        metadata: Option<String>,
+    ) -> Result<PartReceipt, UploadError> {
+        let now = now_ms();
+        let row = UploadRow {
+            length,
+            offset: 0,
+            expires_ms: now.saturating_add(self.parts.resumable.expiry.as_millis() as u64),
+            created_ms: now,
+            metadata,
+            block_count: 0,
+            blob_key: None,
+        };
+        if !self
+            .ledger()
+            .create(id, &row, now)
+            .await
+            .map_err(IngestError::from)?
+        {
+            return Err(UploadError::UploadExists);
+        }
+        self.hashers.forget(&id);
+        Ok(receipt(&row))
+    }
+
+    /// The state of an upload (HEAD), with its metadata.
+    pub async fn upload_status(
+        &self,
+        id: UploadId,
+    ) -> Result<(PartReceipt, Option<String>), UploadError> {
+        let (row, _) = self.live_row(id).await?;
+        Ok((receipt(&row), row.metadata))
+    }
+
+    /// Terminate an upload (the tus `termination` extension): its row, tail and block
+    /// list go; its blocks are left to the collector.
+    pub async fn terminate(&self, id: UploadId) -> Result<(), UploadError> {
+        self.hashers.forget(&id);
+        if self.ledger().delete(id).await.map_err(IngestError::from)? {
+            Ok(())
+        } else {
+            Err(UploadError::UploadNotFound)
+        }
+    }
+
+    /// Remove expired uploads (the background sweep); returns how many.
+    pub async fn sweep_expired(&self) -> Result<u64, StoreError> {
+        let removed = self.ledger().sweep(now_ms()).await?;
+        if removed > 0 {
+            // Hashers of uploads that are gone are never taken again; drop them.
+            let mut live = std::collections::HashSet::new();
+            let ids: Vec<UploadId> = {
+                let map = self.hashers.map.lock().unwrap_or_else(|e| e.into_inner());
+                map.keys().copied().collect()
+            };
+            for id in ids {
+                if matches!(self.ledger().get(id).await, Ok(Some(_))) {
+                    live.insert(id);
+                }
+            }
+            self.hashers.retain(|id| live.contains(id));
+        }
+        Ok(removed)
+    }
+
+    /// The footprint a PATCH at `offset` would reserve, after the checks that need no
+    /// body: the upload is live, the offset matches, `Content-Length` fits.
+    pub async fn check_part(
+        &self,
+        id: UploadId,
+        offset: u64,
+        declared: &PartDeclared,
+    ) -> Result<Footprint, UploadError> {
+        let (row, _) = self.live_row(id).await?;
+        check_row(&row, offset, declared)?;
+        let remaining = row.length.saturating_sub(row.offset);
+        Ok(Footprint::new(part_footprint(
+            self.parts.resumable.part_footprint,
+            remaining,
+        ))
+        .expect("part_footprint is at least 1"))
+    }
+
+    /// Admit a forwarded PATCH in its pre-flight and park the admission for the PATCH.
+    pub async fn reserve_forwarded_part(
+        &self,
+        id: UploadId,
+        offset: u64,
+        declared: &PartDeclared,
+    ) -> Result<String, UploadError> {
+        let footprint = self.check_part(id, offset, declared).await?;
+        let permit = self
+            .parts
+            .admission
+            .admit_forwarded_part(id.key().tenant, footprint)
+            .await?;
+        Ok(self
+            .parts
+            .admission
+            .park(permit, super::reservation_tag(&id.key())))
+    }
+
+    /// One PATCH (see the module docs). `admitted` is the admission a forwarder's
+    /// pre-flight made.
+    pub async fn patch<S, E>(
+        &self,
+        route: Option<LocalRoute>,
+        admitted: Option<AdmissionPermit>,
+        id: UploadId,
+        offset: u64,
+        declared: PartDeclared,
+        body: S,
+    ) -> Result<PartReceipt, UploadError>
+    where
+        S: Stream<Item = Result<Bytes, E>> + Send + Unpin,
+        E: std::fmt::Display,
+    {
+        let footprint = self.check_part(id, offset, &declared).await?;
+        let claim = self
+            .claim_with(route, admitted, Some(id.key().tenant), Some(footprint))
+            .await?;
+        let result = tokio::select! {
+            biased;
+            result = self.run_part(id, offset, declared, body, &claim) => result,
+            cancelled = claim.cancelled() => Err(cancelled),
+        };
+        claim.finish(&result);
+        result
+    }
+
+    async fn run_part<S, E>(
+        &self,
+        id: UploadId,
+        offset: u64,
+        declared: PartDeclared,
+        body: S,
+        claim: &UploadClaim,
+    ) -> Result<PartReceipt, UploadError>
+    where
+        S: Stream<Item = Result<Bytes, E>> + Send + Unpin,
+        E: std::fmt::Display,
+    {
+        // Read again under the session ticket: no other PATCH of this upload runs now.
+        let (row, tail) = self.live_row(id).await?;
+        check_row(&row, offset, &declared)?;
+        let whole = match self.hashers.take(&id, row.offset) {
+            Some(hasher) => hasher,
+            None => self.rebuild_hasher(id, &tail).await?,
+        };
+        let limits = IngestLimits {
+            max_size: self.parts.limits.max_blob_size,
+            declared_size: declared.length,
+            idle_timeout: self.parts.limits.body_idle_timeout,
+            digest: declared.checksum,
+        };
+        let start = PartStart {
+            tail,
+            whole,
+            remaining: row.length.saturating_sub(row.offset),
+            keep_partial: declared.checksum.is_none(),
+        };
+        let mut session = self.parts.blocks.begin().map_err(IngestError::from)?;
+        let metrics = self.parts.metrics.clone();
+        let part = ingest_part(body, limits, start, session.as_mut(), |bytes| {
+            metrics.upload_bytes.inc_by(bytes);
+        })
+        .await?;
+        let PartOutcome {
+            received,
+            refs,
+            tail,
+            whole,
+            complete,
+            interrupted,
+            ..
+        } = part;
+        let new_offset = row.offset + received;
+        let blob_key = if complete {
+            let key = BlobKey {
+                hash: *whole.finalize().as_bytes(),
+                size: row.length,
+            };
+            let mut blocks = self.ledger().blocks(id).await.map_err(IngestError::from)?;
+            blocks.extend_from_slice(&refs);
+            let manifest = Manifest::new(key, blocks, now_ms());
+            session
+                .commit_manifest(manifest, self.parts.manifests.clone(), claim.fence())
+                .await
+                .map_err(IngestError::from)?;
+            Some(key)
+        } else {
+            session.commit().await.map_err(IngestError::from)?;
+            None
+        };
+        let expires_ms = now_ms().saturating_add(self.parts.resumable.expiry.as_millis() as u64);
+        if received > 0 || complete {
+            let step = Advance {
+                offset: new_offset,
+                tail,
+                blocks: refs,
+                expires_ms,
+                blob_key,
+            };
+            if !self
+                .ledger()
+                .advance(id, row.offset, step)
+                .await
+                .map_err(IngestError::from)?
+            {
+                // Terminated or swept while the PATCH ran, or another writer (a previous
+                // owner of the shard) advanced it first: this PATCH's bytes are not
+                // counted (its blocks are unreferenced and left to the collector).
+                return Err(match self.live_row(id).await {
+                    Ok((row, _)) => UploadError::OffsetMismatch {
+                        current: row.offset,
+                    },
+                    Err(err) => err,
+                });
+            }
+        }
+        if complete {
+            self.hashers.forget(&id);
+        } else {
+            self.hashers.put(id, new_offset, whole);
+        }
+        if let Some(err) = interrupted {
+            return Err(err.into());
+        }
+        Ok(PartReceipt {
+            offset: new_offset,
+            length: row.length,
+            expires_ms: if received > 0 || complete {
+                expires_ms
+            } else {
+                row.expires_ms
+            },
+            blob_key: blob_key.map(|k| k.to_string()),
+        })
+    }
+
+    /// The whole-content hasher of an upload rebuilt from its committed blocks (each
+    /// checked against its key) and its staged tail: after a restart or an owner move.
+    async fn rebuild_hasher(
+        &self,
+        id: UploadId,
+        tail: &Bytes,
+    ) -> Result<blake3::Hasher, UploadError> {
+        let blocks = self.ledger().blocks(id).await.map_err(IngestError::from)?;
+        let mut hasher = blake3::Hasher::new();
+        for block in blocks {
+            let data = self
+                .parts
+                .blocks
+                .get(block.key)
+                .await
+                .map_err(IngestError::from)?
+                .ok_or_else(|| {
+                    IngestError::Store(StoreError::Unavailable(format!(
+                        "block {} of a resumable upload is missing",
+                        block.key.to_hex()
+                    )))
+                })?;
+            hasher = tokio::task::spawn_blocking(move || {
+                if BlockKey::of(&data) != block.key {
+                    return Err(IngestError::Store(StoreError::Corrupt(format!(
+                        "block {} of a resumable upload is corrupt",
+                        block.key.to_hex()
+                    ))));
+                }
+                hasher.update(&data);
+                Ok(hasher)
+            })
+            .await
+            .map_err(|e| IngestError::Pipeline(format!("hasher rebuild: {e}")))??;
+        }
+        hasher.update(tail);
+        Ok(hasher)
+    }
+}
+
+/// The checks of a PATCH against its row that need no body.
+fn check_row(row: &UploadRow, offset: u64, declared: &PartDeclared) -> Result<(), UploadError> {
+    if row.is_complete() || row.offset != offset {
+        return Err(UploadError::OffsetMismatch {
+            current: row.offset,
+        });
+    }
+    let remaining = row.length.saturating_sub(row.offset);
+    if let Some(length) = declared.length
+        && length > remaining
+    {
+        return Err(IngestError::PastUploadLength { remaining }.into());
+    }
+    Ok(())
+}
