@@ -241,7 +241,7 @@ async fn oversized_request_heads_get_431() {
 }
 
 #[tokio::test]
-async fn cors_preflight_allows_the_locality_headers_and_exposes_location() {
+async fn cors_preflight_allows_the_locality_and_tus_headers_and_exposes_location() {
     let node = TestNode::start_with(
         |c| c.http.cors.allowed_origins = vec!["https://app.example".into()],
         NodeOptions::default(),
@@ -297,6 +297,65 @@ async fn cors_preflight_allows_the_locality_headers_and_exposes_location() {
         .unwrap()
         .to_ascii_lowercase();
     for name in ["location", "etag", "retry-after"] {
+        assert!(exposed.contains(name), "{name} missing from {exposed}");
+    }
+    // A browser tus client on the origin: PATCH and the tus headers are allowed, and the
+    // tus answers' headers are readable.
+    let preflight = client
+        .request(reqwest::Method::OPTIONS, format!("{}/v1/uploads/x", node.url))
+        .header("Origin", "https://app.example")
+        .header("Access-Control-Request-Method", "PATCH")
+        .header(
+            "Access-Control-Request-Headers",
+            "tus-resumable, upload-offset, upload-length, upload-metadata, upload-checksum, content-type",
+        )
+        .send()
+        .await
+        .unwrap();
+    assert!(preflight.status().is_success(), "{}", preflight.status());
+    let allowed = preflight.headers()["access-control-allow-headers"]
+        .to_str()
+        .unwrap()
+        .to_ascii_lowercase();
+    for name in [
+        "tus-resumable",
+        "upload-offset",
+        "upload-length",
+        "upload-metadata",
+        "upload-checksum",
+    ] {
+        assert!(allowed.contains(name), "{name} missing from {allowed}");
+    }
+    assert!(
+        preflight.headers()["access-control-allow-methods"]
+            .to_str()
+            .unwrap()
+            .contains("PATCH")
+    );
+    let created = client
+        .post(format!("{}/v1/uploads", node.url))
+        .header("Origin", "https://app.example")
+        .header("Tus-Resumable", "1.0.0")
+        .header("Upload-Length", "5")
+        .header(
+            "X-Graviton-Tenant-Id",
+            "0b9c7a52-7f3e-4a1f-9d2e-2a4c6e8f0a11",
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 201);
+    let exposed = created.headers()["access-control-expose-headers"]
+        .to_str()
+        .unwrap()
+        .to_ascii_lowercase();
+    for name in [
+        "location",
+        "upload-offset",
+        "upload-expires",
+        "tus-resumable",
+        "graviton-blob-key",
+    ] {
         assert!(exposed.contains(name), "{name} missing from {exposed}");
     }
     // An origin that is not listed gets no CORS grant.

@@ -1,16 +1,19 @@
 //! CORS for browser clients of the public API (tower-http's `CorsLayer`).
 //!
 //! Off unless `http.cors.allowed_origins` lists origins. Preflights allow the methods of
-//! the public API and the headers a browser upload sends (`Authorization`,
-//! `Content-Type`, the two locality headers, `Range`, `If-None-Match`); responses expose
-//! `Location`, `ETag`, `Retry-After` and the range headers. No credentials mode: the API
-//! uses bearer tokens, not cookies.
+//! the public API (`PATCH` for tus) and the headers a browser upload sends
+//! (`Authorization`, `Content-Type`, the two locality headers, `Range`, `If-None-Match`,
+//! and the tus request headers); responses expose `Location`, `ETag`, `Retry-After`, the
+//! range headers and the tus response headers (`Upload-Offset`, `Graviton-Blob-Key`, …),
+//! so a browser tus client such as tus-js-client on another origin can resume. No
+//! credentials mode: the API uses bearer tokens, not cookies.
 
 use axum::http::{HeaderName, HeaderValue, Method, header};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use super::config::CorsConfig;
 use super::headers::{SESSION_HEADER, TENANT_HEADER};
+use crate::tus;
 
 /// The layer for `config`, or `None` when CORS is off.
 pub fn layer(config: &CorsConfig) -> Option<CorsLayer> {
@@ -36,6 +39,7 @@ pub fn layer(config: &CorsConfig) -> Option<CorsLayer> {
                 Method::POST,
                 Method::PUT,
                 Method::DELETE,
+                Method::PATCH,
             ])
             .allow_headers([
                 header::AUTHORIZATION,
@@ -44,6 +48,11 @@ pub fn layer(config: &CorsConfig) -> Option<CorsLayer> {
                 HeaderName::from_static(SESSION_HEADER),
                 header::RANGE,
                 header::IF_NONE_MATCH,
+                HeaderName::from_static(tus::TUS_RESUMABLE),
+                HeaderName::from_static(tus::UPLOAD_LENGTH),
+                HeaderName::from_static(tus::UPLOAD_OFFSET),
+                HeaderName::from_static(tus::UPLOAD_METADATA),
+                HeaderName::from_static(tus::UPLOAD_CHECKSUM),
             ])
             .expose_headers([
                 header::LOCATION,
@@ -51,6 +60,16 @@ pub fn layer(config: &CorsConfig) -> Option<CorsLayer> {
                 header::RETRY_AFTER,
                 header::CONTENT_RANGE,
                 header::ACCEPT_RANGES,
+                HeaderName::from_static(tus::TUS_RESUMABLE),
+                HeaderName::from_static(tus::TUS_VERSION),
+                HeaderName::from_static(tus::TUS_EXTENSION),
+                HeaderName::from_static(tus::TUS_MAX_SIZE),
+                HeaderName::from_static(tus::TUS_CHECKSUM_ALGORITHM),
+                HeaderName::from_static(tus::UPLOAD_OFFSET),
+                HeaderName::from_static(tus::UPLOAD_LENGTH),
+                HeaderName::from_static(tus::UPLOAD_EXPIRES),
+                HeaderName::from_static(tus::UPLOAD_METADATA),
+                HeaderName::from_static(tus::BLOB_KEY),
             ])
             .max_age(config.max_age.get()),
     )

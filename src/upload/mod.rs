@@ -17,8 +17,8 @@
 
 mod claim;
 mod error;
-pub mod record;
 pub mod ledger;
+pub mod record;
 pub mod resumable;
 
 use std::sync::Arc;
