@@ -12,17 +12,9 @@
 # tell the tests where it is. Set GRAVITON_SKIP_GARAGE=1 to leave it out.
 set -euo pipefail
 
-apt_updated=0
+# Debian packages go through scripts/apt-install (one apt run at a time).
 apt_install() {
-  if [ "$(id -u)" != 0 ]; then
-    echo "scripts/services.sh: need root to install $* (or install it yourself)" >&2
-    return 1
-  fi
-  if [ "$apt_updated" = 0 ]; then
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    apt_updated=1
-  fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  "$(dirname "${BASH_SOURCE[0]}")/apt-install" "$@"
 }
 
 if ! command -v redis-server >/dev/null 2>&1; then
