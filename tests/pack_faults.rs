@@ -80,26 +80,6 @@ fn wait_paused(child: &mut Child, step: &str) {
     }
 }
 
-fn kill9(child: &mut Child) {
-    // SIGKILL: no shutdown code runs.
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
-async fn wait_ready(url: &str) {
-    assert!(
-        support::wait_until(Duration::from_secs(30), || async {
-            client()
-                .get(format!("{url}/readyz"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
-        })
-        .await,
-        "node did not become ready"
-    );
-}
-
 async fn upload(url: &str, data: &[u8]) -> String {
     let response = client()
         .post(format!("{url}/v1/blobs"))
@@ -255,20 +235,20 @@ async fn prepare(dir: &Path, contents: &Contents) {
     let port = support::free_port();
     let url = format!("http://127.0.0.1:{port}");
     let mut node = serve(dir, port, None);
-    wait_ready(&url).await;
+    support::wait_ready(&url, Duration::from_secs(30)).await;
     upload(&url, &contents.keep).await;
     let whole = upload(&url, &contents.whole).await;
     upload(&url, &contents.half).await;
     let gone = upload(&url, &contents.gone).await;
     delete(&url, &whole).await;
     delete(&url, &gone).await;
-    kill9(&mut node);
+    support::kill9(&mut node);
 
     let mut node = serve(dir, port, Some("pack directory synced"));
-    wait_ready(&url).await;
+    support::wait_ready(&url, Duration::from_secs(30)).await;
     let stream = start_upload(port, &contents.unacked);
     wait_paused(&mut node, "pack directory synced");
-    kill9(&mut node);
+    support::kill9(&mut node);
     assert!(!answer(stream).contains("201"), "never acknowledged");
 }
 
@@ -293,24 +273,24 @@ async fn gc_killed_after(step: &str, purge_first: bool) {
         .spawn()
         .unwrap();
     wait_paused(&mut gc, step);
-    kill9(&mut gc);
+    support::kill9(&mut gc);
 
     // restart: the index is recovered and nothing acknowledged is lost
     let port = support::free_port();
     let url = format!("http://127.0.0.1:{port}");
     let mut node = serve(dir.path(), port, None);
-    wait_ready(&url).await;
+    support::wait_ready(&url, Duration::from_secs(30)).await;
     contents.check(&url).await;
-    kill9(&mut node);
+    support::kill9(&mut node);
 
     collect_to_the_end(dir.path());
     let mut node = serve(dir.path(), port, None);
-    wait_ready(&url).await;
+    support::wait_ready(&url, Duration::from_secs(30)).await;
     contents.check(&url).await;
     // the store still takes uploads, including of collected content
     let again = upload(&url, &contents.gone).await;
     assert!(download(&url, &again).await.1 == contents.gone);
-    kill9(&mut node);
+    support::kill9(&mut node);
 }
 
 // Checks STO-12.
@@ -387,19 +367,19 @@ async fn upload_killed_after(step: &str) {
     let acked = random_bytes(3 << 20, 11);
     let pending = random_bytes(3 << 20, 12);
     let mut node = serve(dir.path(), port, None);
-    wait_ready(&url).await;
+    support::wait_ready(&url, Duration::from_secs(30)).await;
     let key = upload(&url, &acked).await;
-    kill9(&mut node);
+    support::kill9(&mut node);
 
     let mut node = serve(dir.path(), port, Some(step));
-    wait_ready(&url).await;
+    support::wait_ready(&url, Duration::from_secs(30)).await;
     let stream = start_upload(port, &pending);
     wait_paused(&mut node, step);
-    kill9(&mut node);
+    support::kill9(&mut node);
     assert!(!answer(stream).contains("201"), "never acknowledged");
 
     let mut node = serve(dir.path(), port, None);
-    wait_ready(&url).await;
+    support::wait_ready(&url, Duration::from_secs(30)).await;
     assert!(
         download(&url, &key).await.1 == acked,
         "acknowledged blob byte-exact"
@@ -409,7 +389,7 @@ async fn upload_killed_after(step: &str) {
     // the retry is acknowledged and byte-exact
     assert_eq!(upload(&url, &pending).await, pending_key);
     assert!(download(&url, &pending_key).await.1 == pending);
-    kill9(&mut node);
+    support::kill9(&mut node);
     collect_to_the_end(dir.path());
 }
 

@@ -137,26 +137,6 @@ fn serve(dir: &std::path::Path, port: u16) -> Child {
         .expect("spawn graviton serve")
 }
 
-async fn wait_ready(url: &str) {
-    assert!(
-        support::wait_until(Duration::from_secs(20), || async {
-            client()
-                .get(format!("{url}/readyz"))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
-        })
-        .await,
-        "node did not become ready"
-    );
-}
-
-fn kill9(child: &mut Child) {
-    // SIGKILL: no shutdown code runs.
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
 // Checks STO-7.
 #[tokio::test]
 async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one() {
@@ -164,7 +144,7 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     let port = support::free_port();
     let url = format!("http://127.0.0.1:{port}");
     let mut child = serve(dir.path(), port);
-    wait_ready(&url).await;
+    support::wait_ready(&url, Duration::from_secs(20)).await;
     let acked = random_bytes(6 << 20, 3);
     let key = upload(&url, acked.clone()).await["key"]
         .as_str()
@@ -181,7 +161,7 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     stream.write_all(head.as_bytes()).unwrap();
     stream.write_all(&partial[..5 << 20]).unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    kill9(&mut child);
+    support::kill9(&mut child);
     let mut rest = Vec::new();
     let _ = stream.read_to_end(&mut rest);
     assert!(
@@ -190,7 +170,7 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     );
 
     let mut child = serve(dir.path(), port);
-    wait_ready(&url).await;
+    support::wait_ready(&url, Duration::from_secs(20)).await;
     let body = client()
         .get(format!("{url}/v1/blobs/{key}"))
         .send()
@@ -212,7 +192,7 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     assert_eq!(missing.status(), 404);
     // the same upload succeeds after the restart
     upload(&url, partial.clone()).await;
-    kill9(&mut child);
+    support::kill9(&mut child);
 
     // offline tools on the stopped node: verify is clean, gc removes the dead spool file
     let verify = Command::new(BIN)

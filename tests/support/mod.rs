@@ -5,7 +5,8 @@
 //! * [`redis_cluster::RedisCluster`]: a private Redis Cluster (primaries plus replicas) with
 //!   slot migration and failover; [`admission_events::sweep`]: the event-stream ceiling check.
 //! * [`placement`]: placement nodes on one database, with table predicates to poll for.
-//! * [`wait_until`] / [`eventually`]: the polling helper.
+//! * [`wait_until`] / [`eventually`]: the polling helper; [`wait_ready`] and [`kill9`] for
+//!   tests that run `graviton` processes of their own.
 //! * [`TestDatabase`]: a fresh PostgreSQL database per test on the server named by
 //!   `GRAVITON_TEST_DATABASE_URL` (default: the local server on 127.0.0.1:5432), dropped
 //!   again when the test ends.
@@ -94,4 +95,26 @@ where
         panic!("timed out after {timeout:?} waiting for: {what}");
     }
     start.elapsed()
+}
+
+/// Wait until the node at `url` answers `GET /readyz` with 200; panics after `within`.
+pub async fn wait_ready(url: &str, within: std::time::Duration) {
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    assert!(
+        wait_until(within, || async {
+            client
+                .get(format!("{url}/readyz"))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        })
+        .await,
+        "node at {url} did not become ready within {within:?}"
+    );
+}
+
+/// SIGKILL a child process (no shutdown code of it runs) and reap it.
+pub fn kill9(child: &mut std::process::Child) {
+    let _ = child.kill();
+    let _ = child.wait();
 }
