@@ -60,16 +60,6 @@ async fn upload(url: &str, data: Vec<u8>) -> serde_json::Value {
     serde_json::from_str(&text).unwrap()
 }
 
-async fn download(url: &str, key: &str) -> (u16, Vec<u8>) {
-    let response = client()
-        .get(format!("{url}/v1/blobs/{key}"))
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.bytes().await.unwrap().to_vec())
-}
-
 async fn run_gc(url: &str) -> (u16, serde_json::Value) {
     let response = client()
         .post(format!("{url}/v1/admin/gc?purge=true"))
@@ -175,7 +165,7 @@ async fn two_nodes_on_s3_share_blocks_dedup_and_collect_under_one_lock() {
     let created = upload(a, live.clone()).await;
     let live_key = created["key"].as_str().unwrap().to_string();
     assert!(created["fresh_blocks"].as_u64().unwrap() > 0);
-    let (status, got) = download(b, &live_key).await;
+    let (status, got) = support::download(b, &live_key).await;
     assert_eq!(status, 200);
     assert!(
         got == live,
@@ -246,10 +236,10 @@ async fn two_nodes_on_s3_share_blocks_dedup_and_collect_under_one_lock() {
     );
     assert_eq!(pack_rows(db.url()).await, packs_after_first);
     for url in [a, b] {
-        let (status, got) = download(url, &live_key).await;
+        let (status, got) = support::download(url, &live_key).await;
         assert_eq!(status, 200);
         assert!(got == live, "a live blob changed after collection");
-        assert_eq!(download(url, &doomed_key).await.0, 404);
+        assert_eq!(support::download(url, &doomed_key).await.0, 404);
     }
 }
 
@@ -544,7 +534,7 @@ async fn a_cluster_collector_stopped_past_min_age_deletes_nothing_live() {
     assert_eq!(report["packs_retired"], 0, "{report}");
     assert_eq!(report["packs_deleted"], 0, "{report}");
     for (k, data) in [(&key, &doomed), (&fresh_key, &fresh)] {
-        let (status, got) = download(url, k).await;
+        let (status, got) = support::download(url, k).await;
         assert_eq!(status, 200);
         assert!(got == *data, "a blob acknowledged meanwhile is byte-exact");
     }
@@ -556,7 +546,7 @@ async fn a_cluster_collector_stopped_past_min_age_deletes_nothing_live() {
         assert_eq!(body["quarantined"], 0, "{body}");
     }
     for (k, data) in [(&key, &doomed), (&fresh_key, &fresh)] {
-        assert!(download(url, k).await.1 == *data);
+        assert!(support::download(url, k).await.1 == *data);
     }
     assert_eq!(objects(&prefix).await as i64, pack_rows(db.url()).await);
 }

@@ -92,16 +92,6 @@ async fn upload(url: &str, data: &[u8]) -> String {
     body["key"].as_str().unwrap().to_string()
 }
 
-async fn download(url: &str, key: &str) -> (u16, Vec<u8>) {
-    let response = client()
-        .get(format!("{url}/v1/blobs/{key}"))
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    (status, response.bytes().await.unwrap().to_vec())
-}
-
 async fn delete(url: &str, key: &str) {
     let response = client()
         .delete(format!("{url}/v1/blobs/{key}"))
@@ -218,12 +208,12 @@ impl Contents {
     /// Acknowledged blobs are byte-exact; deleted and unacknowledged ones are absent.
     async fn check(&self, url: &str) {
         for live in [&self.keep, &self.half] {
-            let (status, body) = download(url, &Self::key(live)).await;
+            let (status, body) = support::download(url, &Self::key(live)).await;
             assert_eq!(status, 200);
             assert!(body == *live, "an acknowledged blob is byte-exact");
         }
         for absent in [&self.whole, &self.gone, &self.unacked] {
-            assert_eq!(download(url, &Self::key(absent)).await.0, 404);
+            assert_eq!(support::download(url, &Self::key(absent)).await.0, 404);
         }
     }
 }
@@ -289,7 +279,7 @@ async fn gc_killed_after(step: &str, purge_first: bool) {
     contents.check(&url).await;
     // the store still takes uploads, including of collected content
     let again = upload(&url, &contents.gone).await;
-    assert!(download(&url, &again).await.1 == contents.gone);
+    assert!(support::download(&url, &again).await.1 == contents.gone);
     support::kill9(&mut node);
 }
 
@@ -381,14 +371,18 @@ async fn upload_killed_after(step: &str) {
     let mut node = serve(dir.path(), port, None);
     support::wait_ready(&url, Duration::from_secs(30)).await;
     assert!(
-        download(&url, &key).await.1 == acked,
+        support::download(&url, &key).await.1 == acked,
         "acknowledged blob byte-exact"
     );
     let pending_key = graviton::cas::BlobKey::of(&pending).to_string();
-    assert_eq!(download(&url, &pending_key).await.0, 404, "no partial blob");
+    assert_eq!(
+        support::download(&url, &pending_key).await.0,
+        404,
+        "no partial blob"
+    );
     // the retry is acknowledged and byte-exact
     assert_eq!(upload(&url, &pending).await, pending_key);
-    assert!(download(&url, &pending_key).await.1 == pending);
+    assert!(support::download(&url, &pending_key).await.1 == pending);
     support::kill9(&mut node);
     collect_to_the_end(dir.path());
 }

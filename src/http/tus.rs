@@ -287,15 +287,29 @@ pub async fn head(
     Path(raw): Path<String>,
     headers: HeaderMap,
 ) -> Response {
+    bodyless(&app, &raw, &headers, reqwest::Method::HEAD).await
+}
+
+/// `HEAD` and `DELETE`, which carry no body: the tus checks, then the answer of the
+/// upload's owner, here or forwarded.
+async fn bodyless(
+    app: &Arc<AppState>,
+    raw: &str,
+    headers: &HeaderMap,
+    method: reqwest::Method,
+) -> Response {
     let result = async {
-        resumable(&headers).map_err(refused)?;
-        let id = upload_id(&raw).map_err(refused)?;
-        authorize(&app, &headers, &id).await.map_err(refused)?;
-        if let Route::Remote(target) = route(&app, &id).map_err(refused)? {
-            let method = reqwest::Method::HEAD;
-            return Ok(forward(&app, target, id, method, &headers, Body::empty()).await);
+        resumable(headers).map_err(refused)?;
+        let id = upload_id(raw).map_err(refused)?;
+        authorize(app, headers, &id).await.map_err(refused)?;
+        if let Route::Remote(target) = route(app, &id).map_err(refused)? {
+            return Ok(forward(app, target, id, method, headers, Body::empty()).await);
         }
-        status_here(&app.uploads, id).await
+        if method == reqwest::Method::DELETE {
+            terminate_here(&app.uploads, id).await
+        } else {
+            status_here(&app.uploads, id).await
+        }
     }
     .await;
     result.unwrap_or_else(|e| e)
@@ -397,18 +411,7 @@ pub async fn delete(
     Path(raw): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let result = async {
-        resumable(&headers).map_err(refused)?;
-        let id = upload_id(&raw).map_err(refused)?;
-        authorize(&app, &headers, &id).await.map_err(refused)?;
-        if let Route::Remote(target) = route(&app, &id).map_err(refused)? {
-            let method = reqwest::Method::DELETE;
-            return Ok(forward(&app, target, id, method, &headers, Body::empty()).await);
-        }
-        terminate_here(&app.uploads, id).await
-    }
-    .await;
-    result.unwrap_or_else(|e| e)
+    bodyless(&app, &raw, &headers, reqwest::Method::DELETE).await
 }
 
 /// Terminate an upload owned here.

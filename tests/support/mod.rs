@@ -5,8 +5,8 @@
 //! * [`redis_cluster::RedisCluster`]: a private Redis Cluster (primaries plus replicas) with
 //!   slot migration and failover; [`admission_events::sweep`]: the event-stream ceiling check.
 //! * [`placement`]: placement nodes on one database, with table predicates to poll for.
-//! * [`wait_until`] / [`eventually`]: the polling helper; [`wait_ready`] and [`kill9`] for
-//!   tests that run `graviton` processes of their own.
+//! * [`wait_until`] / [`eventually`]: the polling helper; [`wait_ready`], [`download`] and
+//!   [`kill9`] for tests that run `graviton` processes of their own.
 //! * [`TestDatabase`]: a fresh PostgreSQL database per test on the server named by
 //!   `GRAVITON_TEST_DATABASE_URL` (default: the local server on 127.0.0.1:5432), dropped
 //!   again when the test ends.
@@ -111,6 +111,18 @@ pub async fn wait_ready(url: &str, within: std::time::Duration) {
         .await,
         "node at {url} did not become ready within {within:?}"
     );
+}
+
+/// `GET /v1/blobs/{key}` on the node at `url`: the status and the body.
+pub async fn download(url: &str, key: &str) -> (u16, Vec<u8>) {
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let response = client
+        .get(format!("{url}/v1/blobs/{key}"))
+        .send()
+        .await
+        .unwrap();
+    let status = response.status().as_u16();
+    (status, response.bytes().await.unwrap().to_vec())
 }
 
 /// SIGKILL a child process (no shutdown code of it runs) and reap it.
