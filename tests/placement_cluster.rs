@@ -471,8 +471,10 @@ async fn readiness_follows_placement() {
 
     // During a drain the remaining owner reports rebalancing and stays ready.
     let c = start_node(db.url(), "c", |c| c.embedded_manager = false).await;
-    eventually(GENEROUS, "balanced over three", || {
-        settled(&[&a, &b, &c], &["a", "b", "c"])
+    // Balanced, and every node's own health probe has seen its shards (the probe runs
+    // on its own interval, so a table can settle before the probes catch up).
+    eventually(GENEROUS, "balanced over three, seen by every probe", || {
+        settled(&[&a, &b, &c], &["a", "b", "c"]) && [&a, &b, &c].iter().all(|n| n.health().ready)
     })
     .await;
     assert!(a.drain_self(GENEROUS).await.unwrap(), "a drained itself");
