@@ -3,11 +3,15 @@
 //! cluster client (`admission.redis.cluster = true`), follows `MOVED`/`ASK` through a slot
 //! migration of the cell's slot and a primary failover while two providers keep admitting,
 //! and the event-stream sweep shows no ceiling exceeded and no fencing token going
-//! backwards (ADM-9, ADM-10).
+//! backwards (ADM-9, ADM-10). The same cluster TLS-only (client, bus and replication
+//! links; `rediss://` seeds) admits through a seed that does not serve the cell's slot with
+//! verification against its CA, and fails closed against another CA or the system roots
+//! (ADM-9, ADM-11).
 
 #[allow(unused_imports)] // the shared harness also exports PostgreSQL helpers
 mod support;
 
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -20,7 +24,8 @@ use graviton::config::{ByteSize, HumanDuration};
 use graviton::ids::TenantId;
 use graviton::storage::redis::CellKeys;
 use support::admission_events::{self, n};
-use support::redis_cluster::RedisCluster;
+use support::pki::TestPki;
+use support::redis_cluster::{ClusterTls, RedisCluster};
 use support::{unique_suffix, wait_until};
 
 const MIB: u64 = 1 << 20;
@@ -196,16 +201,14 @@ async fn fault_under_load(cluster: &RedisCluster, fault: impl FnOnce(u16) -> u16
     new_owner
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn admits_and_releases_through_a_seed_that_does_not_serve_the_cells_slot() {
-    let Some(cluster) = RedisCluster::start("admission_cluster_basic", 3, 1) else {
-        return;
-    };
+/// Admit and release through a seed that does not serve the cell's slot (ADM-9); `tls`
+/// `ca` names the CA file (verification on) of a TLS cluster.
+async fn admit_and_release_through_another_seed(cluster: &RedisCluster, ca: Option<&Path>) {
     let cell = format!("cl-{}", unique_suffix());
-    let (slot, seed) = slot_and_other_primary(&cluster, &cell);
+    let (slot, seed) = slot_and_other_primary(cluster, &cell);
     let owner = cluster.owner(slot);
     let admission = Admission::new(
-        &config(cluster.url(seed), vec![], &cell),
+        &with_ca(config(cluster.url(seed), vec![], &cell), ca),
         AdmissionMetrics::default(),
     )
     .unwrap();
@@ -251,6 +254,56 @@ async fn admits_and_releases_through_a_seed_that_does_not_serve_the_cells_slot()
             .collect::<Vec<_>>(),
         [token as i64]
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admits_and_releases_through_a_seed_that_does_not_serve_the_cells_slot() {
+    let Some(cluster) = RedisCluster::start("admission_cluster_basic", 3, 1) else {
+        return;
+    };
+    admit_and_release_through_another_seed(&cluster, None).await;
+}
+
+/// `verify_tls` stays on; `ca` replaces the system roots.
+fn with_ca(mut config: AdmissionConfig, ca: Option<&Path>) -> AdmissionConfig {
+    let redis = config.redis.as_mut().expect("a coordinator");
+    redis.verify_tls = true;
+    redis.ca_file = ca.map(Into::into);
+    assert!(config.problems().is_empty(), "{:?}", config.problems());
+    config
+}
+
+// ADM-9 and ADM-11 over a TLS-only cluster (client, bus and replication links).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_cluster_admits_through_another_seed_with_its_ca_and_refuses_a_wrong_ca() {
+    let pki = TestPki::new();
+    let Some(cluster) =
+        RedisCluster::start_tls("admission_cluster_tls", 3, 1, ClusterTls::issued_by(&pki))
+    else {
+        return;
+    };
+    admit_and_release_through_another_seed(&cluster, Some(&pki.ca)).await;
+
+    // Another CA's file, then the system roots: neither holds the cluster's CA, so the
+    // handshake fails and nothing reaches the cluster. The refusal is `Unavailable` (503),
+    // but its category is not `tls_certificate_rejected` as on one server: the cluster
+    // client's lazy connection reports `ClusterConnectionNotFound` and drops the handshake
+    // error (docs/admission.md, "Redis Cluster").
+    let cell = format!("cl-{}", unique_suffix());
+    let (slot, seed) = slot_and_other_primary(&cluster, &cell);
+    let other = TestPki::new();
+    for ca in [Some(other.ca.as_path()), None] {
+        let admission = Admission::new(
+            &with_ca(config(cluster.url(seed), vec![], &cell), ca),
+            AdmissionMetrics::default(),
+        )
+        .unwrap();
+        match admission.admit(request(TenantId::new_random(), 1)).await {
+            Err(Error::Unavailable(_)) => {}
+            other => panic!("a wrong CA must fail closed, got {other:?}"),
+        }
+    }
+    assert_eq!(cluster.count_keys(cluster.owner(slot).port, slot), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

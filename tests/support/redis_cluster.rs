@@ -3,6 +3,11 @@
 //! `redis-cli --cluster create`. Slot migration and failover are driven with the same
 //! commands an operator would use (`CLUSTER SETSLOT`, `MIGRATE`, `CLUSTER FAILOVER`,
 //! SIGKILL). Every server is killed on drop.
+//!
+//! [`RedisCluster::start_tls`] starts the same cluster TLS-only: every node listens on a
+//! TLS port alone (`--port 0 --tls-port`), and the cluster bus and replication links are
+//! TLS too (`--tls-cluster yes --tls-replication yes`), with a certificate of a test CA
+//! ([`super::pki::TestPki`]); `redis-cli` and [`RedisCluster::url`] (`rediss://`) use it.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -13,6 +18,62 @@ pub struct ClusterNode {
     pub port: u16,
     dir: tempfile::TempDir,
     child: Option<Child>,
+}
+
+/// The TLS files of a TLS-only cluster: the CA that clients verify against and the one
+/// certificate (for 127.0.0.1) every node serves and presents on its bus links.
+#[derive(Clone)]
+pub struct ClusterTls {
+    pub ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+impl ClusterTls {
+    /// A certificate issued by `pki` (the files live as long as `pki`).
+    pub fn issued_by(pki: &super::pki::TestPki) -> Self {
+        let (cert, key) = pki.issue("redis-cluster");
+        Self {
+            ca: pki.ca.clone(),
+            cert,
+            key,
+        }
+    }
+
+    /// `redis-cli` arguments for a TLS connection verified against the CA.
+    fn cli_args(&self) -> Vec<std::ffi::OsString> {
+        vec!["--tls".into(), "--cacert".into(), self.ca.clone().into()]
+    }
+
+    /// `redis-server` arguments: TLS only, on `port`, bus and replication included.
+    fn server_args(&self, port: u16) -> Vec<std::ffi::OsString> {
+        let mut args: Vec<std::ffi::OsString> = [
+            "--port",
+            "0",
+            "--tls-port",
+            &port.to_string(),
+            "--cluster-port",
+            &(port + 10_000).to_string(),
+            "--tls-cluster",
+            "yes",
+            "--tls-replication",
+            "yes",
+            "--tls-auth-clients",
+            "no",
+        ]
+        .iter()
+        .map(Into::into)
+        .collect();
+        for (flag, file) in [
+            ("--tls-cert-file", &self.cert),
+            ("--tls-key-file", &self.key),
+            ("--tls-ca-cert-file", &self.ca),
+        ] {
+            args.push(flag.into());
+            args.push(file.into());
+        }
+        args
+    }
 }
 
 /// A line of `CLUSTER NODES`.
@@ -31,6 +92,7 @@ pub struct NodeInfo {
 /// A Redis Cluster of `primaries` primaries with `replicas` replicas each.
 pub struct RedisCluster {
     pub nodes: Vec<ClusterNode>,
+    tls: Option<ClusterTls>,
 }
 
 fn cluster_port() -> u16 {
@@ -45,9 +107,11 @@ fn cluster_port() -> u16 {
     }
 }
 
-/// Run `redis-cli -p port args...`; returns stdout (raw, `--no-raw` off).
-pub fn cli(port: u16, args: &[&str]) -> String {
+/// Run `redis-cli -p port args...` (over TLS with `tls`); returns stdout (raw, `--no-raw`
+/// off).
+fn cli(tls: Option<&ClusterTls>, port: u16, args: &[&str]) -> String {
     let output = Command::new("redis-cli")
+        .args(tls.map(ClusterTls::cli_args).unwrap_or_default())
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
         .args(args)
         .stdin(Stdio::null())
@@ -94,6 +158,25 @@ fn parse_nodes(text: &str) -> Vec<NodeInfo> {
 impl RedisCluster {
     /// Start and join the cluster, or `None` (after a loud skip line) without the binaries.
     pub fn start(test: &str, primaries: usize, replicas: usize) -> Option<Self> {
+        Self::start_with(test, primaries, replicas, None)
+    }
+
+    /// [`Self::start`], TLS-only with `tls` (see the module docs).
+    pub fn start_tls(
+        test: &str,
+        primaries: usize,
+        replicas: usize,
+        tls: ClusterTls,
+    ) -> Option<Self> {
+        Self::start_with(test, primaries, replicas, Some(tls))
+    }
+
+    fn start_with(
+        test: &str,
+        primaries: usize,
+        replicas: usize,
+        tls: Option<ClusterTls>,
+    ) -> Option<Self> {
         let binary = find("redis-server");
         if binary.is_none() || find("redis-cli").is_none() {
             super::missing_service(test, "redis-server or redis-cli not found on PATH");
@@ -107,16 +190,23 @@ impl RedisCluster {
                 dir: tempfile::tempdir().expect("tempdir for redis cluster node"),
                 child: None,
             };
-            node.spawn(&binary);
+            node.spawn(&binary, tls.as_ref());
             nodes.push(node);
         }
-        let cluster = Self { nodes };
+        let cluster = Self { nodes, tls };
         let addresses: Vec<String> = cluster
             .nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
         let status = Command::new("redis-cli")
+            .args(
+                cluster
+                    .tls
+                    .as_ref()
+                    .map(ClusterTls::cli_args)
+                    .unwrap_or_default(),
+            )
             .arg("--cluster")
             .arg("create")
             .args(&addresses)
@@ -137,8 +227,9 @@ impl RedisCluster {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let ok = self.live_ports().iter().all(|&port| {
-                let view = parse_nodes(&cli(port, &["CLUSTER", "NODES"]));
-                cli(port, &["CLUSTER", "INFO"]).contains("cluster_state:ok")
+                let view = parse_nodes(&self.cli(port, &["CLUSTER", "NODES"]));
+                self.cli(port, &["CLUSTER", "INFO"])
+                    .contains("cluster_state:ok")
                     && view.len() == nodes
                     && view.iter().filter(|n| n.primary).count() == primaries
             });
@@ -162,21 +253,31 @@ impl RedisCluster {
             .collect()
     }
 
-    /// `redis://127.0.0.1:<port>/` of node `index`.
+    /// `redis-cli -p port args...` with this cluster's TLS settings; returns stdout.
+    pub fn cli(&self, port: u16, args: &[&str]) -> String {
+        cli(self.tls.as_ref(), port, args)
+    }
+
+    /// `redis://127.0.0.1:<port>/` of node `index` (`rediss://` for a TLS cluster).
     pub fn url(&self, index: usize) -> String {
-        format!("redis://127.0.0.1:{}/", self.nodes[index].port)
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}/", self.nodes[index].port)
     }
 
     /// The cluster's view from any live node.
     pub fn topology(&self) -> Vec<NodeInfo> {
         let port = self.live_ports()[0];
-        parse_nodes(&cli(port, &["CLUSTER", "NODES"]))
+        parse_nodes(&self.cli(port, &["CLUSTER", "NODES"]))
     }
 
     /// `CLUSTER KEYSLOT key`.
     pub fn keyslot(&self, key: &str) -> u16 {
         let port = self.live_ports()[0];
-        cli(port, &["CLUSTER", "KEYSLOT", key])
+        self.cli(port, &["CLUSTER", "KEYSLOT", key])
             .trim()
             .parse()
             .expect("CLUSTER KEYSLOT answers a number")
@@ -184,7 +285,7 @@ impl RedisCluster {
 
     /// The live primary serving `slot`, as the node on `port` sees it.
     pub fn owner_seen_by(&self, port: u16, slot: u16) -> Option<NodeInfo> {
-        parse_nodes(&cli(port, &["CLUSTER", "NODES"]))
+        parse_nodes(&self.cli(port, &["CLUSTER", "NODES"]))
             .into_iter()
             .find(|n| {
                 n.primary && !n.failed && n.slots.iter().any(|&(a, b)| a <= slot && slot <= b)
@@ -200,7 +301,7 @@ impl RedisCluster {
     /// Redirect and retry answers the node at `port` has given (`MOVED`, `ASK`,
     /// `TRYAGAIN`), from `INFO errorstats`.
     pub fn redirects(&self, port: u16) -> u64 {
-        cli(port, &["INFO", "errorstats"])
+        self.cli(port, &["INFO", "errorstats"])
             .lines()
             .filter(|l| {
                 ["errorstat_MOVED:", "errorstat_ASK:", "errorstat_TRYAGAIN:"]
@@ -213,7 +314,7 @@ impl RedisCluster {
 
     /// Keys of `slot` on the node at `port`.
     pub fn count_keys(&self, port: u16, slot: u16) -> u64 {
-        cli(port, &["CLUSTER", "COUNTKEYSINSLOT", &slot.to_string()])
+        self.cli(port, &["CLUSTER", "COUNTKEYSINSLOT", &slot.to_string()])
             .trim()
             .parse()
             .unwrap_or(0)
@@ -232,7 +333,7 @@ impl RedisCluster {
             .clone();
         let s = slot.to_string();
         assert_eq!(
-            cli(
+            self.cli(
                 target.port,
                 &["CLUSTER", "SETSLOT", &s, "IMPORTING", &source.id]
             )
@@ -240,7 +341,7 @@ impl RedisCluster {
             "OK"
         );
         assert_eq!(
-            cli(
+            self.cli(
                 source.port,
                 &["CLUSTER", "SETSLOT", &s, "MIGRATING", &target.id]
             )
@@ -248,13 +349,13 @@ impl RedisCluster {
             "OK"
         );
         loop {
-            let keys = cli(source.port, &["CLUSTER", "GETKEYSINSLOT", &s, "100"]);
+            let keys = self.cli(source.port, &["CLUSTER", "GETKEYSINSLOT", &s, "100"]);
             let keys: Vec<&str> = keys.lines().filter(|k| !k.trim().is_empty()).collect();
             if keys.is_empty() {
                 break;
             }
             for key in keys {
-                let reply = cli(
+                let reply = self.cli(
                     source.port,
                     &[
                         "MIGRATE",
@@ -275,12 +376,13 @@ impl RedisCluster {
         let target_id = target.id.clone();
         for port in [target.port, source.port] {
             assert_eq!(
-                cli(port, &["CLUSTER", "SETSLOT", &s, "NODE", &target_id]).trim(),
+                self.cli(port, &["CLUSTER", "SETSLOT", &s, "NODE", &target_id])
+                    .trim(),
                 "OK"
             );
         }
         for node in topology.iter().filter(|n| n.primary && !n.failed) {
-            cli(node.port, &["CLUSTER", "SETSLOT", &s, "NODE", &target_id]);
+            self.cli(node.port, &["CLUSTER", "SETSLOT", &s, "NODE", &target_id]);
         }
         target.port
     }
@@ -298,7 +400,10 @@ impl RedisCluster {
         // A manual failover gives up silently after 5 s when the replica cannot catch up
         // (a loaded machine); ask again until it happens.
         for _ in 0..5 {
-            assert_eq!(cli(replica.port, &["CLUSTER", "FAILOVER"]).trim(), "OK");
+            assert_eq!(
+                self.cli(replica.port, &["CLUSTER", "FAILOVER"]).trim(),
+                "OK"
+            );
             if self.wait_owner(slot, replica.port, Duration::from_secs(15)) {
                 return replica.port;
             }
@@ -335,7 +440,9 @@ impl RedisCluster {
         loop {
             let agreed = self.live_ports().iter().all(|&p| {
                 self.owner_seen_by(p, slot).is_some_and(|n| n.port == port)
-                    && cli(p, &["CLUSTER", "INFO"]).contains("cluster_state:ok")
+                    && self
+                        .cli(p, &["CLUSTER", "INFO"])
+                        .contains("cluster_state:ok")
             });
             if agreed {
                 return true;
@@ -349,9 +456,14 @@ impl RedisCluster {
 }
 
 impl ClusterNode {
-    fn spawn(&mut self, binary: &PathBuf) {
-        let child = Command::new(binary)
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+    fn spawn(&mut self, binary: &PathBuf, tls: Option<&ClusterTls>) {
+        let mut command = Command::new(binary);
+        match tls {
+            Some(tls) => command.args(tls.server_args(self.port)),
+            None => command.args(["--port", &self.port.to_string()]),
+        };
+        let child = command
+            .args(["--bind", "127.0.0.1"])
             .args([
                 "--cluster-enabled",
                 "yes",
@@ -367,7 +479,7 @@ impl ClusterNode {
             .expect("start redis-server --cluster-enabled yes");
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while cli(self.port, &["PING"]).trim() != "PONG" {
+        while cli(tls, self.port, &["PING"]).trim() != "PONG" {
             assert!(
                 Instant::now() < deadline,
                 "cluster node on port {} did not answer PING",
