@@ -37,7 +37,7 @@ use crate::storage::{
 /// Frame batches queued between the reader and the chunker.
 const FRAME_QUEUE: usize = 4;
 /// Body bytes gathered into one batch before it is handed to the chunker thread.
-const BATCH_BYTES: usize = 256 * 1024;
+pub const BATCH_BYTES: usize = 256 * 1024;
 /// Chunks queued between the chunker and the block writes.
 const CHUNK_QUEUE: usize = 4;
 /// Queued chunks handed to the write session in one `append_many` at most. The queue was
