@@ -164,6 +164,16 @@ fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
 }
 
+/// The most a client can write on a connection whose server reads nothing: the largest
+/// TCP send buffer plus the largest receive buffer (`net.ipv4.tcp_wmem`, `tcp_rmem`).
+fn socket_buffers() -> u64 {
+    let max = |name: &str| -> u64 {
+        let text = std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).unwrap();
+        text.split_whitespace().nth(2).unwrap().parse().unwrap()
+    };
+    max("tcp_wmem") + max("tcp_rmem")
+}
+
 /// One `kB` field of `/proc/<pid>/status`, in bytes.
 fn status_field(pid: u32, field: &str) -> u64 {
     let file = std::fs::File::open(format!("/proc/{pid}/status")).expect("proc status");
@@ -617,6 +627,13 @@ async fn uploads_against_a_stopped_block_store_stay_within_process_bytes() {
                 );
                 let body = String::from_utf8_lossy(&answer.body);
                 assert!(body.contains("transfer_admission"), "{body}");
+                // refused before its body was read: what the client could send fits in
+                // the two sockets' buffers
+                assert!(
+                    stalled[i] <= socket_buffers(),
+                    "refused upload {i} had {} body bytes taken",
+                    stalled[i]
+                );
                 let key = BlobKey::of(&bodies[i]).to_string();
                 assert_eq!(support::download(&serve.url, &key).await.0, 404);
             }

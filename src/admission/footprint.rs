@@ -13,6 +13,12 @@
 //! | forwarded upload | `2 MiB` | the forwarder only relays body frames; two 1 MiB frame windows in flight |
 //!
 //! Each is rounded up to whole KiB (the local budget's unit).
+//!
+//! Footprints bound anonymous memory (heap and stacks). An upload on S3 also keeps the
+//! pack it is sealing mapped while its PUT is in flight (`storage::pack::s3`): file-backed,
+//! reclaimable page cache, up to `pack_size` plus one block per upload, which resident-size
+//! figures show and footprints do not count. `tests/admission_footprint.rs` measures both
+//! in a real process (ADM-13; docs/admission.md, "Peak RSS").
 
 use std::fmt;
 use std::num::NonZeroU64;
