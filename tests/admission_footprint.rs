@@ -88,7 +88,7 @@ struct Serve {
 
 impl Serve {
     /// Start `graviton serve --config` with `sections` (TOML) and wait for `/readyz`;
-    /// `None` when the process exits first (its log is returned).
+    /// its log as the error when the process exits first or never gets ready.
     async fn start(dir: &Path, sections: &str) -> Result<Self, String> {
         let port = support::free_port();
         let config = dir.join("graviton.toml");
@@ -135,6 +135,16 @@ impl Serve {
 
     fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Exactly `admitted` footprints of `operation` are taken from `budget`.
+    async fn assert_holding(&self, budget: u64, operation: Operation, admitted: u64) {
+        let footprint = Footprint::for_operation(operation, MAX_CHUNK as u64).bytes();
+        assert_eq!(
+            budget - self.available_bytes().await,
+            admitted * footprint,
+            "exactly the budget's {operation}s hold permits"
+        );
     }
 
     /// The local budget's free bytes (`GET /v1/admin/admission`).
@@ -267,8 +277,14 @@ struct Answer {
 }
 
 impl Answer {
-    fn has_retry_after(&self) -> bool {
-        self.head.to_ascii_lowercase().contains("\r\nretry-after:")
+    /// An admission refusal: `Retry-After` and a `transfer_admission_*` code.
+    fn assert_admission_refusal(&self) {
+        assert!(
+            self.head.to_ascii_lowercase().contains("\r\nretry-after:"),
+            "refusal without Retry-After: {self:?}"
+        );
+        let body = String::from_utf8_lossy(&self.body);
+        assert!(body.contains("transfer_admission"), "{body}");
     }
 
     fn header(&self, name: &str) -> Option<String> {
@@ -583,13 +599,9 @@ async fn uploads_against_a_stopped_block_store_stay_within_process_bytes() {
         .collect();
     // The admitted uploads fill their pipelines and stop; the others wait, then are refused.
     wait_stalled(&written, Duration::from_secs(3), Duration::from_secs(120)).await;
-    let in_use = budget - serve.available_bytes().await;
-    let footprint = Footprint::for_operation(Operation::Upload, MAX_CHUNK as u64).bytes();
-    assert_eq!(
-        in_use,
-        UPLOADS_ADMITTED * footprint,
-        "exactly the budget's uploads hold permits"
-    );
+    serve
+        .assert_holding(budget, Operation::Upload, UPLOADS_ADMITTED)
+        .await;
     let peak = sampler.finish(pid);
     let stalled: Vec<u64> = written.iter().map(|w| w.load(Ordering::SeqCst)).collect();
     eprintln!("body bytes accepted by the kernel per upload while stopped: {stalled:?}");
@@ -621,12 +633,7 @@ async fn uploads_against_a_stopped_block_store_stay_within_process_bytes() {
                 assert!(body == *bodies[i], "upload {i} downloads byte-exact");
             }
             503 | 429 => {
-                assert!(
-                    answer.has_retry_after(),
-                    "refusal without Retry-After: {answer:?}"
-                );
-                let body = String::from_utf8_lossy(&answer.body);
-                assert!(body.contains("transfer_admission"), "{body}");
+                answer.assert_admission_refusal();
                 // refused before its body was read: what the client could send fits in
                 // the two sockets' buffers
                 assert!(
@@ -705,13 +712,9 @@ async fn slow_reading_downloads_stay_within_process_bytes() {
     )
     .await;
     tokio::time::sleep(Duration::from_secs(4)).await;
-    let in_use = budget - serve.available_bytes().await;
-    let footprint = Footprint::for_operation(Operation::Download, MAX_CHUNK as u64).bytes();
-    assert_eq!(
-        in_use,
-        DOWNLOADS_ADMITTED * footprint,
-        "exactly the budget's downloads hold permits"
-    );
+    serve
+        .assert_holding(budget, Operation::Download, DOWNLOADS_ADMITTED)
+        .await;
     let peak = sampler.finish(pid);
     let progress: Vec<u64> = received.iter().map(|r| r.load(Ordering::SeqCst)).collect();
     eprintln!("bytes read per download while slow: {progress:?}");
@@ -731,11 +734,7 @@ async fn slow_reading_downloads_stay_within_process_bytes() {
                 assert!(answer.body == blob, "a slow download is byte-exact");
             }
             503 | 429 => {
-                assert!(
-                    answer.has_retry_after(),
-                    "refusal without Retry-After: {answer:?}"
-                );
-                assert!(String::from_utf8_lossy(&answer.body).contains("transfer_admission"));
+                answer.assert_admission_refusal();
             }
             _ => panic!("unexpected answer {answer:?}\n{}", serve.log_text()),
         }
