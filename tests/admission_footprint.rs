@@ -613,9 +613,14 @@ async fn uploads_against_a_stopped_block_store_stay_within_process_bytes() {
     assert_within_budget("uploads, store stopped", idle, peak, budget, mapped);
 
     garage.signal("CONT");
+    // Every answer first: a download needs admission too, so the checks below wait until
+    // the admitted uploads have let go of the budget.
+    let mut answers = Vec::new();
+    for upload in uploads {
+        answers.push(upload.await.unwrap());
+    }
     let mut admitted = 0;
-    for (i, upload) in uploads.into_iter().enumerate() {
-        let answer = upload.await.unwrap();
+    for (i, answer) in answers.into_iter().enumerate() {
         match answer.status {
             201 => {
                 admitted += 1;
