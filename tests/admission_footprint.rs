@@ -137,6 +137,21 @@ impl Serve {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// `POST /v1/blobs` of `data`, answered 201; its key.
+    async fn upload(&self, data: &[u8]) -> String {
+        let response = client()
+            .post(format!("{}/v1/blobs", self.url))
+            .body(data.to_vec())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 201);
+        let key = BlobKey::of(data).to_string();
+        let receipt: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(receipt["key"], key.as_str());
+        key
+    }
+
     /// Exactly `admitted` footprints of `operation` are taken from `budget`.
     async fn assert_holding(&self, budget: u64, operation: Operation, admitted: u64) {
         let footprint = Footprint::for_operation(operation, MAX_CHUNK as u64).bytes();
@@ -551,14 +566,7 @@ max_retries = 0
 /// A small upload and download, so the idle figure includes the warmed-up runtime.
 async fn warm_up(serve: &Serve, seed: u64) {
     let data = worst_case_body(3 * MAX_CHUNK, seed);
-    let response = client()
-        .post(format!("{}/v1/blobs", serve.url))
-        .body(data.clone())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 201);
-    let key = BlobKey::of(&data).to_string();
+    let key = serve.upload(&data).await;
     let (status, body) = support::download(&serve.url, &key).await;
     assert_eq!(status, 200);
     assert!(body == data);
@@ -677,14 +685,7 @@ async fn slow_reading_downloads_stay_within_process_bytes() {
     warm_up(&serve, 2_000).await;
     let size = 32 << 20;
     let blob = worst_case_body(size, 7);
-    let response = client()
-        .post(format!("{}/v1/blobs", serve.url))
-        .body(blob.clone())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 201);
-    let key = BlobKey::of(&blob).to_string();
+    let key = serve.upload(&blob).await;
 
     let pid = serve.pid();
     let idle = Resident::now(pid);
