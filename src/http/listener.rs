@@ -13,6 +13,8 @@
 //!   without waiting) and closed at once; it is counted in
 //!   `graviton_connections_refused_total{listener}`;
 //! - with TLS configured, the handshake must also finish within `header_read_timeout`.
+//! - a body is read in frames of up to [`READ_BUFFER_MAX`] (256 KiB) once the client
+//!   sends fast enough to fill them: fewer reads, wake-ups and writes per upload.
 //!
 //! Shutdown: when `shutdown` completes the listener stops accepting, every connection is
 //! asked to finish its in-flight request and close (hyper's graceful shutdown), and the
