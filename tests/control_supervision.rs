@@ -32,13 +32,7 @@ shared_mount = true
 enabled = true
 database_url = "{db}"
 shard_count = 8
-heartbeat_interval = "100ms"
-self_fence = "400ms"
-node_ttl = "1s"
-poll_interval = "250ms"
-rebalance_interval = "200ms"
-lock_retry_interval = "100ms"
-lock_ping_interval = "100ms"
+{timings}
 handoff_grace = "0s"
 
 [control]
@@ -50,6 +44,7 @@ internal_token = "{token}"
         internal = port(),
         control = port(),
         token = support::cluster::TOKEN,
+        timings = support::cluster::FAST_TIMINGS,
     )
 }
 

@@ -466,13 +466,17 @@ async fn start_cluster_parts(
             .await
             .map_err(|e| StartError::Control(e.to_string()))?,
     );
-    let (lost, readiness) = (control.lost(), state.readiness.clone());
+    let (lost, readiness, stopped) = (control.lost(), state.readiness.clone(), stop.clone());
     tokio::spawn(async move {
-        lost.cancelled().await;
-        // Fence at once: not ready, so balancers stop sending; `run_until_signal` then
-        // drains the shards (no new ingest for them) and the process exits non-zero.
-        readiness.set(false);
-        tracing::error!("the control plane is lost; this node stops");
+        tokio::select! {
+            _ = lost.cancelled() => {
+                // Fence at once: not ready, so balancers stop sending; `run_until_signal`
+                // then drains the shards (no new ingest for them) and exits non-zero.
+                readiness.set(false);
+                tracing::error!("the control plane is lost; this node stops");
+            }
+            _ = stopped.cancelled() => {}
+        }
     });
     let transport: Arc<dyn ControlTransport> = control.clone();
     let (cluster, every) = (state.cluster.clone(), config.cluster.poll_interval.get());
