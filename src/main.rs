@@ -247,8 +247,11 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config.validate()?;
             graviton::telemetry::init(config.log.format, &config.log.level);
             let node = graviton::node::start(config).await?;
-            node.run_until_signal().await;
-            Ok(ExitCode::SUCCESS)
+            match node.run_until_signal().await {
+                (graviton::node::StopCause::Signal, _) => Ok(ExitCode::SUCCESS),
+                // The control plane could not be kept up: exit so a supervisor restarts us.
+                (graviton::node::StopCause::ControlPlaneLost, _) => Ok(ExitCode::from(1)),
+            }
         }
         Command::Manager { config } => {
             let config = Config::load(Some(&config))?;

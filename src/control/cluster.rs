@@ -1,6 +1,8 @@
 //! The control transport over `ractor_cluster`.
 //!
-//! Owns three actors per node:
+//! Owns three actors per node, linked under a [`ControlSupervisor`] (itself linked under
+//! the node's supervisor), which restarts them as one unit and gives up after a bounded
+//! number of restarts (see `control::supervisor`):
 //! - the `NodeServer` (ractor_cluster) listening on `control.control_listen`, with the
 //!   internal token as the magic cookie;
 //! - a [`ControlActor`] joined to the pg group `graviton.control.<node id>`. Its
@@ -22,19 +24,24 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use ractor::rpc::CallResult;
-use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, BytesConvertable, RpcReplyPort};
-use ractor_cluster::{
-    NodeEventSubscription, NodeServer, NodeServerMessage, RactorClusterMessage, RactorMessage,
+use ractor::{
+    Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, BytesConvertable, RpcReplyPort,
 };
+use ractor_cluster::{
+    NodeEventSubscription, NodeServerMessage, RactorClusterMessage, RactorMessage,
+};
+use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::config::Secret;
 use crate::control::envelope::{self, Envelope, Reply};
+use crate::control::supervisor::{ControlSupervisor, PlaneMsg, PlaneSpec};
 use crate::control::transport::{ControlError, ControlHandler, ControlTransport, serve_bytes};
 use crate::ids::NodeId;
 
@@ -43,7 +50,7 @@ pub const MAX_FRAME_BYTES: u64 = 256 * 1024;
 /// Most control requests handled at once per node.
 pub const MAX_REQUESTS_IN_FLIGHT: usize = 1024;
 /// Host part of ractor_cluster node names (`<node id>@graviton`).
-const HOSTNAME: &str = "graviton";
+pub(super) const HOSTNAME: &str = "graviton";
 
 /// The pg group of a node's control actor.
 pub fn control_group(node: &NodeId) -> String {
@@ -188,21 +195,30 @@ impl ClusterOptions {
 /// Why the cluster transport did not start.
 #[derive(Debug, thiserror::Error)]
 #[error("control plane failed to start: {0}")]
-pub struct StartError(String);
+pub struct StartError(pub(super) String);
 
 #[derive(Debug, Default)]
-struct PeerEntry {
+pub(super) struct PeerEntry {
     addr: Option<SocketAddr>,
     attempt: u32,
     generation: u64,
 }
 
+impl PeerEntry {
+    /// Forget the address and the dial state (its sessions died with the plane).
+    pub(super) fn forget(&mut self) {
+        self.addr = None;
+        self.attempt = 0;
+        self.generation += 1; // cancels dials scheduled by the old dialer
+    }
+}
+
 /// Shared between the dialer (writer) and the transport (reader).
 #[derive(Debug, Default)]
-struct PeerTable {
-    listed: HashMap<NodeId, PeerEntry>,
+pub(super) struct PeerTable {
+    pub(super) listed: HashMap<NodeId, PeerEntry>,
     /// ractor_cluster session node id -> our node id, for ready sessions.
-    sessions: HashMap<u64, NodeId>,
+    pub(super) sessions: HashMap<u64, NodeId>,
     redials: u64,
 }
 
@@ -216,9 +232,9 @@ impl PeerTable {
     }
 }
 
-type Shared = Arc<Mutex<PeerTable>>;
+pub(super) type Shared = Arc<Mutex<PeerTable>>;
 
-fn lock(shared: &Shared) -> MutexGuard<'_, PeerTable> {
+pub(super) fn lock(shared: &Shared) -> MutexGuard<'_, PeerTable> {
     shared.lock().unwrap_or_else(|poison| poison.into_inner())
 }
 
@@ -245,19 +261,22 @@ pub enum DialerMsg {
         peer: NodeId,
         generation: u64,
     },
+    /// Test fault injection: panic in the handler.
+    #[cfg(test)]
+    Panic,
 }
 
 /// Dials listed peers and re-dials them with backoff.
 pub struct PeerDialer;
 
 pub struct DialerArgs {
-    me: NodeId,
-    server: ActorRef<NodeServerMessage>,
-    shared: Shared,
-    backoff: Backoff,
-    dial_timeout: Duration,
+    pub(super) me: NodeId,
+    pub(super) server: ActorRef<NodeServerMessage>,
+    pub(super) shared: Shared,
+    pub(super) backoff: Backoff,
+    pub(super) dial_timeout: Duration,
     /// Mutual TLS towards peers (`[http.internal_tls]`), or plaintext.
-    tls: Option<tokio_rustls::TlsConnector>,
+    pub(super) tls: Option<tokio_rustls::TlsConnector>,
 }
 
 /// Mutual TLS of the control plane: the NodeServer's acceptor (client certificates
@@ -316,6 +335,8 @@ impl Actor for PeerDialer {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match message {
+            #[cfg(test)]
+            DialerMsg::Panic => panic!("injected dialer panic"),
             DialerMsg::SetPeers(peers) => {
                 let mut fresh = Vec::new();
                 {
@@ -442,7 +463,7 @@ impl Actor for PeerDialer {
 }
 
 /// Forwards NodeServer session events to the dialer.
-struct Events(ActorRef<DialerMsg>);
+pub(super) struct Events(pub(super) ActorRef<DialerMsg>);
 
 impl NodeEventSubscription for Events {
     fn node_session_opened(&self, _: ractor_cluster::node::NodeServerSessionInformation) {}
@@ -468,20 +489,21 @@ impl NodeEventSubscription for Events {
 pub struct ClusterTransport {
     me: NodeId,
     listen: SocketAddr,
-    server: ActorRef<NodeServerMessage>,
-    control: ActorRef<ControlMsg>,
-    dialer: ActorRef<DialerMsg>,
+    supervisor: ActorRef<PlaneMsg>,
     handler: Arc<dyn ControlHandler>,
     shared: Shared,
+    lost: CancellationToken,
+    restarts: Arc<AtomicU64>,
 }
 
 impl ClusterTransport {
-    /// Start the NodeServer, the control actor and the dialer.
+    /// Start the NodeServer, the control actor and the dialer under their own
+    /// supervisor (not linked to any other actor: tests and tools).
     pub async fn start(
         options: ClusterOptions,
         handler: Arc<dyn ControlHandler>,
     ) -> Result<Self, StartError> {
-        Self::start_with_tls(options, handler, None).await
+        Self::start_under(None, options, handler, None).await
     }
 
     /// [`Self::start`] with mutual TLS on the NodeServer and the dialer (the cookie, the
@@ -491,70 +513,68 @@ impl ClusterTransport {
         handler: Arc<dyn ControlHandler>,
         tls: Option<ControlTls>,
     ) -> Result<Self, StartError> {
-        let encryption = tls
-            .as_ref()
-            .map(|t| ractor_cluster::IncomingEncryptionMode::Tls(t.acceptor.clone()));
-        let server = NodeServer::new(
-            options.listen.port(),
-            options.token.expose().to_string(),
-            options.node.to_string(),
-            HOSTNAME.to_string(),
-            encryption,
-            Some(ractor_cluster::node::NodeConnectionMode::Isolated),
-        )
-        .with_listen_addr(options.listen.ip())
-        .with_max_inbound_frame_size(MAX_FRAME_BYTES);
-        let (server, _) = Actor::spawn(None, server, ())
-            .await
-            .map_err(|e| StartError(format!("node server on {}: {e}", options.listen)))?;
-        let stop_server = |e: String| {
-            server.stop(None);
-            StartError(e)
-        };
-        let (control, _) = Actor::spawn(
-            None,
-            ControlActor,
-            ControlActorArgs {
-                node: options.node.clone(),
-                handler: handler.clone(),
-            },
-        )
-        .await
-        .map_err(|e| stop_server(format!("control actor: {e}")))?;
+        Self::start_under(None, options, handler, tls).await
+    }
+
+    /// Start the plane with its [`ControlSupervisor`] linked under `parent` (the node's
+    /// `NodeSupervisor`). The supervisor restarts the plane when one of its actors
+    /// exits, and gives up after a bounded number of restarts, firing [`Self::lost`].
+    pub async fn start_under(
+        parent: Option<ActorCell>,
+        options: ClusterOptions,
+        handler: Arc<dyn ControlHandler>,
+        tls: Option<ControlTls>,
+    ) -> Result<Self, StartError> {
         let shared = Shared::default();
-        let (dialer, _) = Actor::spawn(
-            None,
-            PeerDialer,
-            DialerArgs {
-                me: options.node.clone(),
-                server: server.clone(),
-                shared: shared.clone(),
-                backoff: options.backoff,
-                dial_timeout: options.dial_timeout,
-                tls: tls.map(|t| t.connector),
-            },
-        )
-        .await
-        .map_err(|e| {
-            control.stop(None);
-            stop_server(format!("dialer: {e}"))
-        })?;
-        server
-            .cast(NodeServerMessage::SubscribeToEvents {
-                id: "graviton.dialer".to_string(),
-                subscription: Box::new(Events(dialer.clone())),
-            })
-            .map_err(|e| StartError(format!("subscribe: {e}")))?;
-        tracing::info!(node = %options.node, listen = %options.listen, "control plane started");
+        let lost = CancellationToken::new();
+        let restarts = Arc::new(AtomicU64::new(0));
+        let (me, listen) = (options.node.clone(), options.listen);
+        let spec = PlaneSpec {
+            options,
+            handler: handler.clone(),
+            tls,
+            shared: shared.clone(),
+            lost: lost.clone(),
+            restarts: restarts.clone(),
+        };
+        // Named (uniquely: ractor's registry is process-wide) so that diagnostics and
+        // fault tests can find it in the node's tree.
+        let name = format!(
+            "graviton.{me}.control-plane.{}",
+            uuid::Uuid::new_v4().simple()
+        );
+        let spawned = match parent {
+            Some(parent) => Actor::spawn_linked(Some(name), ControlSupervisor, spec, parent).await,
+            None => Actor::spawn(Some(name), ControlSupervisor, spec).await,
+        };
+        // The supervisor's start error carries the plane's (never the token).
+        let (supervisor, _) = spawned.map_err(|e| StartError(e.to_string()))?;
+        tracing::info!(node = %me, %listen, "control plane started");
         Ok(Self {
-            me: options.node,
-            listen: options.listen,
-            server,
-            control,
-            dialer,
+            me,
+            listen,
+            supervisor,
             handler,
             shared,
+            lost,
+            restarts,
         })
+    }
+
+    /// Fired once the control plane's supervisor gave up restarting it (the node then
+    /// stops: see `control::supervisor`).
+    pub fn lost(&self) -> CancellationToken {
+        self.lost.clone()
+    }
+
+    /// How many times the plane was restarted after one of its actors exited.
+    pub fn restarts(&self) -> u64 {
+        self.restarts.load(Ordering::Relaxed)
+    }
+
+    #[cfg(test)]
+    pub(super) fn inject(&self, fault: PlaneMsg) {
+        let _ = self.supervisor.cast(fault);
     }
 
     /// The control listener address.
@@ -621,13 +641,12 @@ impl ClusterTransport {
         }
     }
 
-    /// Stop the dialer, the control actor and the NodeServer (closing every session).
+    /// Stop the dialer, the control actor and the NodeServer (closing every session),
+    /// then their supervisor. Returns at once if the supervisor already gave up.
     pub async fn shutdown(&self) {
-        let wait = Some(Duration::from_secs(5));
-        let _ = self.dialer.stop_and_wait(None, wait).await;
-        ractor::pg::leave(control_group(&self.me), vec![self.control.get_cell()]);
-        let _ = self.control.stop_and_wait(None, wait).await;
-        let _ = self.server.stop_and_wait(None, wait).await;
+        let wait = Some(Duration::from_secs(10));
+        let _ = self.supervisor.call(PlaneMsg::Shutdown, wait).await;
+        let _ = self.supervisor.stop_and_wait(None, wait).await;
     }
 }
 
@@ -676,7 +695,7 @@ impl ControlTransport for ClusterTransport {
     }
 
     fn set_peers(&self, peers: Vec<(NodeId, SocketAddr)>) {
-        let _ = self.dialer.cast(DialerMsg::SetPeers(peers));
+        let _ = self.supervisor.cast(PlaneMsg::SetPeers(peers));
     }
 
     fn connected_peers(&self) -> Vec<NodeId> {

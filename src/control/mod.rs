@@ -7,6 +7,9 @@
 //!   in-memory implementation used by actor unit tests.
 //! - [`cluster`]: the real transport over `ractor_cluster` (NodeServer, ControlActor,
 //!   dialer with re-dial).
+//! - [`supervisor`]: `ControlSupervisor`, which owns those three actors, restarts them as
+//!   one unit with backoff, and gives up (the node then stops) after a bounded number
+//!   of restarts.
 //!
 //! PostgreSQL stays the source of truth for placement; messages here are RPCs with
 //! short deadlines and hints. A lost message is converged by NOTIFY/polling elsewhere.
@@ -14,6 +17,7 @@
 pub mod cluster;
 pub mod config;
 pub mod envelope;
+pub mod supervisor;
 pub mod transport;
 
 pub use cluster::{ClusterOptions, ClusterTransport, StartError};

@@ -13,6 +13,8 @@
 //!   without waiting) and closed at once; it is counted in
 //!   `graviton_connections_refused_total{listener}`;
 //! - with TLS configured, the handshake must also finish within `header_read_timeout`.
+//! - a body is read in frames of up to [`READ_BUFFER_MAX`] (256 KiB) once the client
+//!   sends fast enough to fill them: fewer reads, wake-ups and writes per upload.
 //!
 //! Shutdown: when `shutdown` completes the listener stops accepting, every connection is
 //! asked to finish its in-flight request and close (hyper's graceful shutdown), and the
@@ -137,6 +139,18 @@ content-length: 82\r\n\
 \r\n\
 {\"error\":\"too_many_connections\",\"message\":\"the server is at its connection limit\"}";
 
+/// Largest body frame read from a connection at once. hyper grows its read buffer up to
+/// this only while reads fill it (a fast upload); a 24 KiB cap made a 512 MiB upload cost
+/// about 22,000 reads, wake-ups and writes per hop, which was most of a forwarding node's
+/// CPU (docs/performance.md, "Forwarding").
+pub const READ_BUFFER_MAX: usize = 256 * 1024;
+
+/// hyper's buffer bound: [`READ_BUFFER_MAX`], or more when a head may be larger (hyper
+/// needs the whole head in its buffer; its floor is 8 KiB).
+fn read_buffer_max(max_header_bytes: usize) -> usize {
+    READ_BUFFER_MAX.max(max_header_bytes.max(8192) + 8192)
+}
+
 /// Serve `router` on `listener` until `shutdown` completes (see the module doc).
 pub async fn serve(
     listener: TcpListener,
@@ -154,8 +168,9 @@ pub async fn serve(
         .header_read_timeout(options.limits.header_read_timeout)
         .keep_alive(options.limits.keep_alive)
         .max_header_size(options.limits.max_header_bytes)
-        // hyper's read buffer must hold a whole head; its floor is 8 KiB.
-        .max_buf_size(options.limits.max_header_bytes.max(8192) + 8192);
+        // The head is bounded by `max_header_size` above; this bounds hyper's read (and
+        // write) buffer, so also the size of each body frame read from the socket.
+        .max_buf_size(read_buffer_max(options.limits.max_header_bytes));
     let builder = Arc::new(builder);
     let stop = CancellationToken::new();
     let mut connections = JoinSet::new();

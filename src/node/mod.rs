@@ -98,6 +98,16 @@ struct ClusterParts {
     stop: CancellationToken,
 }
 
+/// Why [`RunningNode::run_until_signal`] stopped the node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopCause {
+    /// SIGTERM or SIGINT: exit status 0.
+    Signal,
+    /// The control plane's supervisor gave up restarting it: exit status 1, so the
+    /// orchestrator restarts the process.
+    ControlPlaneLost,
+}
+
 /// How a shutdown went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ShutdownOutcome {
@@ -326,7 +336,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     });
 
     let cluster_parts = if cluster_mode {
-        Some(start_cluster_parts(&state, &mut tasks).await?)
+        Some(start_cluster_parts(&state, &mut tasks, supervisor.root()).await?)
     } else {
         None
     };
@@ -387,6 +397,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
 async fn start_cluster_parts(
     state: &Arc<AppState>,
     tasks: &mut tasks::BackgroundTasks,
+    root: ractor::ActorCell,
 ) -> Result<ClusterParts, StartError> {
     let config = &state.config;
     let token = config.control.internal_token.clone().ok_or_else(|| {
@@ -449,11 +460,24 @@ async fn start_cluster_parts(
     } else {
         None
     };
+    // Linked under the node's supervisor; it restarts the plane, or gives up (below).
     let control = Arc::new(
-        ClusterTransport::start_with_tls(options, handler, control_tls)
+        ClusterTransport::start_under(Some(root), options, handler, control_tls)
             .await
             .map_err(|e| StartError::Control(e.to_string()))?,
     );
+    let (lost, readiness, stopped) = (control.lost(), state.readiness.clone(), stop.clone());
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = lost.cancelled() => {
+                // Fence at once: not ready, so balancers stop sending; `run_until_signal`
+                // then drains the shards (no new ingest for them) and exits non-zero.
+                readiness.set(false);
+                tracing::error!("the control plane is lost; this node stops");
+            }
+            _ = stopped.cancelled() => {}
+        }
+    });
     let transport: Arc<dyn ControlTransport> = control.clone();
     let (cluster, every) = (state.cluster.clone(), config.cluster.poll_interval.get());
     tasks.spawn("peer feed", move |stop| {
@@ -547,11 +571,37 @@ impl RunningNode {
         outcome
     }
 
-    /// Serve until SIGINT or SIGTERM, then shut down gracefully.
-    pub async fn run_until_signal(self) -> ShutdownOutcome {
-        wait_for_signal().await;
-        tracing::info!("shutdown signal received; draining");
-        self.shutdown().await
+    /// Serve until SIGINT or SIGTERM, or until the control plane is lost for good, then
+    /// shut down gracefully (the same drain either way).
+    pub async fn run_until_signal(self) -> (StopCause, ShutdownOutcome) {
+        let cause = self.wait_for_stop(wait_for_signal()).await;
+        (cause, self.shutdown().await)
+    }
+
+    /// Wait for `signal`, or for the control plane to be lost (cluster mode).
+    pub async fn wait_for_stop(&self, signal: impl std::future::Future<Output = ()>) -> StopCause {
+        let lost = self.cluster_parts.as_ref().map(|p| p.control.lost());
+        let lost = async move {
+            match lost {
+                Some(lost) => lost.cancelled_owned().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = signal => {
+                tracing::info!("shutdown signal received; draining");
+                StopCause::Signal
+            }
+            _ = lost => {
+                tracing::error!("control plane lost; draining and exiting with status 1");
+                StopCause::ControlPlaneLost
+            }
+        }
+    }
+
+    /// The root of the node's actor tree (diagnostics and fault tests walk it).
+    pub fn actor_root(&self) -> ractor::ActorCell {
+        self.supervisor.root()
     }
 }
 

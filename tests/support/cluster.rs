@@ -7,6 +7,15 @@ use std::time::{Duration, Instant};
 pub const BIN: &str = env!("CARGO_BIN_EXE_graviton");
 pub const TOKEN: &str = "test-internal-token-0123456789abcdefghijkl";
 
+/// The `[cluster]` timing keys of test nodes (fast failover).
+pub const FAST_TIMINGS: &str = r#"heartbeat_interval = "100ms"
+self_fence = "400ms"
+node_ttl = "1s"
+poll_interval = "250ms"
+rebalance_interval = "200ms"
+lock_retry_interval = "100ms"
+lock_ping_interval = "100ms""#;
+
 /// One node process.
 pub struct NodeProcess {
     pub id: String,
@@ -83,13 +92,7 @@ shutdown_grace = "5s"
 enabled = true
 database_url = "{database_url}"
 shard_count = {shard_count}
-heartbeat_interval = "100ms"
-self_fence = "400ms"
-node_ttl = "1s"
-poll_interval = "250ms"
-rebalance_interval = "200ms"
-lock_retry_interval = "100ms"
-lock_ping_interval = "100ms"
+{FAST_TIMINGS}
 {cluster_extra}
 
 [control]
