@@ -20,6 +20,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::connection::Connection;
 use super::error::CoordinatorError as Error;
+use super::script::SCRIPT;
 
 /// Most items in one script call.
 pub const MAX_BATCH: usize = 64;
@@ -66,7 +67,6 @@ struct Job {
 /// What the batch task needs to build and send a call.
 pub struct BatchContext {
     pub conn: Connection,
-    pub script: &'static redis::Script,
     pub keys: Vec<String>,
     /// `ARGV[2]`, `ARGV[3]`: stream MAXLEN and reap batch.
     pub common: [String; 2],
@@ -134,11 +134,8 @@ async fn run(context: Arc<BatchContext>, mut rx: mpsc::UnboundedReceiver<Job>) {
     }
 }
 
-fn invocation(context: &BatchContext, jobs: &[Job]) -> redis::ScriptInvocation<'static> {
-    let mut inv = context.script.prepare_invoke();
-    for key in &context.keys {
-        inv.key(key);
-    }
+fn invocation(context: &BatchContext, jobs: &[Job]) -> redis::Cmd {
+    let mut inv = SCRIPT.call(context.keys.iter().map(String::as_str));
     inv.arg("batch")
         .arg(&context.common[0])
         .arg(&context.common[1])

@@ -1,9 +1,10 @@
 //! The Redis side of cluster admission: one connection (one server or a Redis Cluster,
 //! see [`super::connection`]), one script, typed calls.
 //!
-//! * Every call runs `lua/admission.lua` by `EVALSHA`; redis-rs reloads the script on
-//!   `NOSCRIPT` (after a restart, failover, reshard or `SCRIPT FLUSH`; in a cluster the
-//!   `SCRIPT LOAD` goes to every primary).
+//! * Every call runs `lua/admission.lua` as a Redis Function (`FCALL`, see
+//!   [`super::script`]), loaded again when the server answers that it does not have it
+//!   (a restart without persistence, a new primary, `FUNCTION FLUSH`; in a cluster the
+//!   `FUNCTION LOAD` goes to every primary).
 //! * The connection reconnects in the background, but the command that hit a dead
 //!   connection fails. Idempotent operations (acquire by lease id, renew, release, abandon, snapshot,
 //!   reap) are retried twice on I/O, dropped-connection and timeout errors; policy changes
@@ -16,26 +17,23 @@
 //! module only encodes arguments, runs the script and parses its replies.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, LazyLock, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use redis::{RedisError, Script, ScriptInvocation};
+use redis::{Cmd, RedisError};
 
 use super::batcher::{BatchContext, BatchItem, Batcher};
 use super::connection::{self, ConnectSpec, Connection};
 use super::error::CoordinatorError as Error;
 use super::hashing::IdHasher;
 use super::keys::{CellKeys, QuotaKind};
+use super::script::SCRIPT;
 use super::reply::{
     self, AcquireReply, ChargeReply, Dimension, FencingToken, LeaseId, ReleaseReply, RenewReply,
     SnapshotReply, StoredLimits,
 };
 use crate::config::Secret;
 use crate::ids::TenantId;
-
-/// The admission script, hashed once per process.
-static SCRIPT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/admission.lua")));
 
 /// Response timeout of one Redis call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(1);
@@ -223,22 +221,21 @@ impl RedisCoordinator {
         tenant.map_or_else(|| "-".to_string(), |t| self.inner.hasher.tenant(t))
     }
 
-    fn invocation(&self, op: &str) -> ScriptInvocation<'static> {
-        let mut inv = SCRIPT.prepare_invoke();
-        for key in self.inner.keys.admission() {
-            inv.key(key);
-        }
+    fn invocation(&self, op: &str) -> Cmd {
+        self.invocation_with(op, None)
+    }
+
+    /// A call of `op`; `extra_key` is `KEYS[9]` (a quota charge's traffic key).
+    fn invocation_with(&self, op: &str, extra_key: Option<&str>) -> Cmd {
+        let keys = self.inner.keys.admission().iter().map(String::as_str);
+        let mut inv = SCRIPT.call(keys.chain(extra_key));
         inv.arg(op)
             .arg(self.inner.config.max_events)
             .arg(self.inner.config.reap_batch);
         inv
     }
 
-    async fn call(
-        &self,
-        inv: &ScriptInvocation<'_>,
-        idempotent: bool,
-    ) -> Result<Vec<String>, Error> {
+    async fn call(&self, inv: &Cmd, idempotent: bool) -> Result<Vec<String>, Error> {
         invoke(&self.inner.conn, inv, idempotent).await
     }
 
@@ -248,7 +245,6 @@ impl RedisCoordinator {
             let c = &self.inner.config;
             Batcher::spawn(BatchContext {
                 conn: self.inner.conn.clone(),
-                script: &SCRIPT,
                 keys: self.inner.keys.admission().to_vec(),
                 common: [c.max_events.to_string(), c.reap_batch.to_string()],
                 defaults: [
@@ -477,13 +473,12 @@ impl RedisCoordinator {
             QuotaKind::Requests => (self.inner.config.requests_per_minute, REQUEST_WINDOW_MS),
             QuotaKind::Egress => (self.inner.config.egress_per_hour, EGRESS_WINDOW_MS),
         };
-        let mut inv = self.invocation("charge");
-        inv.key(
-            self.inner
-                .keys
-                .traffic(kind, &self.inner.hasher.tenant(tenant)),
-        )
-        .arg(kind.as_str())
+        let traffic = self
+            .inner
+            .keys
+            .traffic(kind, &self.inner.hasher.tenant(tenant));
+        let mut inv = self.invocation_with("charge", Some(&traffic));
+        inv.arg(kind.as_str())
         .arg(amount)
         .arg(limit)
         .arg(window);
@@ -545,14 +540,13 @@ impl RedisCoordinator {
 /// and timeout errors. Errors are reduced to a category.
 pub(super) async fn invoke<T: redis::FromRedisValue>(
     conn: &Connection,
-    inv: &ScriptInvocation<'_>,
+    inv: &Cmd,
     idempotent: bool,
 ) -> Result<T, Error> {
     let mut backoff = Duration::from_millis(20);
     let mut attempt = 0;
     loop {
-        let mut conn = conn.clone();
-        match inv.invoke_async::<T>(&mut conn).await {
+        match SCRIPT.run::<T>(conn, inv).await {
             Ok(reply) => return Ok(reply),
             Err(err) if idempotent && attempt < 2 && retryable(&err) => {
                 attempt += 1;
