@@ -32,18 +32,27 @@ local K_COUNTS, K_EXP, K_LEASES, K_FENCE, K_POLICY, K_EVENTS, K_WAITERS, K_WAITI
 local now, now_s, now_us
 local counts, counts_dirty, lease_cache, lease_dirty, exp_cache, exp_dirty
 local fence_value, fence_dirty, policy_cache, waiters_known_empty, limits_bootstrapped
-local tenant_names, backend_names
+local events_added
+-- Parsed lease records of the call, by the raw record (a pattern match is costly, and a
+-- batch's prefetch and its release both need the fields).
+local parsed
+-- Field names of a tenant ({ bytes, transfers }) and a backend (transfers); counters and
+-- overrides use the same names in their two hashes. Like `decimal`, a pure cache: kept
+-- between calls of the library (up to 4096 entries), rebuilt per call under EVALSHA.
+local tenant_names, backend_names, names_count
 
--- Decimal strings of integers, memoized for the call: counter values, timestamps and
--- versions recur within a batch, and formatting is among the costliest things the script
--- does (numbers handed to redis.call as Lua numbers cost as much: Redis formats them).
-local decimal
+-- Decimal strings of integers, memoized: counter values, timestamps and versions recur,
+-- and formatting is among the costliest things the script does (numbers handed to
+-- redis.call as Lua numbers cost as much: Redis formats them). A pure cache, kept between
+-- calls of the library (up to 4096 entries), rebuilt per call under EVALSHA.
+local decimal, decimal_count
 
 local function fmt(n)
   local s = decimal[n]
   if s == nil then
     s = sformat('%d', n)
     decimal[n] = s
+    decimal_count = decimal_count + 1
   end
   return s
 end
@@ -62,23 +71,26 @@ local function begin(call_keys, call_argv)
   op, max_events, reap_limit = argv[1], argv[2], tonumber(argv[3]) or 0
   K_COUNTS, K_EXP, K_LEASES, K_FENCE = keys[1], keys[2], keys[3], keys[4]
   K_POLICY, K_EVENTS, K_WAITERS, K_WAITING = keys[5], keys[6], keys[7], keys[8]
-  decimal = {}
+  if decimal == nil or decimal_count > 4096 then
+    decimal, decimal_count = {}, 0
+  end
   local clock = call('TIME')
   now = tonumber(clock[1]) * 1000 + mfloor(tonumber(clock[2]) / 1000)
   now_s = fmt(now)
   -- Server time in microseconds: the floor of fencing tokens (about 1.8e15, exact in a
   -- Lua double up to 2^53). See next_token.
   now_us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-  counts, counts_dirty = {}, {}
+  counts, counts_dirty, parsed = {}, {}, {}
   lease_cache, lease_dirty = {}, {}
   exp_cache, exp_dirty = {}, {}
   fence_value, fence_dirty = nil, false
   policy_cache = {}
   waiters_known_empty = nil
   limits_bootstrapped = false
-  -- Field names of a tenant ({ bytes, transfers }) and a backend (transfers), built once
-  -- per call; counters and overrides use the same names in their two hashes.
-  tenant_names, backend_names = {}, {}
+  events_added = false
+  if tenant_names == nil or names_count > 4096 then
+    tenant_names, backend_names, names_count = {}, {}, 0
+  end
 end
 
 -- A lease record: token|tenant|backend|bytes|admitted_ms|operation|policy_version (records
@@ -89,12 +101,21 @@ local function split(s)
   return { smatch(s, LEASE_PATTERN) }
 end
 
+local function parse(raw)
+  local r = parsed[raw]
+  if r == nil then
+    r = split(raw)
+    parsed[raw] = r
+  end
+  return r
+end
 
 local function tenant_fields(tenant)
   local names = tenant_names[tenant]
   if names == nil then
     names = { 't:' .. tenant .. ':b', 't:' .. tenant .. ':c' }
     tenant_names[tenant] = names
+    names_count = names_count + 1
   end
   return names
 end
@@ -104,6 +125,7 @@ local function backend_field(backend)
   if name == nil then
     name = 'b:' .. backend .. ':c'
     backend_names[backend] = name
+    names_count = names_count + 1
   end
   return name
 end
@@ -280,6 +302,10 @@ local function flush()
   if fence_dirty then
     call('SET', K_FENCE, fmt(fence_value))
   end
+  -- One approximate trim per call for all the events it appended.
+  if events_added then
+    call('XTRIM', K_EVENTS, 'MAXLEN', '~', max_events)
+  end
 end
 
 -- Occupancy strings {sB, sC, tB, tC, bC}; tenant values are -1 without a tenant.
@@ -350,7 +376,8 @@ end
 
 -- Append one decision event; o is the occupancy after the transition.
 local function event(kind, lease, token, tenant, backend, bytes, operation, outcome, version, o)
-  call('XADD', K_EVENTS, 'MAXLEN', '~', max_events, '*',
+  events_added = true
+  call('XADD', K_EVENTS, '*',
     'schema', 'graviton-admission-event-v1', 'kind', kind, 'at_ms', now_s,
     'lease', lease, 'fencing_token', token, 'tenant', tenant, 'backend', backend,
     'bytes', bytes, 'operation', operation, 'outcome', outcome,
@@ -369,7 +396,7 @@ local function drop_lease(id, kind, outcome, r)
     if not raw then
       return false
     end
-    r = split(raw)
+    r = parse(raw)
   end
   local tenant, backend = r[2], r[3]
   local v = load_counts(tenant, backend)
@@ -453,7 +480,7 @@ local function acquire_one(id, tenant, backend, bytes_s, operation, first_s, d)
   local existing = get_lease(id)
   if existing then
     local score = get_expiry(id)
-    local r = split(existing)
+    local r = parse(existing)
     if score and score > now then
       local o = occupancy(r[2], r[3], load_counts(r[2], r[3]))
       return { 'ADMITTED', r[1], score, tonumber(r[7]) or policy_version(), o[1], o[2], o[3], o[4], o[5] }
@@ -566,7 +593,7 @@ local function release_one(id, token, outcome)
   if not raw then
     return { 'MISSING' }
   end
-  local r = split(raw)
+  local r = parse(raw)
   if r[1] ~= token then
     return { 'STALE' }
   end
@@ -583,7 +610,7 @@ local function renew_one(id, token, ttl)
   if not raw then
     return { 'LOST' }
   end
-  local r = split(raw)
+  local r = parse(raw)
   if r[1] ~= token then
     return { 'STALE' }
   end
@@ -790,7 +817,7 @@ local function charge()
 end
 
 -- Sizes of the batch items in ARGV (the kind letter included).
-local ITEM_SIZE = { A = 7, R = 4, N = 3, X = 8 }
+local ITEM_SIZE = { A = 7, R = 4, X = 8 }
 
 -- Read everything a batch's items will touch with one HMGET per hash: the lease records of
 -- every item, the counters of every scope (a release's scope from its record) and the
@@ -816,9 +843,9 @@ local function prefetch(n)
   for k = 1, #ids do
     local raw = lease_cache[ids[k]]
     if raw then
-      local _, tenant, backend = smatch(raw, '^([^|]*)|([^|]*)|([^|]*)|')
-      if backend then
-        scope_fields(tenant, backend, cfields)
+      local r = parse(raw)
+      if r[3] then
+        scope_fields(r[2], r[3], cfields)
       end
     end
   end
@@ -828,11 +855,11 @@ local function prefetch(n)
   end
 end
 
--- Many acquires, releases, renewals and abandons of one node in one call (coalesced by the
--- client). ARGV: 4 item count, 5..11 the acquire defaults and timings (as acquire's 8..13
--- and 15), then per item: 'A', lease id, tenant, backend, bytes, operation, first; or
--- 'R', lease id, fencing token, outcome; or 'N' (renew), lease id, fencing token; or 'X'
--- (abandon), lease id, tenant, backend, bytes, operation, dimension or '-', event kind.
+-- Many acquires, releases and abandons of one node in one call (coalesced by the client).
+-- ARGV: 4 item count, 5..11 the acquire defaults and timings (as acquire's 8..13 and 15),
+-- then per item: 'A', lease id, tenant, backend, bytes, operation, first; or 'R', lease
+-- id, fencing token, outcome; or 'X' (abandon), lease id, tenant, backend, bytes,
+-- operation, dimension or '-', event kind.
 -- Reply: one reply array per item, in order.
 local function batch()
   local n = tonumber(argv[4])
@@ -852,8 +879,6 @@ local function batch()
       replies[k] = acquire_one(argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4], argv[i + 5], argv[i + 6], d)
     elseif kind == 'R' then
       replies[k] = release_one(argv[i + 1], argv[i + 2], argv[i + 3])
-    elseif kind == 'N' then
-      replies[k] = renew_one(argv[i + 1], argv[i + 2], d and d.ttl)
     elseif kind == 'X' then
       replies[k] = abandon_one(argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4], argv[i + 5], argv[i + 6], argv[i + 7])
     else

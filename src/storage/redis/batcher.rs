@@ -27,7 +27,7 @@ pub const MAX_BATCH: usize = 64;
 /// Batch calls outstanding at once. A batch that carries an abandon waits until every
 /// earlier call has finished, so an abandon never overtakes the acquire it cancels
 /// (releases need no such care: one is only sent after its acquire was answered).
-pub const IN_FLIGHT: usize = 2;
+pub const IN_FLIGHT: usize = 4;
 
 /// One queued operation, already encoded as script arguments.
 #[derive(Debug, Clone)]

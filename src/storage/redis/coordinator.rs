@@ -38,6 +38,8 @@ use crate::ids::TenantId;
 /// Response timeout of one Redis call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(1);
 const REQUEST_WINDOW_MS: u64 = 60_000;
+/// Backend hashes cached per coordinator (labels beyond this are hashed per call).
+const BACKEND_HASHES: usize = 64;
 const EGRESS_WINDOW_MS: u64 = 3_600_000;
 
 /// Connection and script parameters of one cell, built from `[admission.redis]` by
@@ -67,7 +69,7 @@ pub struct CoordinatorConfig {
     pub waiter_ttl: Duration,
     pub requests_per_minute: u64,
     pub egress_per_hour: u64,
-    /// `XADD MAXLEN ~` of the event stream.
+    /// `XTRIM MAXLEN ~` of the event stream (once per script call).
     pub max_events: u64,
     /// Expired leases reaped per call at most.
     pub reap_batch: u32,
@@ -112,6 +114,9 @@ struct Inner {
     conn: Connection,
     keys: CellKeys,
     hasher: IdHasher,
+    /// Backend label -> its hash: backends are a handful of labels, hashed on every
+    /// acquire otherwise (bounded by [`BACKEND_HASHES`]).
+    backend_hashes: std::sync::Mutex<std::collections::HashMap<String, String>>,
     config: CoordinatorConfig,
     batcher: OnceLock<Batcher>,
 }
@@ -195,6 +200,7 @@ impl RedisCoordinator {
                 keys,
                 hasher: IdHasher::new(config.id_secret.as_ref().map(|s| s.expose())),
                 config: config.clone(),
+                backend_hashes: Default::default(),
                 batcher: OnceLock::new(),
             }),
         })
@@ -215,6 +221,23 @@ impl RedisCoordinator {
 
     pub fn config(&self) -> &CoordinatorConfig {
         &self.inner.config
+    }
+
+    /// The hash of a backend label, computed once per label (up to [`BACKEND_HASHES`]).
+    fn backend_hash(&self, backend: &str) -> String {
+        let mut cache = self
+            .inner
+            .backend_hashes
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(hash) = cache.get(backend) {
+            return hash.clone();
+        }
+        let hash = self.inner.hasher.backend(backend);
+        if cache.len() < BACKEND_HASHES {
+            cache.insert(backend.to_string(), hash.clone());
+        }
+        hash
     }
 
     fn tenant_hash(&self, tenant: Option<&TenantId>) -> String {
@@ -269,7 +292,7 @@ impl RedisCoordinator {
         let item = BatchItem::Acquire {
             lease_id: request.lease_id.to_string(),
             tenant: self.tenant_hash(request.tenant.as_ref()),
-            backend: self.inner.hasher.backend(&request.backend),
+            backend: self.backend_hash(&request.backend),
             bytes: request.bytes,
             operation: request.operation,
             first,
@@ -287,7 +310,7 @@ impl RedisCoordinator {
         let mut inv = self.invocation("acquire");
         inv.arg(request.lease_id.as_str())
             .arg(self.tenant_hash(request.tenant.as_ref()))
-            .arg(self.inner.hasher.backend(&request.backend))
+            .arg(self.backend_hash(&request.backend))
             .arg(request.bytes)
             .arg(c.limits.service_bytes)
             .arg(c.limits.service_transfers)
@@ -322,7 +345,7 @@ impl RedisCoordinator {
         let item = BatchItem::Abandon {
             lease_id: request.lease_id.to_string(),
             tenant: self.tenant_hash(request.tenant.as_ref()),
-            backend: self.inner.hasher.backend(&request.backend),
+            backend: self.backend_hash(&request.backend),
             bytes: request.bytes,
             operation: request.operation,
             dimension: dimension.map_or("-", Dimension::as_str),
@@ -389,7 +412,7 @@ impl RedisCoordinator {
     ) -> Result<SnapshotReply, Error> {
         let mut inv = self.invocation("snapshot");
         inv.arg(self.tenant_hash(tenant))
-            .arg(backend.map_or_else(|| "-".to_string(), |b| self.inner.hasher.backend(b)));
+            .arg(backend.map_or_else(|| "-".to_string(), |b| self.backend_hash(b)));
         Ok(reply::parse_snapshot(&self.call(&inv, true).await?)?)
     }
 
@@ -457,7 +480,7 @@ impl RedisCoordinator {
         transfers: Option<u64>,
     ) -> Result<u64, Error> {
         let mut inv = self.invocation("backend_policy");
-        inv.arg(self.inner.hasher.backend(backend))
+        inv.arg(self.backend_hash(backend))
             .arg(fmt_opt(transfers));
         Ok(reply::parse_policy(&self.call(&inv, false).await?)?)
     }

@@ -134,7 +134,14 @@ mod tests {
         assert_eq!(first, format!("#!lua name={}", script.function));
         assert!(CODE.contains("redis.register_function(FUNCTION_NAME, run)"));
         let call = script.call(["a", "b"]);
-        let args: Vec<_> = call.args_iter().collect();
-        assert_eq!(args.len(), 4);
+        let args: Vec<Vec<u8>> = call
+            .args_iter()
+            .filter_map(|arg| match arg {
+                redis::Arg::Simple(bytes) => Some(bytes.to_vec()),
+                _ => None,
+            })
+            .collect();
+        let expected: [&[u8]; 5] = [b"FCALL", script.function.as_bytes(), b"2", b"a", b"b"];
+        assert_eq!(args, expected.map(<[u8]>::to_vec));
     }
 }
