@@ -156,7 +156,11 @@ impl LeaseHolder {
                 continue;
             }
             entry.renewing = true;
-            let (key, id, token) = (*key, entry.lease.lease_id.clone(), entry.lease.token.duplicate());
+            let (key, id, token) = (
+                *key,
+                entry.lease.lease_id.clone(),
+                entry.lease.token.duplicate(),
+            );
             let (backend, myself) = (args.backend.clone(), myself.clone());
             tokio::spawn(async move {
                 let reply = backend.renew(&id, &token).await;
@@ -441,6 +445,7 @@ mod tests {
         assert!(h.fake.released.lock().unwrap().is_empty());
     }
 
+    // ADM-3: failing renewals are a loss before the server could expire the lease.
     #[tokio::test]
     async fn transient_failures_become_a_loss_before_the_server_expiry() {
         let started = Instant::now();

@@ -329,7 +329,12 @@ impl Admission {
                 ActorStatus::Starting | ActorStatus::Running | ActorStatus::Upgrading
             )
         };
-        let current = self.inner.holder.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let current = self
+            .inner
+            .holder
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         if let Some(actor) = current.filter(alive) {
             return Some(actor);
         }

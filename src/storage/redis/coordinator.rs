@@ -27,11 +27,11 @@ use super::connection::{self, ConnectSpec, Connection};
 use super::error::CoordinatorError as Error;
 use super::hashing::IdHasher;
 use super::keys::{CellKeys, QuotaKind};
-use super::script::SCRIPT;
 use super::reply::{
     self, AcquireReply, ChargeReply, Dimension, FencingToken, LeaseId, ReleaseReply, RenewReply,
     SnapshotReply, StoredLimits,
 };
+use super::script::SCRIPT;
 use crate::config::Secret;
 use crate::ids::TenantId;
 
@@ -480,8 +480,7 @@ impl RedisCoordinator {
         transfers: Option<u64>,
     ) -> Result<u64, Error> {
         let mut inv = self.invocation("backend_policy");
-        inv.arg(self.backend_hash(backend))
-            .arg(fmt_opt(transfers));
+        inv.arg(self.backend_hash(backend)).arg(fmt_opt(transfers));
         Ok(reply::parse_policy(&self.call(&inv, false).await?)?)
     }
 
@@ -501,10 +500,7 @@ impl RedisCoordinator {
             .keys
             .traffic(kind, &self.inner.hasher.tenant(tenant));
         let mut inv = self.invocation_with("charge", Some(&traffic));
-        inv.arg(kind.as_str())
-        .arg(amount)
-        .arg(limit)
-        .arg(window);
+        inv.arg(kind.as_str()).arg(amount).arg(limit).arg(window);
         Ok(reply::parse_charge(&self.call(&inv, false).await?)?)
     }
 

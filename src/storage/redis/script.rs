@@ -97,7 +97,9 @@ impl AdmissionScript {
         let mut c = conn.clone();
         match eval.query_async::<T>(&mut c).await {
             Ok(value) => Ok(value),
-            Err(err) if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            Err(err)
+                if err.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+            {
                 let _: Value = cmd("SCRIPT")
                     .arg("LOAD")
                     .arg(CODE)
