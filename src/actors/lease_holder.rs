@@ -104,6 +104,17 @@ pub struct LeaseHolderState {
     leases: HashMap<u64, Entry>,
 }
 
+/// A holder that ends without `post_stop` (killed, or a panic) cannot renew or release
+/// what it still holds: each such lease is a loss (cancelled per policy), so no transfer
+/// runs on past a lease nobody renews. After `post_stop` the map is empty.
+impl Drop for LeaseHolderState {
+    fn drop(&mut self) {
+        for entry in self.leases.values_mut().filter(|entry| !entry.lost) {
+            LeaseHolder::declare_loss(&self.args, entry, "the lease holder stopped abruptly");
+        }
+    }
+}
+
 pub struct LeaseHolder;
 
 impl LeaseHolder {
@@ -488,6 +499,26 @@ mod tests {
         .await;
         h.release().await;
         assert_eq!(*h.fake.released.lock().unwrap(), [Outcome::Interrupted]);
+    }
+
+    #[tokio::test]
+    async fn a_killed_holder_declares_its_leases_lost() {
+        let h = start(
+            Some(RenewReply::Renewed { expires_at_ms: 1 }),
+            LeaseLossPolicy::Cancel,
+        )
+        .await;
+        while h.fake.renews.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // No post_stop: nobody will renew or release the lease any more.
+        h.actor.kill();
+        let _ = h.join.await;
+        tokio::time::timeout(Duration::from_secs(2), h.cancel.cancelled())
+            .await
+            .unwrap();
+        assert_eq!(h.losses.load(Ordering::SeqCst), 1);
+        assert!(h.fake.released.lock().unwrap().is_empty());
     }
 
     #[tokio::test]
