@@ -501,8 +501,8 @@ mod tests {
         assert_eq!(*h.fake.released.lock().unwrap(), [Outcome::Interrupted]);
     }
 
-    #[tokio::test]
-    async fn a_killed_holder_declares_its_leases_lost() {
+    /// A holder that renews, once it has taken its lease (its first renewal shows that).
+    async fn holding() -> Harness {
         let h = start(
             Some(RenewReply::Renewed { expires_at_ms: 1 }),
             LeaseLossPolicy::Cancel,
@@ -511,6 +511,12 @@ mod tests {
         while h.fake.renews.load(Ordering::SeqCst) == 0 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        h
+    }
+
+    #[tokio::test]
+    async fn a_killed_holder_declares_its_leases_lost() {
+        let h = holding().await;
         // No post_stop: nobody will renew or release the lease any more.
         h.actor.kill();
         let _ = h.join.await;
@@ -523,15 +529,7 @@ mod tests {
 
     #[tokio::test]
     async fn stopping_the_holder_releases_every_lease_it_still_holds() {
-        let h = start(
-            Some(RenewReply::Renewed { expires_at_ms: 1 }),
-            LeaseLossPolicy::Cancel,
-        )
-        .await;
-        // The first renewal shows the holder has taken the lease.
-        while h.fake.renews.load(Ordering::SeqCst) == 0 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let h = holding().await;
         h.actor.stop(None);
         h.join.await.unwrap();
         assert_eq!(*h.fake.released.lock().unwrap(), [Outcome::Interrupted]);
