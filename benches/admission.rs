@@ -92,23 +92,46 @@ fn redis_cpu(port: u16) -> f64 {
         .sum()
 }
 
-/// (`EVALSHA` calls, total µs inside them) so far, from `INFO commandstats`.
+/// (script calls, total µs inside them) so far, from `INFO commandstats`: `FCALL` (the
+/// admission library) plus `EVALSHA` (the baseline's trivial script is measured before).
 fn evalsha_stats(port: u16) -> (f64, f64) {
     let text = cli(port, &["INFO", "commandstats"]);
-    let Some(line) = text.lines().find(|l| l.starts_with("cmdstat_evalsha:")) else {
-        return (0.0, 0.0);
-    };
-    let field = |name: &str| {
-        line.split([':', ',', '\r'])
-            .find_map(|kv| {
-                kv.strip_prefix(name)?
-                    .strip_prefix('=')?
-                    .parse::<f64>()
-                    .ok()
-            })
+    let mut total = (0.0, 0.0);
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_fcall:"))
+    {
+        let field = |name: &str| {
+            line.split([':', ',', '\r'])
+                .find_map(|kv| {
+                    kv.strip_prefix(name)?
+                        .strip_prefix('=')?
+                        .parse::<f64>()
+                        .ok()
+                })
+                .unwrap_or(0.0)
+        };
+        total.0 += field("calls");
+        total.1 += field("usec");
+    }
+    total
+}
+
+/// CPU seconds (user + system) this bench process used so far, from `/proc/self/stat`
+/// (clock ticks of 10 ms: runs of a few seconds are exact to about 1 %).
+fn own_cpu() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which is in parentheses): utime is the 12th, stime
+    // the 13th of those.
+    let rest = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
             .unwrap_or(0.0)
     };
-    (field("calls"), field("usec"))
+    (ticks(11) + ticks(12)) / 100.0
 }
 
 fn baseline(port: u16, ops: usize) -> f64 {
@@ -305,10 +328,10 @@ async fn facade_run(admission: Admission, tenants: Arc<Vec<TenantId>>, ops: usiz
     }
 }
 
-fn report(name: &str, run: &Run, baseline: f64, cpu: f64, calls: (f64, f64)) {
+fn report(name: &str, run: &Run, baseline: f64, cpu: f64, calls: (f64, f64), client_cpu: f64) {
     let n = run.latencies.len() as f64;
     println!(
-        "{name}: {:.0} admissions/s, ratio to baseline {:.2}, acquire p50 {:.3} ms, p99 {:.3} ms, redis CPU {:.1} us/admission, {:.2} script calls/admission, {:.1} us script time/admission",
+        "{name}: {:.0} admissions/s, ratio to baseline {:.2}, acquire p50 {:.3} ms, p99 {:.3} ms, redis CPU {:.1} us/admission, {:.2} script calls/admission, {:.1} us script time/admission, client CPU {:.1} us/admission",
         run.per_second,
         run.per_second / baseline,
         percentile(&run.latencies, 0.50).as_secs_f64() * 1e3,
@@ -316,6 +339,7 @@ fn report(name: &str, run: &Run, baseline: f64, cpu: f64, calls: (f64, f64)) {
         cpu / n * 1e6,
         calls.0 / n,
         calls.1 / n,
+        client_cpu / n * 1e6,
     );
 }
 
@@ -353,7 +377,11 @@ fn main() {
         // Warm up (script load, connection).
         coordinator_run(coordinator.clone(), tenants.clone(), CLIENTS * 20).await;
 
-        let (cpu, calls) = (redis_cpu(server.port), evalsha_stats(server.port));
+        let (cpu, calls, own) = (
+            redis_cpu(server.port),
+            evalsha_stats(server.port),
+            own_cpu(),
+        );
         let run = unbatched_run(coordinator.clone(), tenants.clone(), ops / 2).await;
         report(
             "coordinator acquire+release, one script call each (unbatched)",
@@ -361,9 +389,14 @@ fn main() {
             base,
             redis_cpu(server.port) - cpu,
             delta(calls, evalsha_stats(server.port)),
+            own_cpu() - own,
         );
 
-        let (cpu, calls) = (redis_cpu(server.port), evalsha_stats(server.port));
+        let (cpu, calls, own) = (
+            redis_cpu(server.port),
+            evalsha_stats(server.port),
+            own_cpu(),
+        );
         let run = coordinator_run(coordinator.clone(), tenants.clone(), ops).await;
         report(
             "coordinator acquire+release (batched)",
@@ -371,9 +404,14 @@ fn main() {
             base,
             redis_cpu(server.port) - cpu,
             delta(calls, evalsha_stats(server.port)),
+            own_cpu() - own,
         );
 
-        let (cpu, calls) = (redis_cpu(server.port), evalsha_stats(server.port));
+        let (cpu, calls, own) = (
+            redis_cpu(server.port),
+            evalsha_stats(server.port),
+            own_cpu(),
+        );
         let run = facade_run(admission.clone(), tenants.clone(), ops).await;
         report(
             "Admission::admit+finish (local + lease + holder actor)",
@@ -381,8 +419,12 @@ fn main() {
             base,
             redis_cpu(server.port) - cpu,
             delta(calls, evalsha_stats(server.port)),
+            own_cpu() - own,
         );
         let snap = coordinator.snapshot(None, None).await.unwrap();
         assert_eq!(snap.occupancy.service_transfers, 0, "every lease released");
     });
+    // The box is shared: a second baseline at the end shows how much it moved meanwhile.
+    let again = baseline(server.port, ops * 2);
+    println!("baseline again at the end: {again:.0} ops/s");
 }

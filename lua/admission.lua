@@ -13,103 +13,205 @@
 --   8 waiting      HASH   lease id -> bytes|last_seen_ms
 --   9 traffic key  HASH   window, count (charge only)
 -- ARGV[1] = op, ARGV[2] = event stream MAXLEN (approximate), ARGV[3] = reap batch.
--- Replies are arrays of strings; the first names the outcome. Integers are always
--- written with %d so the client never sees a float.
+-- Replies are arrays whose first element names the outcome; the other elements are strings
+-- or integers (Lua numbers, which Redis answers as integer replies, exact below 2^53).
+-- Integers sent to redis.call are strings written with %d (memoized per call, see fmt):
+-- a Lua number argument would be formatted by Redis with %.17g, which costs more.
 
-local op = ARGV[1]
-local max_events = ARGV[2]
-local reap_limit = tonumber(ARGV[3]) or 0
-local K_COUNTS, K_EXP, K_LEASES, K_FENCE = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_POLICY, K_EVENTS, K_WAITERS, K_WAITING = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+-- The file is loaded two ways with the same code: as a Redis Function library (the client
+-- prepends `#!lua name=...`; FUNCTION LOAD runs this chunk once and every FCALL runs
+-- `run`), or by EVALSHA (the chunk runs per call and ends by calling `run` itself). All
+-- state of one call lives in the locals below, reset by `begin`.
+--
+-- redis.call and the library functions, looked up per call (a Function library's load-time
+-- environment has neither).
+local call, tonumber, unpack, sformat, smatch, mmax, mfloor
+
+local keys, argv, op, max_events, reap_limit
+local K_COUNTS, K_EXP, K_LEASES, K_FENCE, K_POLICY, K_EVENTS, K_WAITERS, K_WAITING
+local now, now_s, now_us
+local counts, counts_dirty, lease_cache, lease_dirty, exp_cache, exp_dirty
+local fence_value, fence_dirty, policy_cache, waiters_known_empty, limits_bootstrapped
+local events_added
+-- Parsed lease records of the call, by the raw record (a pattern match is costly, and a
+-- batch's prefetch and its release both need the fields).
+local parsed
+-- Field names of a tenant ({ bytes, transfers }) and a backend (transfers); counters and
+-- overrides use the same names in their two hashes. Like `decimal`, a pure cache: kept
+-- between calls of the library (up to 4096 entries), rebuilt per call under EVALSHA.
+local tenant_names, backend_names, names_count
+
+-- Decimal strings of integers, memoized: counter values, timestamps and versions recur,
+-- and formatting is among the costliest things the script does (numbers handed to
+-- redis.call as Lua numbers cost as much: Redis formats them). A pure cache, kept between
+-- calls of the library (up to 4096 entries), rebuilt per call under EVALSHA.
+local decimal, decimal_count
 
 local function fmt(n)
-  return string.format('%d', n)
+  local s = decimal[n]
+  if s == nil then
+    s = sformat('%d', n)
+    decimal[n] = s
+    decimal_count = decimal_count + 1
+  end
+  return s
 end
 
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local now_s = string.format('%d', now)
--- Server time in microseconds: the floor of fencing tokens (about 1.8e15, exact in a Lua
--- double up to 2^53). See next_token.
-local now_us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+-- Start one call: its arguments, the server time, empty caches.
+--
+-- Write-back caches: one script call (one op, or a batch of many) reads each counter,
+-- lease, expiry and policy field at most once and writes everything back once in flush(),
+-- with one HSET/HDEL per hash and one ZADD/ZREM for the expiry set. A batch prefetches
+-- them with one HMGET per hash (prefetch). Events are appended at once (in order), from
+-- the cached occupancy. The script runs atomically, so the caches are exact.
+local function begin(call_keys, call_argv)
+  call, tonumber, unpack = redis.call, _G.tonumber, _G.unpack
+  sformat, smatch, mmax, mfloor = string.format, string.match, math.max, math.floor
+  keys, argv = call_keys, call_argv
+  op, max_events, reap_limit = argv[1], argv[2], tonumber(argv[3]) or 0
+  K_COUNTS, K_EXP, K_LEASES, K_FENCE = keys[1], keys[2], keys[3], keys[4]
+  K_POLICY, K_EVENTS, K_WAITERS, K_WAITING = keys[5], keys[6], keys[7], keys[8]
+  if decimal == nil or decimal_count > 4096 then
+    decimal, decimal_count = {}, 0
+  end
+  local clock = call('TIME')
+  now = tonumber(clock[1]) * 1000 + mfloor(tonumber(clock[2]) / 1000)
+  now_s = fmt(now)
+  -- Server time in microseconds: the floor of fencing tokens (about 1.8e15, exact in a
+  -- Lua double up to 2^53). See next_token.
+  now_us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+  counts, counts_dirty, parsed = {}, {}, {}
+  lease_cache, lease_dirty = {}, {}
+  exp_cache, exp_dirty = {}, {}
+  fence_value, fence_dirty = nil, false
+  policy_cache = {}
+  waiters_known_empty = nil
+  limits_bootstrapped = false
+  events_added = false
+  if tenant_names == nil or names_count > 4096 then
+    tenant_names, backend_names, names_count = {}, {}, 0
+  end
+end
+
+-- A lease record: token|tenant|backend|bytes|admitted_ms|operation|policy_version (records
+-- written before the version was added have six fields).
+local LEASE_PATTERN = '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|?([^|]*)$'
 
 local function split(s)
-  local out = {}
-  for part in string.gmatch(s, '[^|]+') do
-    out[#out + 1] = part
-  end
-  return out
+  return { smatch(s, LEASE_PATTERN) }
 end
 
--- Write-back caches: one script call (one op, or a batch of many) reads each counter,
--- lease and expiry at most once and writes everything back once in flush(), with one
--- HSET/HDEL per hash and one ZADD/ZREM for the expiry set. Events are appended at once
--- (in order), from the cached occupancy. The script runs atomically, so the caches are
--- exact.
-local counts, counts_dirty = {}, {}
-local lease_cache, lease_dirty = {}, {}
-local exp_cache, exp_dirty = {}, {}
-local fence_value, fence_dirty = nil, false
-local policy_cache = {}
-local waiters_known_empty = nil
-
--- Counter field names of one (tenant, backend) scope.
-local function fields_for(tenant, backend)
-  local names = { 's:b', 's:c' }
-  if tenant ~= '-' then
-    names[#names + 1] = 't:' .. tenant .. ':b'
-    names[#names + 1] = 't:' .. tenant .. ':c'
+local function parse(raw)
+  local r = parsed[raw]
+  if r == nil then
+    r = split(raw)
+    parsed[raw] = r
   end
-  if backend ~= '-' then
-    names[#names + 1] = 'b:' .. backend .. ':c'
+  return r
+end
+
+local function tenant_fields(tenant)
+  local names = tenant_names[tenant]
+  if names == nil then
+    names = { 't:' .. tenant .. ':b', 't:' .. tenant .. ':c' }
+    tenant_names[tenant] = names
+    names_count = names_count + 1
   end
   return names
 end
 
--- The scope's counters: names and the shared name -> value map (loaded with at most
--- one HMGET of the fields not cached yet).
-local function load_counts(tenant, backend)
-  local names = fields_for(tenant, backend)
-  local missing = {}
+local function backend_field(backend)
+  local name = backend_names[backend]
+  if name == nil then
+    name = 'b:' .. backend .. ':c'
+    backend_names[backend] = name
+    names_count = names_count + 1
+  end
+  return name
+end
+
+-- Append the counter names of one (tenant, backend) scope to `out`.
+local function scope_fields(tenant, backend, out)
+  out[#out + 1] = 's:b'
+  out[#out + 1] = 's:c'
+  if tenant ~= '-' then
+    local t = tenant_fields(tenant)
+    out[#out + 1] = t[1]
+    out[#out + 1] = t[2]
+  end
+  if backend ~= '-' then
+    out[#out + 1] = backend_field(backend)
+  end
+  return out
+end
+
+-- Load the fields of `names` not cached in `cache` with one HMGET of `key`: numbers (or
+-- `absent`), or with `raw` the strings (or false).
+local function load_fields(key, cache, names, absent, raw_values)
+  local missing, seen = {}, {}
   for i = 1, #names do
-    if counts[names[i]] == nil then
-      missing[#missing + 1] = names[i]
+    local name = names[i]
+    if cache[name] == nil and not seen[name] then
+      seen[name] = true
+      missing[#missing + 1] = name
     end
   end
   if #missing > 0 then
-    local raw = redis.call('HMGET', K_COUNTS, unpack(missing))
+    local raw = call('HMGET', key, unpack(missing))
     for i = 1, #missing do
-      counts[missing[i]] = tonumber(raw[i]) or 0
+      if raw_values then
+        cache[missing[i]] = raw[i] or false
+      else
+        cache[missing[i]] = tonumber(raw[i]) or absent
+      end
     end
   end
-  return names, counts
+end
+
+-- The scope's counters, in the shared name -> value map (at most one HMGET; none when a
+-- prefetch or an earlier item loaded them).
+local function load_counts(tenant, backend)
+  local loaded = counts['s:b'] ~= nil and counts['s:c'] ~= nil
+  if loaded and tenant ~= '-' then
+    local t = tenant_fields(tenant)
+    loaded = counts[t[1]] ~= nil and counts[t[2]] ~= nil
+  end
+  if loaded and backend ~= '-' then
+    loaded = counts[backend_field(backend)] ~= nil
+  end
+  if not loaded then
+    load_fields(K_COUNTS, counts, scope_fields(tenant, backend, {}), 0)
+  end
+  return counts
+end
+
+local function bump(name, delta)
+  local value = counts[name] + delta
+  if value < 0 then
+    value = 0
+  end
+  counts[name] = value
+  counts_dirty[name] = true
 end
 
 -- Add sign * (bytes, 1 transfer) to every counter of the scope (clamped at zero).
-local function apply(tenant, backend, names, v, bytes, sign)
-  v['s:b'] = v['s:b'] + sign * bytes
-  v['s:c'] = v['s:c'] + sign
+local function apply(tenant, backend, v, bytes, sign)
+  bump('s:b', sign * bytes)
+  bump('s:c', sign)
   if tenant ~= '-' then
-    local tb, tc = 't:' .. tenant .. ':b', 't:' .. tenant .. ':c'
-    v[tb] = v[tb] + sign * bytes
-    v[tc] = v[tc] + sign
+    local t = tenant_fields(tenant)
+    bump(t[1], sign * bytes)
+    bump(t[2], sign)
   end
   if backend ~= '-' then
-    local bc = 'b:' .. backend .. ':c'
-    v[bc] = v[bc] + sign
-  end
-  for _, name in ipairs(names) do
-    if v[name] < 0 then
-      v[name] = 0
-    end
-    counts_dirty[name] = true
+    bump(backend_field(backend), sign)
   end
 end
 
 local function get_lease(id)
   local raw = lease_cache[id]
   if raw == nil then
-    raw = redis.call('HGET', K_LEASES, id) or false
+    raw = call('HGET', K_LEASES, id) or false
     lease_cache[id] = raw
   end
   return raw
@@ -123,7 +225,7 @@ end
 local function get_expiry(id)
   local score = exp_cache[id]
   if score == nil then
-    score = tonumber(redis.call('ZSCORE', K_EXP, id)) or false
+    score = tonumber(call('ZSCORE', K_EXP, id)) or false
     exp_cache[id] = score
   end
   return score
@@ -141,9 +243,9 @@ end
 -- old one's by more than the failover takes issues higher tokens (docs/admission.md).
 local function next_token()
   if fence_value == nil then
-    fence_value = tonumber(redis.call('GET', K_FENCE)) or 0
+    fence_value = tonumber(call('GET', K_FENCE)) or 0
   end
-  fence_value = math.max(fence_value + 1, now_us)
+  fence_value = mmax(fence_value + 1, now_us)
   fence_dirty = true
   return fence_value
 end
@@ -151,51 +253,58 @@ end
 local function flush()
   local set, del = {}, {}
   for name in pairs(counts_dirty) do
-    if counts[name] > 0 then
+    local value = counts[name]
+    if value > 0 then
       set[#set + 1] = name
-      set[#set + 1] = fmt(counts[name])
+      set[#set + 1] = fmt(value)
     else
       del[#del + 1] = name
     end
   end
   if #set > 0 then
-    redis.call('HSET', K_COUNTS, unpack(set))
+    call('HSET', K_COUNTS, unpack(set))
   end
   if #del > 0 then
-    redis.call('HDEL', K_COUNTS, unpack(del))
+    call('HDEL', K_COUNTS, unpack(del))
   end
   set, del = {}, {}
   for id in pairs(lease_dirty) do
-    if lease_cache[id] then
+    local raw = lease_cache[id]
+    if raw then
       set[#set + 1] = id
-      set[#set + 1] = lease_cache[id]
+      set[#set + 1] = raw
     else
       del[#del + 1] = id
     end
   end
   if #set > 0 then
-    redis.call('HSET', K_LEASES, unpack(set))
+    call('HSET', K_LEASES, unpack(set))
   end
   if #del > 0 then
-    redis.call('HDEL', K_LEASES, unpack(del))
+    call('HDEL', K_LEASES, unpack(del))
   end
   set, del = {}, {}
   for id in pairs(exp_dirty) do
-    if exp_cache[id] then
-      set[#set + 1] = fmt(exp_cache[id])
+    local score = exp_cache[id]
+    if score then
+      set[#set + 1] = fmt(score)
       set[#set + 1] = id
     else
       del[#del + 1] = id
     end
   end
   if #set > 0 then
-    redis.call('ZADD', K_EXP, unpack(set))
+    call('ZADD', K_EXP, unpack(set))
   end
   if #del > 0 then
-    redis.call('ZREM', K_EXP, unpack(del))
+    call('ZREM', K_EXP, unpack(del))
   end
   if fence_dirty then
-    redis.call('SET', K_FENCE, fmt(fence_value))
+    call('SET', K_FENCE, fmt(fence_value))
+  end
+  -- One approximate trim per call for all the events it appended.
+  if events_added then
+    call('XTRIM', K_EVENTS, 'MAXLEN', '~', max_events)
   end
 end
 
@@ -203,36 +312,25 @@ end
 local function occupancy(tenant, backend, v)
   local tb, tc, bc = '-1', '-1', '0'
   if tenant ~= '-' then
-    tb = fmt(v['t:' .. tenant .. ':b'])
-    tc = fmt(v['t:' .. tenant .. ':c'])
+    local t = tenant_fields(tenant)
+    tb, tc = fmt(v[t[1]]), fmt(v[t[2]])
   end
   if backend ~= '-' then
-    bc = fmt(v['b:' .. backend .. ':c'])
+    bc = fmt(v[backend_field(backend)])
   end
   return { fmt(v['s:b']), fmt(v['s:c']), tb, tc, bc }
 end
 
 -- Load the policy fields of `names` that are not cached yet, with one HMGET.
 local function load_policy(names)
-  local missing = {}
-  for i = 1, #names do
-    if policy_cache[names[i]] == nil then
-      missing[#missing + 1] = names[i]
-    end
-  end
-  if #missing > 0 then
-    local raw = redis.call('HMGET', K_POLICY, unpack(missing))
-    for i = 1, #missing do
-      policy_cache[missing[i]] = tonumber(raw[i]) or false
-    end
-  end
+  load_fields(K_POLICY, policy_cache, names, false)
 end
 
 -- Policy hash fields (cached for the call).
 local function policy_field(name)
   local value = policy_cache[name]
   if value == nil then
-    value = tonumber(redis.call('HGET', K_POLICY, name)) or false
+    value = tonumber(call('HGET', K_POLICY, name)) or false
     policy_cache[name] = value
   end
   return value
@@ -253,15 +351,33 @@ local function bootstrap_limits(values)
   for i = 1, 5 do
     local name, value = LIMIT_FIELDS[i], tonumber(values[i])
     if not policy_cache[name] and value then
-      redis.call('HSET', K_POLICY, name, fmt(value))
+      call('HSET', K_POLICY, name, fmt(value))
       policy_cache[name] = value
     end
   end
+  limits_bootstrapped = true
+end
+
+-- The policy fields an acquire of this scope reads: the version, the five limits and the
+-- scope's overrides, appended to `out`.
+local function acquire_policy_fields(tenant, backend, out)
+  out[#out + 1] = 'version'
+  for i = 1, 5 do
+    out[#out + 1] = LIMIT_FIELDS[i]
+  end
+  if tenant ~= '-' then
+    local t = tenant_fields(tenant)
+    out[#out + 1] = t[1]
+    out[#out + 1] = t[2]
+  end
+  out[#out + 1] = backend_field(backend)
+  return out
 end
 
 -- Append one decision event; o is the occupancy after the transition.
 local function event(kind, lease, token, tenant, backend, bytes, operation, outcome, version, o)
-  redis.call('XADD', K_EVENTS, 'MAXLEN', '~', max_events, '*',
+  events_added = true
+  call('XADD', K_EVENTS, '*',
     'schema', 'graviton-admission-event-v1', 'kind', kind, 'at_ms', now_s,
     'lease', lease, 'fencing_token', token, 'tenant', tenant, 'backend', backend,
     'bytes', bytes, 'operation', operation, 'outcome', outcome,
@@ -270,18 +386,21 @@ local function event(kind, lease, token, tenant, backend, bytes, operation, outc
     'tenant_transfers', o[4], 'backend_transfers', o[5])
 end
 
--- Remove a lease and give back everything it reserved. Returns false if absent.
-local function drop_lease(id, kind, outcome)
-  local raw = get_lease(id)
+-- Remove a lease and give back everything it reserved. `r` is its parsed record (or nil
+-- to read it). Returns false if absent.
+local function drop_lease(id, kind, outcome, r)
   -- Clear the expiry without reading it first (ZREM of an absent member is a no-op).
   set_expiry(id, false)
-  if not raw then
-    return false
+  if r == nil then
+    local raw = get_lease(id)
+    if not raw then
+      return false
+    end
+    r = parse(raw)
   end
-  local r = split(raw)
   local tenant, backend = r[2], r[3]
-  local names, v = load_counts(tenant, backend)
-  apply(tenant, backend, names, v, tonumber(r[4]), -1)
+  local v = load_counts(tenant, backend)
+  apply(tenant, backend, v, tonumber(r[4]), -1)
   set_lease(id, false)
   event(kind, id, r[1], tenant, backend, r[4], r[6], outcome, tonumber(r[7]) or policy_version(),
     occupancy(tenant, backend, v))
@@ -293,7 +412,7 @@ local function reap(batch)
   if batch < 1 then
     return 0
   end
-  local ids = redis.call('ZRANGEBYSCORE', K_EXP, '-inf', fmt(now), 'LIMIT', 0, batch)
+  local ids = call('ZRANGEBYSCORE', K_EXP, '-inf', now_s, 'LIMIT', '0', fmt(batch))
   for _, id in ipairs(ids) do
     drop_lease(id, 'expired', 'lease_expired')
   end
@@ -302,7 +421,7 @@ end
 
 local function waiters_empty()
   if waiters_known_empty == nil then
-    waiters_known_empty = redis.call('ZCARD', K_WAITERS) == 0
+    waiters_known_empty = call('ZCARD', K_WAITERS) == 0
   end
   return waiters_known_empty
 end
@@ -311,8 +430,8 @@ local function forget_waiter(id)
   if waiters_empty() then
     return
   end
-  if redis.call('ZREM', K_WAITERS, id) == 1 then
-    redis.call('HDEL', K_WAITING, id)
+  if call('ZREM', K_WAITERS, id) == 1 then
+    call('HDEL', K_WAITING, id)
   end
 end
 
@@ -322,15 +441,15 @@ local function head_waiter(waiter_ttl)
     return nil, 0
   end
   for _ = 1, 16 do
-    local h = redis.call('ZRANGE', K_WAITERS, 0, 0)
+    local h = call('ZRANGE', K_WAITERS, 0, 0)
     if #h == 0 then
       return nil, 0
     end
-    local info = redis.call('HGET', K_WAITING, h[1])
+    local info = call('HGET', K_WAITING, h[1])
     if info then
-      local f = split(info)
-      if tonumber(f[2]) + waiter_ttl >= now then
-        return h[1], tonumber(f[1])
+      local bytes, seen = smatch(info, '^([^|]*)|([^|]*)')
+      if tonumber(seen) + waiter_ttl >= now then
+        return h[1], tonumber(bytes)
       end
     end
     forget_waiter(h[1])
@@ -338,13 +457,22 @@ local function head_waiter(waiter_ttl)
   return nil, 0
 end
 
--- One acquire. a = { id, tenant, backend, bytes, operation, first }, d = { svc_b, svc_c,
--- ten_b, ten_c, back_c, ttl, waiter_ttl } (the caller's defaults and timings).
-local function acquire_one(a, d)
-  local id, tenant, backend = a[1], a[2], a[3]
-  local bytes, operation, first = tonumber(a[4]), a[5], a[6] == '1'
+-- The caller's defaults and timings { svc_b, svc_c, ten_b, ten_c, back_c, ttl, waiter_ttl }
+-- (strings from ARGV), checked once per call: numbers, or nil when malformed.
+local function parse_defaults(d)
   local ttl, waiter_ttl = tonumber(d[6]), tonumber(d[7])
-  if not bytes or bytes <= 0 or not ttl or ttl <= 0 or not waiter_ttl then
+  if not ttl or ttl <= 0 or not waiter_ttl then
+    return nil
+  end
+  return { d[1], d[2], d[3], d[4], d[5], ttl = ttl, waiter_ttl = waiter_ttl }
+end
+
+-- One acquire: lease id, tenant hash or '-', backend hash, bytes (string), operation,
+-- first attempt ('1'/'0'); d from parse_defaults.
+local function acquire_one(id, tenant, backend, bytes_s, operation, first_s, d)
+  local bytes, first = tonumber(bytes_s), first_s == '1'
+  -- bytes_s is stored and recorded as sent, so it must be a plain decimal.
+  if not bytes or bytes <= 0 or not d or not smatch(bytes_s, '^%d+$') then
     return { 'PROTOCOL', 'invalid_acquire' }
   end
 
@@ -352,26 +480,34 @@ local function acquire_one(a, d)
   local existing = get_lease(id)
   if existing then
     local score = get_expiry(id)
+    local r = parse(existing)
     if score and score > now then
-      local r = split(existing)
-      local _, v = load_counts(r[2], r[3])
-      local o = occupancy(r[2], r[3], v)
-      return { 'ADMITTED', r[1], fmt(score), r[7], o[1], o[2], o[3], o[4], o[5] }
+      local o = occupancy(r[2], r[3], load_counts(r[2], r[3]))
+      return { 'ADMITTED', r[1], score, tonumber(r[7]) or policy_version(), o[1], o[2], o[3], o[4], o[5] }
     end
-    drop_lease(id, 'expired', 'lease_expired')
+    drop_lease(id, 'expired', 'lease_expired', r)
   end
 
   -- The cluster-wide limits stored in Redis win over the caller's file (the caller's
-  -- values only bootstrap them when absent); live overrides win over both.
-  load_policy({ 'version', 'svc:b', 'svc:c', 't:b', 't:c', 'b:c', 't:' .. tenant .. ':b',
-    't:' .. tenant .. ':c', 'b:' .. backend .. ':c' })
-  bootstrap_limits(d)
-  local version = policy_version()
-  local svc_b = policy_field('svc:b')
-  local svc_c = policy_field('svc:c')
-  local ten_b = policy_field('t:' .. tenant .. ':b') or policy_field('t:b')
-  local ten_c = policy_field('t:' .. tenant .. ':c') or policy_field('t:c')
-  local back_c = policy_field('b:' .. backend .. ':c') or policy_field('b:c')
+  -- values only bootstrap them when absent, checked once per call); live overrides win
+  -- over both.
+  if policy_cache['version'] == nil or (tenant ~= '-' and policy_cache[tenant_fields(tenant)[2]] == nil)
+      or policy_cache[backend_field(backend)] == nil then
+    load_policy(acquire_policy_fields(tenant, backend, {}))
+  end
+  if not limits_bootstrapped then
+    bootstrap_limits(d)
+  end
+  local version = policy_cache['version'] or 0
+  local svc_b, svc_c = policy_cache['svc:b'], policy_cache['svc:c']
+  local ten_b, ten_c, tnames = nil, nil, nil
+  if tenant ~= '-' then
+    tnames = tenant_fields(tenant)
+    ten_b = policy_cache[tnames[1]] or policy_cache['t:b']
+    ten_c = policy_cache[tnames[2]] or policy_cache['t:c']
+  end
+  local bname = backend_field(backend)
+  local back_c = policy_cache[bname] or policy_cache['b:c']
 
   -- A footprint above a ceiling can never be admitted: say so at once.
   local never = nil
@@ -388,57 +524,58 @@ local function acquire_one(a, d)
   end
   if never then
     forget_waiter(id)
-    return { 'NEVER', never, fmt(version) }
+    return { 'NEVER', never, version }
   end
 
   -- Head-of-line reservation: the oldest live service-pool waiter keeps room for
   -- itself, so a large waiter is not starved by a stream of small newcomers.
   local hold_b, hold_c = 0, 0
-  local head, head_bytes = head_waiter(waiter_ttl)
+  local head, head_bytes = head_waiter(d.waiter_ttl)
   if head and head ~= id then
     hold_b, hold_c = head_bytes, 1
   end
 
-  local names, v = load_counts(tenant, backend)
+  local v = load_counts(tenant, backend)
   local dim = nil
   if v['s:b'] + bytes + hold_b > svc_b then
     dim = 'service_bytes'
   elseif v['s:c'] + 1 + hold_c > svc_c then
     dim = 'service_transfers'
-  elseif tenant ~= '-' and v['t:' .. tenant .. ':b'] + bytes > ten_b then
+  elseif tenant ~= '-' and v[tnames[1]] + bytes > ten_b then
     dim = 'tenant_bytes'
-  elseif tenant ~= '-' and v['t:' .. tenant .. ':c'] + 1 > ten_c then
+  elseif tenant ~= '-' and v[tnames[2]] + 1 > ten_c then
     dim = 'tenant_transfers'
-  elseif v['b:' .. backend .. ':c'] + 1 > back_c then
+  elseif v[bname] + 1 > back_c then
     dim = 'backend_transfers'
   end
 
   if dim then
     if dim == 'service_bytes' or dim == 'service_transfers' then
-      redis.call('ZADD', K_WAITERS, 'NX', fmt(now), id)
-      redis.call('HSET', K_WAITING, id, fmt(bytes) .. '|' .. fmt(now))
+      call('ZADD', K_WAITERS, 'NX', now_s, id)
+      call('HSET', K_WAITING, id, bytes_s .. '|' .. now_s)
       waiters_known_empty = false
     else
       forget_waiter(id)
     end
     local o = occupancy(tenant, backend, v)
     if first then
-      event('queued', id, '-', tenant, backend, fmt(bytes), operation, dim, version, o)
+      event('queued', id, '-', tenant, backend, bytes_s, operation, dim, version, o)
     end
-    return { 'REJECTED', dim, fmt(version), o[1], o[2], o[3], o[4], o[5] }
+    return { 'REJECTED', dim, version, o[1], o[2], o[3], o[4], o[5] }
   end
 
   if head == id or not first then
     forget_waiter(id)
   end
-  local token = next_token()
-  local expires = now + ttl
-  apply(tenant, backend, names, v, bytes, 1)
-  set_lease(id, table.concat({ fmt(token), tenant, backend, fmt(bytes), fmt(now), operation, fmt(version) }, '|'))
+  local token = fmt(next_token())
+  local expires = now + d.ttl
+  apply(tenant, backend, v, bytes, 1)
+  set_lease(id, token .. '|' .. tenant .. '|' .. backend .. '|' .. bytes_s .. '|' .. now_s .. '|' .. operation
+    .. '|' .. fmt(version))
   set_expiry(id, expires)
   local o = occupancy(tenant, backend, v)
-  event('admitted', id, fmt(token), tenant, backend, fmt(bytes), operation, 'admitted', version, o)
-  return { 'ADMITTED', fmt(token), fmt(expires), fmt(version), o[1], o[2], o[3], o[4], o[5] }
+  event('admitted', id, token, tenant, backend, bytes_s, operation, 'admitted', version, o)
+  return { 'ADMITTED', token, expires, version, o[1], o[2], o[3], o[4], o[5] }
 end
 
 -- ARGV: 4 lease id, 5 tenant hash or '-', 6 backend hash, 7 bytes, 8..12 default limits
@@ -446,8 +583,8 @@ end
 -- 13 ttl ms, 14 operation, 15 waiter ttl ms, 16 first attempt ('1'/'0').
 local function acquire()
   reap(reap_limit)
-  return acquire_one({ ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[14], ARGV[16] },
-    { ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13], ARGV[15] })
+  return acquire_one(argv[4], argv[5], argv[6], argv[7], argv[14], argv[16],
+    parse_defaults({ argv[8], argv[9], argv[10], argv[11], argv[12], argv[13], argv[15] }))
 end
 
 -- One release: lease id, fencing token, outcome (completed, failed, interrupted).
@@ -456,16 +593,16 @@ local function release_one(id, token, outcome)
   if not raw then
     return { 'MISSING' }
   end
-  if split(raw)[1] ~= token then
+  local r = parse(raw)
+  if r[1] ~= token then
     return { 'STALE' }
   end
-  drop_lease(id, 'completed', outcome)
+  drop_lease(id, 'completed', outcome, r)
   return { 'RELEASED' }
 end
 
--- ARGV: 4 lease id, 5 fencing token, 6 ttl ms.
-local function renew()
-  local id, token, ttl = ARGV[4], ARGV[5], tonumber(ARGV[6])
+-- One renewal: lease id, fencing token, ttl ms (a number).
+local function renew_one(id, token, ttl)
   if not ttl or ttl <= 0 then
     return { 'PROTOCOL', 'invalid_renew' }
   end
@@ -473,23 +610,29 @@ local function renew()
   if not raw then
     return { 'LOST' }
   end
-  if split(raw)[1] ~= token then
+  local r = parse(raw)
+  if r[1] ~= token then
     return { 'STALE' }
   end
   local score = get_expiry(id)
   if (not score) or score <= now then
     -- Past expiry but not reaped yet: never resurrect it.
-    drop_lease(id, 'expired', 'lease_expired')
+    drop_lease(id, 'expired', 'lease_expired', r)
     return { 'EXPIRED' }
   end
   local expires = now + ttl
   set_expiry(id, expires)
-  return { 'RENEWED', fmt(expires) }
+  return { 'RENEWED', expires }
+end
+
+-- ARGV: 4 lease id, 5 fencing token, 6 ttl ms.
+local function renew()
+  return renew_one(argv[4], argv[5], tonumber(argv[6]))
 end
 
 -- ARGV: 4 lease id, 5 fencing token, 6 outcome (completed, failed, interrupted).
 local function release()
-  return release_one(ARGV[4], ARGV[5], ARGV[6])
+  return release_one(argv[4], argv[5], argv[6])
 end
 
 -- Give up a wait (or an acquire whose reply was lost): forget the waiter, drop a lease the
@@ -505,66 +648,67 @@ local function abandon_one(id, tenant, backend, bytes, operation, dim, kind)
     released = 1
   end
   if dim ~= '-' then
-    local _, v = load_counts(tenant, backend)
+    local v = load_counts(tenant, backend)
     event(kind, id, '-', tenant, backend, bytes, operation, dim, policy_version(),
       occupancy(tenant, backend, v))
   end
-  return { 'ABANDONED', fmt(released) }
+  return { 'ABANDONED', released }
 end
 
 -- ARGV: 4 lease id, 5 tenant, 6 backend, 7 bytes, 8 operation, 9 dimension or '-',
 -- 10 event kind (timed_out, the default, or abandoned).
 local function abandon()
-  return abandon_one(ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
+  return abandon_one(argv[4], argv[5], argv[6], argv[7], argv[8], argv[9], argv[10])
 end
+
 
 -- ARGV: 4 tenant hash or '-', 5 backend hash or '-'.
 local function snapshot()
   reap(reap_limit)
-  local _, v = load_counts(ARGV[4], ARGV[5])
-  local o = occupancy(ARGV[4], ARGV[5], v)
+  local v = load_counts(argv[4], argv[5])
+  local o = occupancy(argv[4], argv[5], v)
   return { 'SNAPSHOT', o[1], o[2], o[3], o[4], o[5], fmt(policy_version()), fmt(now),
     fmt(redis.call('ZCARD', K_WAITERS)) }
 end
 
 -- Set or clear a tenant override. ARGV: 4 tenant hash, 5 bytes or '-', 6 transfers or '-'.
 local function policy()
-  local tenant = ARGV[4]
+  local tenant = argv[4]
   if tenant == '-' then
     return { 'PROTOCOL', 'policy_needs_tenant' }
   end
   local fields = { [5] = ':b', [6] = ':c' }
   for i = 5, 6 do
-    local v = ARGV[i]
+    local v = argv[i]
     if v ~= '-' and (not tonumber(v) or tonumber(v) < 1) then
       return { 'PROTOCOL', 'invalid_policy_value' }
     end
   end
   for i = 5, 6 do
     local field = 't:' .. tenant .. fields[i]
-    if ARGV[i] == '-' then
+    if argv[i] == '-' then
       redis.call('HDEL', K_POLICY, field)
     else
-      redis.call('HSET', K_POLICY, field, fmt(tonumber(ARGV[i])))
+      redis.call('HSET', K_POLICY, field, fmt(tonumber(argv[i])))
     end
   end
   -- Versions follow the same rule as fencing tokens, in milliseconds: the larger of the
   -- stored version + 1 and the server time, so a promoted lagging replica or an emptied
   -- server still issues a version above every earlier one.
-  local version = math.max((tonumber(redis.call('HGET', K_POLICY, 'version')) or 0) + 1, now)
+  local version = mmax((tonumber(redis.call('HGET', K_POLICY, 'version')) or 0) + 1, now)
   redis.call('HSET', K_POLICY, 'version', fmt(version))
   local outcome = 'set'
-  if ARGV[5] == '-' and ARGV[6] == '-' then
+  if argv[5] == '-' and argv[6] == '-' then
     outcome = 'cleared'
   end
-  local _, v = load_counts(tenant, '-')
+  local v = load_counts(tenant, '-')
   event('policy_changed', '-', '-', tenant, '-', '0', 'control', outcome, version, occupancy(tenant, '-', v))
   return { 'POLICY', fmt(version) }
 end
 
 -- Bump the policy version (same rule as fencing tokens, in ms) and return it.
 local function bump_version()
-  local version = math.max(policy_version() + 1, now)
+  local version = mmax(policy_version() + 1, now)
   redis.call('HSET', K_POLICY, 'version', fmt(version))
   policy_cache['version'] = version
   return version
@@ -575,8 +719,8 @@ end
 -- transfers, each a number or '-' (bootstrap: store only where absent; set: leave '-'
 -- unchanged). Reply: LIMITS version and the five stored values ('-' when absent).
 local function limits()
-  local mode = ARGV[4]
-  local values = { ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9] }
+  local mode = argv[4]
+  local values = { argv[5], argv[6], argv[7], argv[8], argv[9] }
   for i = 1, 5 do
     if values[i] ~= '-' and (not tonumber(values[i]) or tonumber(values[i]) < 1) then
       return { 'PROTOCOL', 'invalid_limit' }
@@ -592,7 +736,7 @@ local function limits()
       end
     end
     local version = bump_version()
-    local _, v = load_counts('-', '-')
+    local v = load_counts('-', '-')
     event('policy_changed', '-', '-', '-', '-', '0', 'control', 'set', version, occupancy('-', '-', v))
   elseif mode ~= 'read' then
     return { 'PROTOCOL', 'invalid_limits_mode' }
@@ -608,7 +752,7 @@ end
 
 -- Set or clear a backend's transfer override. ARGV: 4 backend hash, 5 transfers or '-'.
 local function backend_policy()
-  local backend, value = ARGV[4], ARGV[5]
+  local backend, value = argv[4], argv[5]
   if backend == '-' then
     return { 'PROTOCOL', 'policy_needs_backend' }
   end
@@ -624,7 +768,7 @@ local function backend_policy()
     redis.call('HSET', K_POLICY, field, fmt(tonumber(value)))
   end
   local version = bump_version()
-  local _, v = load_counts('-', backend)
+  local v = load_counts('-', backend)
   event('policy_changed', '-', '-', '-', backend, '0', 'control', outcome, version, occupancy('-', backend, v))
   return { 'POLICY', fmt(version) }
 end
@@ -633,24 +777,24 @@ end
 -- 9 operation, 10 outcome.
 local function append_event()
   local kinds = { admitted = 1, queued = 1, timed_out = 1, abandoned = 1, completed = 1, expired = 1, policy_changed = 1 }
-  if not kinds[ARGV[4]] then
+  if not kinds[argv[4]] then
     return { 'PROTOCOL', 'unknown_event_kind' }
   end
-  local _, v = load_counts(ARGV[6], ARGV[7])
-  event(ARGV[4], ARGV[5], '-', ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], policy_version(),
-    occupancy(ARGV[6], ARGV[7], v))
+  local v = load_counts(argv[6], argv[7])
+  event(argv[4], argv[5], '-', argv[6], argv[7], argv[8], argv[9], argv[10], policy_version(),
+    occupancy(argv[6], argv[7], v))
   return { 'RECORDED' }
 end
 
 -- Charge a traffic quota in fixed windows of Redis time. KEYS[9] = traffic key.
 -- ARGV: 4 kind, 5 amount (0 = only check that the window is not spent), 6 limit, 7 window ms.
 local function charge()
-  local key = KEYS[9]
-  local amount, lim, window_ms = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+  local key = keys[9]
+  local amount, lim, window_ms = tonumber(argv[5]), tonumber(argv[6]), tonumber(argv[7])
   if not key or not amount or amount < 0 or not lim or not window_ms or window_ms <= 0 then
     return { 'PROTOCOL', 'invalid_charge' }
   end
-  local window = math.floor(now / window_ms)
+  local window = mfloor(now / window_ms)
   local stored = redis.call('HMGET', key, 'window', 'count')
   local current = 0
   if stored[1] and tonumber(stored[1]) == window then
@@ -672,36 +816,75 @@ local function charge()
   return { 'CHARGED', fmt(current + amount) }
 end
 
--- Many acquires and releases of one node in one call (coalesced by the client).
+-- Sizes of the batch items in ARGV (the kind letter included).
+local ITEM_SIZE = { A = 7, R = 4, X = 8 }
+
+-- Read everything a batch's items will touch with one HMGET per hash: the lease records of
+-- every item, the counters of every scope (a release's scope from its record) and the
+-- policy fields of every acquire. Only a cache fill: the items run as without it.
+local function prefetch(n)
+  local ids, cfields, pfields, i = {}, {}, {}, 12
+  for _ = 1, n do
+    local kind = argv[i]
+    local size = ITEM_SIZE[kind]
+    if not size then
+      return
+    end
+    ids[#ids + 1] = argv[i + 1]
+    if kind == 'A' then
+      scope_fields(argv[i + 2], argv[i + 3], cfields)
+      acquire_policy_fields(argv[i + 2], argv[i + 3], pfields)
+    elseif kind == 'X' then
+      scope_fields(argv[i + 2], argv[i + 3], cfields)
+    end
+    i = i + size
+  end
+  load_fields(K_LEASES, lease_cache, ids, false, true)
+  for k = 1, #ids do
+    local raw = lease_cache[ids[k]]
+    if raw then
+      local r = parse(raw)
+      if r[3] then
+        scope_fields(r[2], r[3], cfields)
+      end
+    end
+  end
+  load_fields(K_COUNTS, counts, cfields, 0)
+  if #pfields > 0 then
+    load_fields(K_POLICY, policy_cache, pfields, false)
+  end
+end
+
+-- Many acquires, releases and abandons of one node in one call (coalesced by the client).
 -- ARGV: 4 item count, 5..11 the acquire defaults and timings (as acquire's 8..13 and 15),
--- then per item: 'A', lease id, tenant, backend, bytes, operation, first; or
--- 'R', lease id, fencing token, outcome; or 'X' (abandon), lease id, tenant, backend,
--- bytes, operation, dimension or '-', event kind. Reply: one reply array per item, in order.
+-- then per item: 'A', lease id, tenant, backend, bytes, operation, first; or 'R', lease
+-- id, fencing token, outcome; or 'X' (abandon), lease id, tenant, backend, bytes,
+-- operation, dimension or '-', event kind.
+-- Reply: one reply array per item, in order.
 local function batch()
-  local n = tonumber(ARGV[4])
+  local n = tonumber(argv[4])
   if not n or n < 1 then
     return { 'PROTOCOL', 'invalid_batch' }
   end
-  local d = { ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11] }
+  local d = parse_defaults({ argv[5], argv[6], argv[7], argv[8], argv[9], argv[10], argv[11] })
+  prefetch(n)
   local replies, i, reaped = {}, 12, false
   for k = 1, n do
-    local kind = ARGV[i]
+    local kind = argv[i]
     if kind == 'A' then
       if not reaped then
         reap(reap_limit)
         reaped = true
       end
-      replies[k] = acquire_one({ ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6] }, d)
-      i = i + 7
+      replies[k] = acquire_one(argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4], argv[i + 5], argv[i + 6], d)
     elseif kind == 'R' then
-      replies[k] = release_one(ARGV[i + 1], ARGV[i + 2], ARGV[i + 3])
-      i = i + 4
+      replies[k] = release_one(argv[i + 1], argv[i + 2], argv[i + 3])
     elseif kind == 'X' then
-      replies[k] = abandon_one(ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7])
-      i = i + 8
+      replies[k] = abandon_one(argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4], argv[i + 5], argv[i + 6], argv[i + 7])
     else
       return { 'PROTOCOL', 'invalid_batch_item' }
     end
+    i = i + ITEM_SIZE[kind]
   end
   return replies
 end
@@ -723,10 +906,21 @@ local ops = {
   charge = charge,
 }
 
-local handler = ops[op]
-if not handler then
-  return { 'PROTOCOL', 'unknown_op' }
+local function run(call_keys, call_argv)
+  begin(call_keys, call_argv)
+  local handler = ops[op]
+  if not handler then
+    return { 'PROTOCOL', 'unknown_op' }
+  end
+  local result = handler()
+  flush()
+  return result
 end
-local result = handler()
-flush()
-return result
+
+-- FUNCTION LOAD (the client prepends the shebang and `local FUNCTION_NAME`, the name
+-- carrying the code's hash) registers `run`; EVALSHA runs it at once.
+if redis.register_function then
+  redis.register_function(FUNCTION_NAME, run)
+else
+  return run(KEYS, ARGV)
+end

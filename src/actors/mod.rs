@@ -8,8 +8,8 @@
 //! - [`placement`], [`health`], [`manager_election`], [`shard_manager`]: cluster
 //!   placement (local shard table, readiness, the advisory-lock election and the
 //!   term-fenced shard manager); see docs/locality.md.
-//! - [`lease_holder`]: `LeaseHolder`, one per admitted transfer: renews its cluster lease,
-//!   reports loss, releases it on stop.
+//! - [`lease_holder`]: `LeaseHolder`, one per node: holds every admitted transfer's
+//!   cluster lease, renews it, reports loss, releases it when the permit ends.
 //! - [`restart`]: the one restart routine both supervisors use (which events mean a
 //!   child is gone, and the backoff before it starts again).
 //! - [`handle`]: typed handles (`SessionRegionHandle`, `IngestTicket`) that callers use

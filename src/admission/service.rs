@@ -4,18 +4,17 @@
 //! a cluster lease, all under `admission.acquisition_timeout` (the cluster wait is further
 //! bounded by `admission.redis.wait`). Any failure drops what was already reserved. The
 //! returned [`AdmissionPermit`] is an RAII guard: dropping it returns the local permits at
-//! once and stops the lease holder, which releases the cluster lease.
+//! once and tells the node's lease holder to release the cluster lease.
 //!
 //! Traffic quotas (`charge_request`, `charge_egress`) and overrides need Redis; in local
 //! mode quotas are not enforced and override calls answer [`Error::NotDistributed`].
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use ractor::{Actor, ActorRef};
+use ractor::{Actor, ActorRef, ActorStatus};
 use serde::Serialize;
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -28,7 +27,9 @@ use super::handover::Parked;
 use super::lease::Outcome;
 use super::limits::{self, Disagreement, LimitsUpdate};
 use super::metrics::{AdmissionMetrics, KindLabels, OperationLabels, OutcomeLabels};
-use crate::actors::lease_holder::{LeaseHolder, LeaseHolderArgs, LeaseHolderMsg, LeaseTiming};
+use crate::actors::lease_holder::{
+    HeldLease, LeaseHolder, LeaseHolderArgs, LeaseHolderMsg, LeaseTiming,
+};
 use crate::config::ByteSize;
 use crate::ids::TenantId;
 use crate::storage::redis::reply::{
@@ -88,8 +89,12 @@ struct Inner {
     cluster: Option<Cluster>,
     metrics: AdmissionMetrics,
     parked: Parked<AdmissionPermit>,
-    /// The node supervisor the per-transfer lease holders are linked under.
+    /// The node supervisor the lease holder is linked under.
     supervisor: std::sync::OnceLock<ractor::ActorCell>,
+    /// The node's one lease holder, started with the first lease (and again if it stopped).
+    holder: RwLock<Option<ActorRef<LeaseHolderMsg>>>,
+    /// Keys of the leases handed to the holder.
+    next_lease: AtomicU64,
 }
 
 impl std::fmt::Debug for Admission {
@@ -125,12 +130,14 @@ impl Admission {
                 metrics,
                 parked: Parked::default(),
                 supervisor: std::sync::OnceLock::new(),
+                holder: RwLock::new(None),
+                next_lease: AtomicU64::new(0),
             }),
         })
     }
 
-    /// Link every lease holder spawned from now on under `supervisor` (the node's root),
-    /// so the node's actor tree holds them. Set once; later calls are ignored.
+    /// Link the lease holder (spawned with the first lease) under `supervisor` (the node's
+    /// root), so the node's actor tree holds it. Set once; later calls are ignored.
     pub fn supervise_under(&self, supervisor: ractor::ActorCell) {
         let _ = self.inner.supervisor.set(supervisor);
     }
@@ -280,22 +287,68 @@ impl Admission {
             policy_version,
             occupancy,
         };
-        let metrics = self.inner.metrics.clone();
-        let release_metrics = self.inner.metrics.clone();
-        let args = LeaseHolderArgs {
-            backend: Arc::new(coordinator.clone()),
+        let lease = HeldLease {
             lease_id,
             token,
             sent_at,
+            operation: request.operation,
+            cancel: cancel.clone(),
+            outcome: outcome.clone(),
+        };
+        let key = self.inner.next_lease.fetch_add(1, Ordering::Relaxed);
+        let held = match self.holder(cluster).await {
+            Some(holder) => holder
+                .send_message(LeaseHolderMsg::Hold(key, lease))
+                .is_ok()
+                .then_some(holder),
+            None => None,
+        };
+        match held {
+            Some(holder) => Ok(AdmissionPermit {
+                local: Some(local),
+                holder: Some((holder, key)),
+                lease: Some(info),
+                cancel,
+                outcome,
+            }),
+            None => {
+                // The token went down with the holder: drop the lease by id (abandon)
+                // and answer as a coordinator failure.
+                let _ = coordinator.abandon(&lease_request, None).await;
+                Err(Error::Unavailable("lease_holder_spawn".into()))
+            }
+        }
+    }
+
+    /// The node's lease holder, started on first use (linked under the supervisor when one
+    /// is set) and started again if it stopped.
+    async fn holder(&self, cluster: &Cluster) -> Option<ActorRef<LeaseHolderMsg>> {
+        let alive = |actor: &ActorRef<LeaseHolderMsg>| {
+            matches!(
+                actor.get_status(),
+                ActorStatus::Starting | ActorStatus::Running | ActorStatus::Upgrading
+            )
+        };
+        let current = self
+            .inner
+            .holder
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(actor) = current.filter(alive) {
+            return Some(actor);
+        }
+        let redis = &cluster.config;
+        let metrics = self.inner.metrics.clone();
+        let release_metrics = self.inner.metrics.clone();
+        let args = LeaseHolderArgs {
+            backend: Arc::new(cluster.coordinator.clone()),
             timing: LeaseTiming {
                 ttl: redis.lease_ttl.get(),
                 renew_interval: redis.renew_interval.get(),
                 retry_interval: redis.retry_interval.get().max(Duration::from_millis(20)),
             },
             policy: redis.lease_loss,
-            operation: request.operation,
-            cancel: cancel.clone(),
-            outcome: outcome.clone(),
             on_loss: Arc::new(move |operation| {
                 metrics
                     .lease_losses
@@ -321,19 +374,17 @@ impl Admission {
             Some(parent) => Actor::spawn_linked(None, LeaseHolder, args, parent.clone()).await,
             None => Actor::spawn(None, LeaseHolder, args).await,
         };
-        match spawned {
-            Ok((actor, join)) => Ok(AdmissionPermit {
-                local: Some(local),
-                holder: Some((actor, join)),
-                lease: Some(info),
-                cancel,
-                outcome,
-            }),
-            Err(_) => {
-                // The token went down with the failed spawn: drop the lease by id (abandon)
-                // and answer as a coordinator failure.
-                let _ = coordinator.abandon(&lease_request, None).await;
-                Err(Error::Unavailable("lease_holder_spawn".into()))
+        let (actor, _join) = spawned.ok()?;
+        let mut slot = self.inner.holder.write().unwrap_or_else(|p| p.into_inner());
+        match slot.as_ref().filter(|a| alive(a)) {
+            // Another admission started one meanwhile: use that one.
+            Some(existing) => {
+                actor.stop(None);
+                Some(existing.clone())
+            }
+            None => {
+                *slot = Some(actor.clone());
+                Some(actor)
             }
         }
     }
@@ -523,7 +574,8 @@ impl Admission {
 /// first with [`AdmissionPermit::set_outcome`] (the default is `interrupted`).
 pub struct AdmissionPermit {
     local: Option<LocalPermit>,
-    holder: Option<(ActorRef<LeaseHolderMsg>, JoinHandle<()>)>,
+    /// The node's lease holder and this lease's key there.
+    holder: Option<(ActorRef<LeaseHolderMsg>, u64)>,
     lease: Option<LeaseInfo>,
     cancel: CancellationToken,
     outcome: Arc<AtomicU8>,
@@ -561,9 +613,14 @@ impl AdmissionPermit {
     pub async fn finish(mut self, outcome: Outcome) {
         self.set_outcome(outcome);
         self.local.take();
-        if let Some((actor, join)) = self.holder.take() {
-            actor.stop(None);
-            let _ = join.await;
+        if let Some((holder, key)) = self.holder.take() {
+            let (done, released) = tokio::sync::oneshot::channel();
+            if holder
+                .send_message(LeaseHolderMsg::Release(key, Some(done)))
+                .is_ok()
+            {
+                let _ = released.await;
+            }
         }
     }
 }
@@ -571,8 +628,8 @@ impl AdmissionPermit {
 impl Drop for AdmissionPermit {
     fn drop(&mut self) {
         self.local.take();
-        if let Some((actor, _join)) = self.holder.take() {
-            actor.stop(None);
+        if let Some((holder, key)) = self.holder.take() {
+            let _ = holder.send_message(LeaseHolderMsg::Release(key, None));
         }
     }
 }

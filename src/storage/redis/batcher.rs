@@ -20,13 +20,14 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use super::connection::Connection;
 use super::error::CoordinatorError as Error;
+use super::script::SCRIPT;
 
 /// Most items in one script call.
 pub const MAX_BATCH: usize = 64;
 /// Batch calls outstanding at once. A batch that carries an abandon waits until every
 /// earlier call has finished, so an abandon never overtakes the acquire it cancels
 /// (releases need no such care: one is only sent after its acquire was answered).
-pub const IN_FLIGHT: usize = 2;
+pub const IN_FLIGHT: usize = 4;
 
 /// One queued operation, already encoded as script arguments.
 #[derive(Debug, Clone)]
@@ -66,7 +67,6 @@ struct Job {
 /// What the batch task needs to build and send a call.
 pub struct BatchContext {
     pub conn: Connection,
-    pub script: &'static redis::Script,
     pub keys: Vec<String>,
     /// `ARGV[2]`, `ARGV[3]`: stream MAXLEN and reap batch.
     pub common: [String; 2],
@@ -134,11 +134,8 @@ async fn run(context: Arc<BatchContext>, mut rx: mpsc::UnboundedReceiver<Job>) {
     }
 }
 
-fn invocation(context: &BatchContext, jobs: &[Job]) -> redis::ScriptInvocation<'static> {
-    let mut inv = context.script.prepare_invoke();
-    for key in &context.keys {
-        inv.key(key);
-    }
+fn invocation(context: &BatchContext, jobs: &[Job]) -> redis::Cmd {
+    let mut inv = SCRIPT.call(context.keys.iter().map(String::as_str));
     inv.arg("batch")
         .arg(&context.common[0])
         .arg(&context.common[1])

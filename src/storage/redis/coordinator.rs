@@ -1,9 +1,10 @@
 //! The Redis side of cluster admission: one connection (one server or a Redis Cluster,
 //! see [`super::connection`]), one script, typed calls.
 //!
-//! * Every call runs `lua/admission.lua` by `EVALSHA`; redis-rs reloads the script on
-//!   `NOSCRIPT` (after a restart, failover, reshard or `SCRIPT FLUSH`; in a cluster the
-//!   `SCRIPT LOAD` goes to every primary).
+//! * Every call runs `lua/admission.lua` as a Redis Function (`FCALL`, see
+//!   [`super::script`]), loaded again when the server answers that it does not have it
+//!   (a restart without persistence, a new primary, `FUNCTION FLUSH`; in a cluster the
+//!   `FUNCTION LOAD` goes to every primary).
 //! * The connection reconnects in the background, but the command that hit a dead
 //!   connection fails. Idempotent operations (acquire by lease id, renew, release, abandon, snapshot,
 //!   reap) are retried twice on I/O, dropped-connection and timeout errors; policy changes
@@ -16,10 +17,10 @@
 //! module only encodes arguments, runs the script and parses its replies.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, LazyLock, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use redis::{RedisError, Script, ScriptInvocation};
+use redis::{Cmd, RedisError};
 
 use super::batcher::{BatchContext, BatchItem, Batcher};
 use super::connection::{self, ConnectSpec, Connection};
@@ -30,16 +31,15 @@ use super::reply::{
     self, AcquireReply, ChargeReply, Dimension, FencingToken, LeaseId, ReleaseReply, RenewReply,
     SnapshotReply, StoredLimits,
 };
+use super::script::SCRIPT;
 use crate::config::Secret;
 use crate::ids::TenantId;
-
-/// The admission script, hashed once per process.
-static SCRIPT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../../lua/admission.lua")));
 
 /// Response timeout of one Redis call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(1);
 const REQUEST_WINDOW_MS: u64 = 60_000;
+/// Backend hashes cached per coordinator (labels beyond this are hashed per call).
+const BACKEND_HASHES: usize = 64;
 const EGRESS_WINDOW_MS: u64 = 3_600_000;
 
 /// Connection and script parameters of one cell, built from `[admission.redis]` by
@@ -69,7 +69,7 @@ pub struct CoordinatorConfig {
     pub waiter_ttl: Duration,
     pub requests_per_minute: u64,
     pub egress_per_hour: u64,
-    /// `XADD MAXLEN ~` of the event stream.
+    /// `XTRIM MAXLEN ~` of the event stream (once per script call).
     pub max_events: u64,
     /// Expired leases reaped per call at most.
     pub reap_batch: u32,
@@ -114,6 +114,9 @@ struct Inner {
     conn: Connection,
     keys: CellKeys,
     hasher: IdHasher,
+    /// Backend label -> its hash: backends are a handful of labels, hashed on every
+    /// acquire otherwise (bounded by [`BACKEND_HASHES`]).
+    backend_hashes: std::sync::Mutex<std::collections::HashMap<String, String>>,
     config: CoordinatorConfig,
     batcher: OnceLock<Batcher>,
 }
@@ -197,6 +200,7 @@ impl RedisCoordinator {
                 keys,
                 hasher: IdHasher::new(config.id_secret.as_ref().map(|s| s.expose())),
                 config: config.clone(),
+                backend_hashes: Default::default(),
                 batcher: OnceLock::new(),
             }),
         })
@@ -219,26 +223,42 @@ impl RedisCoordinator {
         &self.inner.config
     }
 
+    /// The hash of a backend label, computed once per label (up to [`BACKEND_HASHES`]).
+    fn backend_hash(&self, backend: &str) -> String {
+        let mut cache = self
+            .inner
+            .backend_hashes
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(hash) = cache.get(backend) {
+            return hash.clone();
+        }
+        let hash = self.inner.hasher.backend(backend);
+        if cache.len() < BACKEND_HASHES {
+            cache.insert(backend.to_string(), hash.clone());
+        }
+        hash
+    }
+
     fn tenant_hash(&self, tenant: Option<&TenantId>) -> String {
         tenant.map_or_else(|| "-".to_string(), |t| self.inner.hasher.tenant(t))
     }
 
-    fn invocation(&self, op: &str) -> ScriptInvocation<'static> {
-        let mut inv = SCRIPT.prepare_invoke();
-        for key in self.inner.keys.admission() {
-            inv.key(key);
-        }
+    fn invocation(&self, op: &str) -> Cmd {
+        self.invocation_with(op, None)
+    }
+
+    /// A call of `op`; `extra_key` is `KEYS[9]` (a quota charge's traffic key).
+    fn invocation_with(&self, op: &str, extra_key: Option<&str>) -> Cmd {
+        let keys = self.inner.keys.admission().iter().map(String::as_str);
+        let mut inv = SCRIPT.call(keys.chain(extra_key));
         inv.arg(op)
             .arg(self.inner.config.max_events)
             .arg(self.inner.config.reap_batch);
         inv
     }
 
-    async fn call(
-        &self,
-        inv: &ScriptInvocation<'_>,
-        idempotent: bool,
-    ) -> Result<Vec<String>, Error> {
+    async fn call(&self, inv: &Cmd, idempotent: bool) -> Result<Vec<String>, Error> {
         invoke(&self.inner.conn, inv, idempotent).await
     }
 
@@ -248,7 +268,6 @@ impl RedisCoordinator {
             let c = &self.inner.config;
             Batcher::spawn(BatchContext {
                 conn: self.inner.conn.clone(),
-                script: &SCRIPT,
                 keys: self.inner.keys.admission().to_vec(),
                 common: [c.max_events.to_string(), c.reap_batch.to_string()],
                 defaults: [
@@ -273,7 +292,7 @@ impl RedisCoordinator {
         let item = BatchItem::Acquire {
             lease_id: request.lease_id.to_string(),
             tenant: self.tenant_hash(request.tenant.as_ref()),
-            backend: self.inner.hasher.backend(&request.backend),
+            backend: self.backend_hash(&request.backend),
             bytes: request.bytes,
             operation: request.operation,
             first,
@@ -291,7 +310,7 @@ impl RedisCoordinator {
         let mut inv = self.invocation("acquire");
         inv.arg(request.lease_id.as_str())
             .arg(self.tenant_hash(request.tenant.as_ref()))
-            .arg(self.inner.hasher.backend(&request.backend))
+            .arg(self.backend_hash(&request.backend))
             .arg(request.bytes)
             .arg(c.limits.service_bytes)
             .arg(c.limits.service_transfers)
@@ -326,7 +345,7 @@ impl RedisCoordinator {
         let item = BatchItem::Abandon {
             lease_id: request.lease_id.to_string(),
             tenant: self.tenant_hash(request.tenant.as_ref()),
-            backend: self.inner.hasher.backend(&request.backend),
+            backend: self.backend_hash(&request.backend),
             bytes: request.bytes,
             operation: request.operation,
             dimension: dimension.map_or("-", Dimension::as_str),
@@ -393,7 +412,7 @@ impl RedisCoordinator {
     ) -> Result<SnapshotReply, Error> {
         let mut inv = self.invocation("snapshot");
         inv.arg(self.tenant_hash(tenant))
-            .arg(backend.map_or_else(|| "-".to_string(), |b| self.inner.hasher.backend(b)));
+            .arg(backend.map_or_else(|| "-".to_string(), |b| self.backend_hash(b)));
         Ok(reply::parse_snapshot(&self.call(&inv, true).await?)?)
     }
 
@@ -461,8 +480,7 @@ impl RedisCoordinator {
         transfers: Option<u64>,
     ) -> Result<u64, Error> {
         let mut inv = self.invocation("backend_policy");
-        inv.arg(self.inner.hasher.backend(backend))
-            .arg(fmt_opt(transfers));
+        inv.arg(self.backend_hash(backend)).arg(fmt_opt(transfers));
         Ok(reply::parse_policy(&self.call(&inv, false).await?)?)
     }
 
@@ -477,16 +495,12 @@ impl RedisCoordinator {
             QuotaKind::Requests => (self.inner.config.requests_per_minute, REQUEST_WINDOW_MS),
             QuotaKind::Egress => (self.inner.config.egress_per_hour, EGRESS_WINDOW_MS),
         };
-        let mut inv = self.invocation("charge");
-        inv.key(
-            self.inner
-                .keys
-                .traffic(kind, &self.inner.hasher.tenant(tenant)),
-        )
-        .arg(kind.as_str())
-        .arg(amount)
-        .arg(limit)
-        .arg(window);
+        let traffic = self
+            .inner
+            .keys
+            .traffic(kind, &self.inner.hasher.tenant(tenant));
+        let mut inv = self.invocation_with("charge", Some(&traffic));
+        inv.arg(kind.as_str()).arg(amount).arg(limit).arg(window);
         Ok(reply::parse_charge(&self.call(&inv, false).await?)?)
     }
 
@@ -545,14 +559,13 @@ impl RedisCoordinator {
 /// and timeout errors. Errors are reduced to a category.
 pub(super) async fn invoke<T: redis::FromRedisValue>(
     conn: &Connection,
-    inv: &ScriptInvocation<'_>,
+    inv: &Cmd,
     idempotent: bool,
 ) -> Result<T, Error> {
     let mut backoff = Duration::from_millis(20);
     let mut attempt = 0;
     loop {
-        let mut conn = conn.clone();
-        match inv.invoke_async::<T>(&mut conn).await {
+        match SCRIPT.run::<T>(conn, inv).await {
             Ok(reply) => return Ok(reply),
             Err(err) if idempotent && attempt < 2 && retryable(&err) => {
                 attempt += 1;

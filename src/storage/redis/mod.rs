@@ -1,7 +1,8 @@
 //! Redis adapters for cluster admission: typed calls of one script, no policy.
 //!
 //! [`connection`] connects to one server or a Redis Cluster, plain or TLS;
-//! [`coordinator`] runs the admission script (`lua/admission.lua`) for cluster leases,
+//! [`script`] runs `lua/admission.lua` as a Redis Function (`FCALL`), loading it on demand;
+//! [`coordinator`] runs the admission script for cluster leases,
 //! quotas and decision events; [`batcher`] coalesces one node's concurrent acquires and
 //! releases into one script call; [`keys`] names the keys of a cell; [`hashing`] turns
 //! tenant and backend ids into the keyed hashes that appear in keys and events;
@@ -16,6 +17,7 @@ pub mod error;
 pub mod hashing;
 pub mod keys;
 pub mod reply;
+pub mod script;
 
 pub use coordinator::{CoordinatorConfig, LeaseRequest, Limits, RedisCoordinator};
 pub use error::CoordinatorError;

@@ -90,9 +90,11 @@ impl FencingToken {
 pub struct LeaseId(String);
 
 impl LeaseId {
-    /// A fresh random (v4) id.
+    /// A fresh random (v4) id, from the thread-local generator (`Uuid::new_v4` would make
+    /// a `getrandom` system call per id).
     pub fn random() -> Self {
-        Self(uuid::Uuid::new_v4().to_string())
+        let id = uuid::Builder::from_random_bytes(rand::random()).into_uuid();
+        Self(id.hyphenated().to_string())
     }
 
     pub fn as_str(&self) -> &str {
@@ -359,6 +361,16 @@ pub fn parse_charge(reply: &[String]) -> Result<ChargeReply, ReplyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn random_lease_ids_are_distinct_version_4_uuids() {
+        let (a, b) = (LeaseId::random(), LeaseId::random());
+        assert_ne!(a, b);
+        let parsed = uuid::Uuid::parse_str(a.as_str()).unwrap();
+        assert_eq!(parsed.get_version_num(), 4);
+        assert_eq!(parsed.get_variant(), uuid::Variant::RFC4122);
+        assert_eq!(a.as_str(), parsed.hyphenated().to_string());
+    }
     use proptest::prelude::*;
 
     fn r(text: &str) -> Vec<String> {
