@@ -11,7 +11,12 @@
 //! process costs before any block), and the time of one full scan of the redb index in
 //! this process (the least a sweep must read).
 //!
-//! Run: `cargo bench --bench gc` (`GRAVITON_BENCH_GC_BLOCKS=<n>` for another size).
+//! With more than one size, the last lines compare the peak RSS of the largest store with
+//! that of the smallest (the collector's memory must not grow with the garbage: the
+//! quarantine and the purge run in bounded batches, docs/storage.md, "Memory").
+//!
+//! Run: `cargo bench --bench gc` (`GRAVITON_BENCH_GC_BLOCKS=<n>[,<n>...]` for other
+//! sizes).
 
 use std::io::Read;
 use std::path::Path;
@@ -157,7 +162,7 @@ fn rss_kib() -> u64 {
 }
 
 /// Resident memory (KiB) of a mark set of `n` keys: the `HashSet` the collector used
-/// before, and the sorted `MarkSet` it uses now (both built from the same keys).
+/// before, and the sorted prefix `MarkSet` it uses now (both built from the same keys).
 fn mark_set_kib(n: u64) -> (u64, u64) {
     let keys: Vec<BlockKey> = (0..n).map(|i| BlockKey::of(&i.to_le_bytes())).collect();
     let before = rss_kib();
@@ -175,7 +180,10 @@ fn mark_set_kib(n: u64) -> (u64, u64) {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let sizes: Vec<u64> = match std::env::var("GRAVITON_BENCH_GC_BLOCKS") {
-        Ok(n) => vec![n.parse().expect("GRAVITON_BENCH_GC_BLOCKS")],
+        Ok(n) => n
+            .split(',')
+            .map(|n| n.trim().parse().expect("GRAVITON_BENCH_GC_BLOCKS"))
+            .collect(),
         Err(_) if quick => vec![100_000],
         Err(_) => vec![100_000, 1_000_000],
     };
@@ -193,6 +201,7 @@ fn main() {
         "graviton gc on an empty store: peak RSS {} MiB (baseline)",
         empty_rss / 1024
     );
+    let mut peaks: Vec<(u64, u64, u64)> = Vec::new();
     for blocks in sizes {
         let (hashed, sorted) = mark_set_kib(blocks);
         println!(
@@ -231,6 +240,22 @@ fn main() {
             second.as_secs_f64(),
             second_rss / 1024,
             second_rss.saturating_sub(empty_rss) / 1024
+        );
+        peaks.push((blocks, first_rss, second_rss));
+    }
+    if let (Some(small), Some(large)) = (peaks.first(), peaks.last())
+        && large.0 > small.0
+    {
+        let over = |rss: u64| rss.saturating_sub(empty_rss).max(1) as f64;
+        println!(
+            "peak RSS {} blocks / {} blocks ({:.0}x the blocks): gc run {:.2} (over empty {:.2}), purge {:.2} (over empty {:.2})",
+            large.0,
+            small.0,
+            large.0 as f64 / small.0 as f64,
+            large.1 as f64 / small.1 as f64,
+            over(large.1) / over(small.1),
+            large.2 as f64 / small.2 as f64,
+            over(large.2) / over(small.2),
         );
     }
 }

@@ -36,6 +36,9 @@ fn settings(command: &mut Command, dir: &Path) {
         .env("GRAVITON_STORAGE__GC__MIN_AGE", "0s")
         .env("GRAVITON_STORAGE__GC__RETENTION", "0s")
         .env("GRAVITON_STORAGE__GC__COMPACT_BELOW", "0.9")
+        // A few blocks per write transaction: a run spans several quarantine and purge
+        // batches, so a kill after the first leaves a partly quarantined (purged) store.
+        .env("GRAVITON_STORAGE__GC__BATCH", "8")
         .env("GRAVITON_ADMIN__TOKEN", ADMIN_TOKEN)
         .env_remove(PAUSE);
 }
@@ -307,6 +310,13 @@ async fn gc_killed_after_quarantine() {
     gc_killed_after("gc quarantine", false).await;
 }
 
+// Checks STO-12: killed after the first quarantine batch committed (the rest of the
+// candidates still indexed).
+#[tokio::test]
+async fn gc_killed_after_the_first_quarantine_batch() {
+    gc_killed_after("gc quarantine batch", false).await;
+}
+
 // Checks STO-12: the rewritten pack is published but the index not yet pointed at it.
 #[tokio::test]
 async fn gc_killed_after_a_compaction_rewrite_is_published() {
@@ -335,6 +345,12 @@ async fn gc_killed_after_an_orphan_is_deleted() {
 #[tokio::test]
 async fn gc_killed_after_the_quarantine_is_purged() {
     gc_killed_after("gc purge quarantine", true).await;
+}
+
+// Checks STO-12: killed after the first purge batch of the quarantine committed.
+#[tokio::test]
+async fn gc_killed_after_the_first_purge_batch() {
+    gc_killed_after("gc purge quarantine batch", true).await;
 }
 
 // Checks STO-12: the object is deleted, the transaction removing its row not committed.

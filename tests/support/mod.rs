@@ -130,3 +130,14 @@ pub fn kill9(child: &mut std::process::Child) {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// Whether process `pid` is stopped (state `T` in /proc), e.g. by SIGSTOP.
+pub fn process_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let after = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
+            Some(after == 'T')
+        })
+        .unwrap_or(false)
+}
