@@ -340,7 +340,8 @@ async fn purge_quarantine(
                  WHERE b.block_hash = d.block_hash
                    AND b.quarantined_at < to_timestamp($2::double precision / 1000)
                  RETURNING 1)
-             SELECT (SELECT max(block_hash) FROM doomed), (SELECT count(*) FROM gone)",
+             SELECT (SELECT block_hash FROM doomed ORDER BY block_hash DESC LIMIT 1),
+                    (SELECT count(*) FROM gone)",
         )
         .bind(cursor.as_slice())
         .bind(before_ms as f64)
