@@ -1,7 +1,9 @@
-//! An uploader **process** stopped with SIGSTOP in the middle of an upload, past the
-//! collector's `min_age`, while a collector of the cluster runs and purges (STO-14).
+//! Fault tests of the cluster's pack store (PostgreSQL index, packs on the test S3
+//! server) with real processes.
 //!
-//! A cluster node on PostgreSQL and the test S3 server (`graviton serve`) stops itself with
+//! **An uploader stopped past `min_age` (STO-14).** An uploader **process** stopped with
+//! SIGSTOP in the middle of an upload, past the collector's `min_age`, while a collector
+//! of the cluster runs and purges. A cluster node (`graviton serve`) stops itself with
 //! the test-only hook `GRAVITON_TEST_STOP_AFTER=upload packs published`
 //! (`src/storage/pack/pause.rs`): every pack of the upload is in the bucket, nothing is
 //! indexed yet. While it is stopped, a separate `graviton gc --purge` process (the
@@ -16,6 +18,13 @@
 //! refuses while the node holds the index, so the process case exists only in a
 //! cluster; the in-process single-node case is
 //! `storage::pack::gc_tests::a_paused_uploader_whose_dedup_block_was_collected_fails_its_commit`.)
+//!
+//! **The cluster collector killed after each step (STO-16).** `graviton gc --purge`
+//! against the cluster is killed with SIGKILL after each step of its run
+//! (`GRAVITON_TEST_PAUSE_AFTER`), like the single node's in `tests/pack_faults.rs`. Then
+//! the advisory lock is free again, acknowledged blobs download byte-exact, deleted and
+//! unacknowledged ones stay absent, two more runs complete, and a dry run finds no
+//! object that no row names.
 
 mod support;
 
@@ -62,10 +71,18 @@ async fn upload_acknowledged(url: &str, data: &[u8]) -> String {
 
 /// `graviton gc --purge` against the node's cluster (a process of its own); its report.
 async fn collect(node: &NodeProcess) -> serde_json::Value {
+    collect_with(node, &["--purge"]).await
+}
+
+/// `graviton gc <args>` against the node's cluster; its report.
+async fn collect_with(node: &NodeProcess, args: &[&str]) -> serde_json::Value {
     let config = node.config.clone();
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new(env!("CARGO_BIN_EXE_graviton"))
-            .args(["gc", "--purge", "--config"])
+            .arg("gc")
+            .args(&args)
+            .arg("--config")
             .arg(&config)
             .env_remove("GRAVITON_TEST_STOP_AFTER")
             .output()
@@ -87,7 +104,8 @@ async fn cluster(test: &str) -> Option<(support::TestDatabase, tempfile::TempDir
     let db = support::TestDatabase::create(test).await?;
     let dir = tempfile::tempdir().unwrap();
     let prefix = format!("stopped-uploader-{}", support::unique_suffix());
-    let gc = "\n[storage.gc]\nmin_age = \"1s\"\nretention = \"0s\"";
+    // Batches of 8: a run spans several quarantine and purge statements.
+    let gc = "\n[storage.gc]\nmin_age = \"1s\"\nretention = \"0s\"\nbatch = 8";
     let storage = s3_storage_toml(test, &dir.path().join("node-a"), &prefix, gc)?;
     let admin = format!("[admin]\ntoken = \"{ADMIN}\"");
     let node =
@@ -246,4 +264,134 @@ async fn an_uploader_stopped_after_dedup_hits_loses_them_and_gets_503() {
         "was collected while the upload ran",
     )
     .await;
+}
+
+async fn delete(url: &str, key: &str) {
+    let response = client()
+        .delete(format!("{url}/v1/blobs/{key}"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 204);
+}
+
+/// Kill the cluster's `graviton gc --purge` after `step` (with `purge_first`, after a
+/// complete run that leaves quarantined blocks and retired packs to purge), then check
+/// the cluster and finish the work (STO-16).
+async fn cluster_gc_killed_after(test: &str, step: &str, purge_first: bool) {
+    let Some((_db, _dir, mut node)) = cluster(test).await else {
+        return;
+    };
+    let url = node.url.clone();
+    let keep = random_bytes(2 << 20, 71);
+    let gone = random_bytes(2 << 20, 72);
+    let unacked = random_bytes(1 << 20, 73);
+    let keep_key = upload_acknowledged(&url, &keep).await;
+    let gone_key = upload_acknowledged(&url, &gone).await;
+    delete(&url, &gone_key).await;
+    // An upload killed after its pack is in the bucket and before its commit: an orphan.
+    node.restart_with_env(&[("GRAVITON_TEST_STOP_AFTER", STEP)]);
+    wait_ready(&node).await;
+    let pending = {
+        let url = url.clone();
+        let unacked = unacked.clone();
+        tokio::spawn(async move {
+            client()
+                .post(format!("{url}/v1/blobs"))
+                .body(unacked)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    let pid = node.pid().unwrap();
+    assert!(
+        support::wait_until(Duration::from_secs(60), || async {
+            support::process_stopped(pid)
+        })
+        .await,
+        "the uploader did not stop:\n{}",
+        node.log_text()
+    );
+    node.restart_with_env(&[]);
+    assert!(
+        !matches!(pending.await.unwrap(), Ok(201)),
+        "never acknowledged"
+    );
+    wait_ready(&node).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await; // past min_age
+    if purge_first {
+        let report = collect_with(&node, &[]).await;
+        assert!(report["quarantined"].as_u64().unwrap() > 0, "{report}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let config = node.config.clone();
+    let mut gc = std::process::Command::new(env!("CARGO_BIN_EXE_graviton"))
+        .args(["gc", "--purge", "--config"])
+        .arg(&config)
+        .env("GRAVITON_TEST_PAUSE_AFTER", step)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let step_owned = step.to_string();
+    let mut gc = tokio::task::spawn_blocking(move || {
+        support::wait_paused(&mut gc, &step_owned);
+        gc
+    })
+    .await
+    .unwrap();
+    support::kill9(&mut gc);
+
+    let check = || async {
+        let (status, body) = support::download(&url, &keep_key).await;
+        assert_eq!(status, 200);
+        assert!(body == keep, "an acknowledged blob is byte-exact");
+        for absent in [&gone, &unacked] {
+            let key = graviton::cas::BlobKey::of(absent).to_string();
+            assert_eq!(support::download(&url, &key).await.0, 404);
+        }
+    };
+    check().await;
+    // The lock died with the collector's connection: two more runs complete.
+    for _ in 0..2 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        collect(&node).await;
+    }
+    check().await;
+    let dry = collect_with(&node, &["--dry-run"]).await;
+    assert_eq!(dry["orphan_packs_deleted"], 0, "every object is indexed: {dry}");
+    assert_eq!(dry["candidates"], 0, "{dry}");
+    // The cluster still takes uploads, including of collected content.
+    assert_eq!(
+        upload_acknowledged(&url, &gone).await,
+        gone_key,
+        "collected content is stored again"
+    );
+    assert!(support::download(&url, &gone_key).await.1 == gone);
+}
+
+macro_rules! cluster_gc_killed {
+    ($($name:ident: $step:expr, $purge_first:expr;)*) => {$(
+        // Checks STO-16.
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            cluster_gc_killed_after(stringify!($name), $step, $purge_first).await;
+        }
+    )*};
+}
+
+cluster_gc_killed! {
+    cluster_gc_killed_after_mark: "gc mark", false;
+    cluster_gc_killed_after_select: "gc select", false;
+    cluster_gc_killed_after_mark_again: "gc mark again", false;
+    cluster_gc_killed_after_the_first_quarantine_batch: "gc quarantine batch", false;
+    cluster_gc_killed_after_quarantine: "gc quarantine", false;
+    cluster_gc_killed_after_retire: "gc retire", false;
+    cluster_gc_killed_after_an_orphan_is_deleted: "gc orphan deleted", false;
+    cluster_gc_killed_after_the_first_purge_batch: "gc purge quarantine batch", true;
+    cluster_gc_killed_after_the_quarantine_is_purged: "gc purge quarantine", true;
+    cluster_gc_killed_at_the_end_of_a_run: "gc done", true;
 }
