@@ -490,7 +490,10 @@ async fn a_cluster_collector_stopped_past_min_age_deletes_nothing_live() {
         other => panic!("the collector did not reach its stop: {other:?}"),
     }
     assert!(
-        support::wait_until(Duration::from_secs(30), || async { support::process_stopped(pid) }).await,
+        support::wait_until(Duration::from_secs(30), || async {
+            support::process_stopped(pid)
+        })
+        .await,
         "the collector is not stopped"
     );
 

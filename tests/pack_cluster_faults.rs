@@ -51,7 +51,11 @@ async fn post(url: &str, data: Vec<u8>) -> (u16, String, bool) {
         .unwrap();
     let status = response.status().as_u16();
     let retry_after = response.headers().contains_key("retry-after");
-    (status, response.text().await.unwrap_or_default(), retry_after)
+    (
+        status,
+        response.text().await.unwrap_or_default(),
+        retry_after,
+    )
 }
 
 /// Upload until it is acknowledged (a node just resumed may still be re-acquiring its
@@ -137,8 +141,7 @@ async fn upload_stopped(
     .await;
     assert!(stopped, "the node did not stop:\n{}", node.log_text());
     assert!(
-        node.log_text()
-            .contains(&format!("stopping after {STEP}")),
+        node.log_text().contains(&format!("stopping after {STEP}")),
         "stopped at the wrong step:\n{}",
         node.log_text()
     );
@@ -170,7 +173,10 @@ async fn check_refused_then_retried(
     // A 201 would be allowed only if every byte were still there; the collector took
     // them (the caller checked its report), so it would be an acknowledged blob with no
     // bytes.
-    assert_ne!(status, 201, "201 for a blob whose blocks were collected: {body}");
+    assert_ne!(
+        status, 201,
+        "201 for a blob whose blocks were collected: {body}"
+    );
     assert_eq!(status, 503, "a documented retry answer: {body}");
     assert!(body.contains("storage_unavailable"), "{body}");
     assert!(retry_after, "503 with Retry-After");
@@ -362,7 +368,10 @@ async fn cluster_gc_killed_after(test: &str, step: &str, purge_first: bool) {
     }
     check().await;
     let dry = collect_with(&node, &["--dry-run"]).await;
-    assert_eq!(dry["orphan_packs_deleted"], 0, "every object is indexed: {dry}");
+    assert_eq!(
+        dry["orphan_packs_deleted"], 0,
+        "every object is indexed: {dry}"
+    );
     assert_eq!(dry["candidates"], 0, "{dry}");
     // The cluster still takes uploads, including of collected content.
     assert_eq!(

@@ -265,7 +265,10 @@ impl Candidates {
         let err = |e| StoreError::io("rewind the collector's candidate file", e);
         let mut file = self.file.into_inner().map_err(|e| err(e.into_error()))?;
         file.rewind().map_err(err)?;
-        Ok(CandidateReader(std::io::BufReader::with_capacity(1 << 16, file)))
+        Ok(CandidateReader(std::io::BufReader::with_capacity(
+            1 << 16,
+            file,
+        )))
     }
 }
 
@@ -751,7 +754,9 @@ mod mark_set_tests {
             assert!(batch.len() <= 3);
             got.extend(batch);
         }
-        let want: Vec<(BlockKey, u32)> = (0..10u8).map(|i| (key(i, i), u32::from(i) * 1000)).collect();
+        let want: Vec<(BlockKey, u32)> = (0..10u8)
+            .map(|i| (key(i, i), u32::from(i) * 1000))
+            .collect();
         assert_eq!(got, want);
         // the file has no name in the directory
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
