@@ -5,7 +5,8 @@
 //! blocks each, one pack and one redb commit per session, one manifest per session in the
 //! file manifest store. Then every other manifest is deleted, so half of the blocks (half
 //! of the packs) are garbage. Each collector run is a separate `graviton gc` process on
-//! the stopped store; its peak RSS is the child's `ru_maxrss` from `wait4`.
+//! the stopped store; its peak RSS is the child's `VmHWM` at the end of its run (see
+//! [`run_gc`]).
 //!
 //! Baselines from the same run: the RSS of `graviton gc` on an empty store (what the
 //! process costs before any block), and the time of one full scan of the redb index in
@@ -93,7 +94,13 @@ async fn build(dir: &Path, blocks: u64) -> Duration {
 }
 
 /// One `graviton gc --purge` on `dir`: wall time, peak RSS (KiB) and its JSON report.
-// The child is reaped by `wait4` (which also gives its rusage), not by `Child::wait`.
+///
+/// The peak is the child's own `VmHWM`, read while it is stopped at the end of its run
+/// (the test-only hook `GRAVITON_TEST_STOP_AFTER=gc done`, then SIGCONT). Not the
+/// `ru_maxrss` of `wait4`: Linux folds the parent's high-water mark into a spawned
+/// child's at `exec` (the child starts on the parent's memory), so that figure was
+/// this benchmark's own peak, not the collector's.
+// The child is reaped by `wait4`, not by `Child::wait`.
 #[allow(clippy::zombie_processes)]
 fn run_gc(dir: &Path) -> (Duration, u64, serde_json::Value) {
     let started = Instant::now();
@@ -103,10 +110,25 @@ fn run_gc(dir: &Path) -> (Duration, u64, serde_json::Value) {
         .env("GRAVITON_STORAGE__FSYNC", "false")
         .env("GRAVITON_STORAGE__GC__MIN_AGE", "0s")
         .env("GRAVITON_STORAGE__GC__RETENTION", "0s")
+        .env("GRAVITON_TEST_STOP_AFTER", "gc done")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn graviton gc");
+    let pid = child.id() as i32;
+    let peak_kib = loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next());
+        match state {
+            Some('T') => break proc_kib(pid, "VmHWM:"),
+            Some('Z') | None => panic!("graviton gc ended before its last step"),
+            _ => std::thread::sleep(Duration::from_millis(2)),
+        }
+    };
+    // SAFETY: kill only signals our own stopped child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     let mut out = String::new();
     child
         .stdout
@@ -115,17 +137,26 @@ fn run_gc(dir: &Path) -> (Duration, u64, serde_json::Value) {
         .read_to_string(&mut out)
         .expect("read report");
     let mut status = 0;
-    // SAFETY: zeroed rusage is a valid value; wait4 fills it for our own child.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
-    assert_eq!(pid, child.id() as i32, "wait4");
+    // SAFETY: wait4 on our own child.
+    let waited = unsafe { libc::wait4(pid, &mut status, 0, std::ptr::null_mut()) };
+    assert_eq!(waited, pid, "wait4");
     assert!(
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
         "gc failed: {out}"
     );
     let elapsed = started.elapsed();
     let report = serde_json::from_str(&out).unwrap_or(serde_json::Value::Null);
-    (elapsed, usage.ru_maxrss as u64, report)
+    (elapsed, peak_kib, report)
+}
+
+/// A `kB` line of `/proc/<pid>/status` (0 if unreadable).
+fn proc_kib(pid: i32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn index_scan(dir: &Path) -> Duration {
@@ -153,12 +184,7 @@ fn index_scan(dir: &Path) -> Duration {
 }
 
 fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
+    proc_kib(std::process::id() as i32, "VmRSS:")
 }
 
 /// Resident memory (KiB) of a mark set of `n` keys: the `HashSet` the collector used

@@ -541,8 +541,10 @@ impl RedbIndex {
 /// Entries per write transaction of [`RedbIndex::restore_quarantine`].
 const RESTORE_BATCH: usize = 4096;
 
-/// A quarantine row: key, location, and when it was quarantined.
-fn decode_held(key: &[u8], raw: &[u8]) -> Result<(BlockKey, Location, u64), StoreError> {
+/// A quarantine row: key, location, and when it was quarantined (unix ms).
+type Held = (BlockKey, Location, u64);
+
+fn decode_held(key: &[u8], raw: &[u8]) -> Result<Held, StoreError> {
     let key = BlockKey(
         key.try_into()
             .map_err(|_| StoreError::Corrupt("quarantine key damaged".into()))?,
@@ -560,7 +562,7 @@ fn held_from(
     table: &impl ReadableTable<&'static [u8], &'static [u8]>,
     after: Option<&BlockKey>,
     limit: usize,
-) -> Result<(Vec<(BlockKey, Location, u64)>, Option<BlockKey>), StoreError> {
+) -> Result<(Vec<Held>, Option<BlockKey>), StoreError> {
     use std::ops::Bound;
     let lower = match after {
         Some(key) => Bound::Excluded(key.0.as_slice()),
