@@ -5,13 +5,19 @@
 //! blocks each, one pack and one redb commit per session, one manifest per session in the
 //! file manifest store. Then every other manifest is deleted, so half of the blocks (half
 //! of the packs) are garbage. Each collector run is a separate `graviton gc` process on
-//! the stopped store; its peak RSS is the child's `ru_maxrss` from `wait4`.
+//! the stopped store; its peak RSS is the child's `VmHWM` at the end of its run (see
+//! [`run_gc`]).
 //!
 //! Baselines from the same run: the RSS of `graviton gc` on an empty store (what the
 //! process costs before any block), and the time of one full scan of the redb index in
 //! this process (the least a sweep must read).
 //!
-//! Run: `cargo bench --bench gc` (`GRAVITON_BENCH_GC_BLOCKS=<n>` for another size).
+//! With more than one size, the last lines compare the peak RSS of the largest store with
+//! that of the smallest (the collector's memory must not grow with the garbage: the
+//! quarantine and the purge run in bounded batches, docs/storage.md, "Memory").
+//!
+//! Run: `cargo bench --bench gc` (`GRAVITON_BENCH_GC_BLOCKS=<n>[,<n>...]` for other
+//! sizes).
 
 use std::io::Read;
 use std::path::Path;
@@ -88,7 +94,13 @@ async fn build(dir: &Path, blocks: u64) -> Duration {
 }
 
 /// One `graviton gc --purge` on `dir`: wall time, peak RSS (KiB) and its JSON report.
-// The child is reaped by `wait4` (which also gives its rusage), not by `Child::wait`.
+///
+/// The peak is the child's own `VmHWM`, read while it is stopped at the end of its run
+/// (the test-only hook `GRAVITON_TEST_STOP_AFTER=gc done`, then SIGCONT). Not the
+/// `ru_maxrss` of `wait4`: Linux folds the parent's high-water mark into a spawned
+/// child's at `exec` (the child starts on the parent's memory), so that figure was
+/// this benchmark's own peak, not the collector's.
+// The child is reaped by `wait4`, not by `Child::wait`.
 #[allow(clippy::zombie_processes)]
 fn run_gc(dir: &Path) -> (Duration, u64, serde_json::Value) {
     let started = Instant::now();
@@ -98,10 +110,25 @@ fn run_gc(dir: &Path) -> (Duration, u64, serde_json::Value) {
         .env("GRAVITON_STORAGE__FSYNC", "false")
         .env("GRAVITON_STORAGE__GC__MIN_AGE", "0s")
         .env("GRAVITON_STORAGE__GC__RETENTION", "0s")
+        .env("GRAVITON_TEST_STOP_AFTER", "gc done")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn graviton gc");
+    let pid = child.id() as i32;
+    let peak_kib = loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next());
+        match state {
+            Some('T') => break proc_kib(pid, "VmHWM:"),
+            Some('Z') | None => panic!("graviton gc ended before its last step"),
+            _ => std::thread::sleep(Duration::from_millis(2)),
+        }
+    };
+    // SAFETY: kill only signals our own stopped child.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
     let mut out = String::new();
     child
         .stdout
@@ -110,17 +137,26 @@ fn run_gc(dir: &Path) -> (Duration, u64, serde_json::Value) {
         .read_to_string(&mut out)
         .expect("read report");
     let mut status = 0;
-    // SAFETY: zeroed rusage is a valid value; wait4 fills it for our own child.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
-    assert_eq!(pid, child.id() as i32, "wait4");
+    // SAFETY: wait4 on our own child.
+    let waited = unsafe { libc::wait4(pid, &mut status, 0, std::ptr::null_mut()) };
+    assert_eq!(waited, pid, "wait4");
     assert!(
         libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
         "gc failed: {out}"
     );
     let elapsed = started.elapsed();
     let report = serde_json::from_str(&out).unwrap_or(serde_json::Value::Null);
-    (elapsed, usage.ru_maxrss as u64, report)
+    (elapsed, peak_kib, report)
+}
+
+/// A `kB` line of `/proc/<pid>/status` (0 if unreadable).
+fn proc_kib(pid: i32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn index_scan(dir: &Path) -> Duration {
@@ -148,16 +184,11 @@ fn index_scan(dir: &Path) -> Duration {
 }
 
 fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
+    proc_kib(std::process::id() as i32, "VmRSS:")
 }
 
 /// Resident memory (KiB) of a mark set of `n` keys: the `HashSet` the collector used
-/// before, and the sorted `MarkSet` it uses now (both built from the same keys).
+/// before, and the sorted prefix `MarkSet` it uses now (both built from the same keys).
 fn mark_set_kib(n: u64) -> (u64, u64) {
     let keys: Vec<BlockKey> = (0..n).map(|i| BlockKey::of(&i.to_le_bytes())).collect();
     let before = rss_kib();
@@ -175,7 +206,10 @@ fn mark_set_kib(n: u64) -> (u64, u64) {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let sizes: Vec<u64> = match std::env::var("GRAVITON_BENCH_GC_BLOCKS") {
-        Ok(n) => vec![n.parse().expect("GRAVITON_BENCH_GC_BLOCKS")],
+        Ok(n) => n
+            .split(',')
+            .map(|n| n.trim().parse().expect("GRAVITON_BENCH_GC_BLOCKS"))
+            .collect(),
         Err(_) if quick => vec![100_000],
         Err(_) => vec![100_000, 1_000_000],
     };
@@ -193,6 +227,7 @@ fn main() {
         "graviton gc on an empty store: peak RSS {} MiB (baseline)",
         empty_rss / 1024
     );
+    let mut peaks: Vec<(u64, u64, u64)> = Vec::new();
     for blocks in sizes {
         let (hashed, sorted) = mark_set_kib(blocks);
         println!(
@@ -231,6 +266,22 @@ fn main() {
             second.as_secs_f64(),
             second_rss / 1024,
             second_rss.saturating_sub(empty_rss) / 1024
+        );
+        peaks.push((blocks, first_rss, second_rss));
+    }
+    if let (Some(small), Some(large)) = (peaks.first(), peaks.last())
+        && large.0 > small.0
+    {
+        let over = |rss: u64| rss.saturating_sub(empty_rss).max(1) as f64;
+        println!(
+            "peak RSS {} blocks / {} blocks ({:.0}x the blocks): gc run {:.2} (over empty {:.2}), purge {:.2} (over empty {:.2})",
+            large.0,
+            small.0,
+            large.0 as f64 / small.0 as f64,
+            large.1 as f64 / small.1 as f64,
+            over(large.1) / over(small.1),
+            large.2 as f64 / small.2 as f64,
+            over(large.2) / over(small.2),
         );
     }
 }

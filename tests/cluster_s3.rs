@@ -277,6 +277,8 @@ fn no_grace(purge: bool) -> GcOptions {
         compact_below: 0.5,
         dry_run: false,
         purge,
+        // Small batches: every run spans several quarantine and purge transactions.
+        batch: 2,
     }
 }
 
@@ -416,17 +418,6 @@ async fn a_dedup_hit_on_a_block_collected_meanwhile_fails_its_commit() {
     assert!(store.get(key).await.unwrap().is_none());
 }
 
-/// Whether process `pid` is stopped (state `T` in /proc).
-fn stopped(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| {
-            let after = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
-            Some(after == 'T')
-        })
-        .unwrap_or(false)
-}
-
 // Checks STO-13 (and STO-10 with real processes): `graviton gc` against the cluster stops
 // (SIGSTOP) right after it has chosen its candidates, and stays stopped past min_age
 // while the node keeps taking uploads, one of which deduplicates against those very
@@ -499,7 +490,10 @@ async fn a_cluster_collector_stopped_past_min_age_deletes_nothing_live() {
         other => panic!("the collector did not reach its stop: {other:?}"),
     }
     assert!(
-        support::wait_until(Duration::from_secs(30), || async { stopped(pid) }).await,
+        support::wait_until(Duration::from_secs(30), || async {
+            support::process_stopped(pid)
+        })
+        .await,
         "the collector is not stopped"
     );
 
@@ -518,7 +512,7 @@ async fn a_cluster_collector_stopped_past_min_age_deletes_nothing_live() {
         status, 409,
         "the stopped collector still holds the lock: {body}"
     );
-    assert!(stopped(pid));
+    assert!(support::process_stopped(pid));
 
     // Resumed: it finishes, quarantining and deleting nothing live.
     // SAFETY: kill sends a signal to the collector this test started.

@@ -11,7 +11,7 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -36,6 +36,9 @@ fn settings(command: &mut Command, dir: &Path) {
         .env("GRAVITON_STORAGE__GC__MIN_AGE", "0s")
         .env("GRAVITON_STORAGE__GC__RETENTION", "0s")
         .env("GRAVITON_STORAGE__GC__COMPACT_BELOW", "0.9")
+        // A few blocks per write transaction: a run spans several quarantine and purge
+        // batches, so a kill after the first leaves a partly quarantined (purged) store.
+        .env("GRAVITON_STORAGE__GC__BATCH", "8")
         .env("GRAVITON_ADMIN__TOKEN", ADMIN_TOKEN)
         .env_remove(PAUSE);
 }
@@ -53,31 +56,6 @@ fn serve(dir: &Path, port: u16, pause: Option<&str>) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn graviton serve")
-}
-
-/// Wait until the process prints its pause line (the other stderr lines are drained).
-fn wait_paused(child: &mut Child, step: &str) {
-    let stderr = child.stderr.take().expect("stderr piped");
-    let wanted = format!("paused after {step} ({PAUSE})");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut seen = Vec::new();
-        for line in BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if line.contains(&wanted) {
-                let _ = tx.send(Ok(()));
-                // keep draining so the process never blocks on a full pipe
-                continue;
-            }
-            seen.push(line);
-        }
-        let _ = tx.send(Err(seen.join("\n")));
-    });
-    match rx.recv_timeout(Duration::from_secs(120)) {
-        Ok(Ok(())) => {}
-        Ok(Err(log)) => panic!("the process ended without pausing after {step}:\n{log}"),
-        Err(_) => panic!("no pause after {step} within 120 s"),
-    }
 }
 
 async fn upload(url: &str, data: &[u8]) -> String {
@@ -237,7 +215,7 @@ async fn prepare(dir: &Path, contents: &Contents) {
     let mut node = serve(dir, port, Some("pack directory synced"));
     support::wait_ready(&url, Duration::from_secs(30)).await;
     let stream = start_upload(port, &contents.unacked);
-    wait_paused(&mut node, "pack directory synced");
+    support::wait_paused(&mut node, "pack directory synced");
     support::kill9(&mut node);
     assert!(!answer(stream).contains("201"), "never acknowledged");
 }
@@ -262,7 +240,7 @@ async fn gc_killed_after(step: &str, purge_first: bool) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    wait_paused(&mut gc, step);
+    support::wait_paused(&mut gc, step);
     support::kill9(&mut gc);
 
     // restart: the index is recovered and nothing acknowledged is lost
@@ -307,6 +285,13 @@ async fn gc_killed_after_quarantine() {
     gc_killed_after("gc quarantine", false).await;
 }
 
+// Checks STO-12: killed after the first quarantine batch committed (the rest of the
+// candidates still indexed).
+#[tokio::test]
+async fn gc_killed_after_the_first_quarantine_batch() {
+    gc_killed_after("gc quarantine batch", false).await;
+}
+
 // Checks STO-12: the rewritten pack is published but the index not yet pointed at it.
 #[tokio::test]
 async fn gc_killed_after_a_compaction_rewrite_is_published() {
@@ -337,6 +322,12 @@ async fn gc_killed_after_the_quarantine_is_purged() {
     gc_killed_after("gc purge quarantine", true).await;
 }
 
+// Checks STO-12: killed after the first purge batch of the quarantine committed.
+#[tokio::test]
+async fn gc_killed_after_the_first_purge_batch() {
+    gc_killed_after("gc purge quarantine batch", true).await;
+}
+
 // Checks STO-12: the object is deleted, the transaction removing its row not committed.
 #[tokio::test]
 async fn gc_killed_after_a_purged_pack_is_deleted() {
@@ -364,7 +355,7 @@ async fn upload_killed_after(step: &str) {
     let mut node = serve(dir.path(), port, Some(step));
     support::wait_ready(&url, Duration::from_secs(30)).await;
     let stream = start_upload(port, &pending);
-    wait_paused(&mut node, step);
+    support::wait_paused(&mut node, step);
     support::kill9(&mut node);
     assert!(!answer(stream).contains("201"), "never acknowledged");
 

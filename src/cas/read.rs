@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
+use tokio_util::task::AbortOnDropHandle;
 
 use super::keys::BlockKey;
 use super::manifest::Manifest;
@@ -57,7 +58,11 @@ pub fn read_blob(
             let blocks = blocks.clone();
             let key: BlockKey = manifest.blocks[slice.block].key;
             let expected_len = manifest.blocks[slice.block].size as usize;
-            async move {
+            // Each block is fetched and checked on a task of its own, so the READ_AHEAD
+            // blocks in flight are hashed on every core instead of one after another on
+            // the stream's task (the hash, not the read, bounded downloads from packs;
+            // docs/performance.md). Dropping the stream aborts the tasks.
+            let task = AbortOnDropHandle::new(tokio::spawn(async move {
                 let data = blocks
                     .get(key)
                     .await?
@@ -66,6 +71,11 @@ pub fn read_blob(
                     return Err(ReadError::CorruptBlock(key.to_hex()));
                 }
                 Ok(data.slice(slice.start..slice.end))
+            }));
+            async move {
+                task.await.map_err(|e| {
+                    ReadError::Store(StoreError::Unavailable(format!("block read task: {e}")))
+                })?
             }
         })
         .buffered(READ_AHEAD)

@@ -70,6 +70,9 @@ pub struct GcConfig {
     pub compact_below: f64,
     /// Run the collector in `serve` this often (0 = only `graviton gc`).
     pub interval: HumanDuration,
+    /// Index entries per write transaction of the quarantine and the purge: what bounds
+    /// the collector's memory (docs/storage.md, "Memory").
+    pub batch: usize,
 }
 
 impl Default for GcConfig {
@@ -79,6 +82,7 @@ impl Default for GcConfig {
             retention: HumanDuration::secs(24 * 3600),
             compact_below: 0.5,
             interval: HumanDuration::secs(0),
+            batch: 4096,
         }
     }
 }

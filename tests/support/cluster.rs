@@ -119,6 +119,17 @@ internal_token = "{TOKEN}"
     }
 
     fn spawn(&mut self) {
+        self.spawn_with_env(&[]);
+    }
+
+    /// Start the same node again (after a kill) with `env` added to its environment
+    /// (e.g. a test-only pause hook of `src/storage/pack/pause.rs`).
+    pub fn restart_with_env(&mut self, env: &[(&str, &str)]) {
+        self.kill9();
+        self.spawn_with_env(env);
+    }
+
+    fn spawn_with_env(&mut self, env: &[(&str, &str)]) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -128,6 +139,7 @@ internal_token = "{TOKEN}"
             .args(["serve", "--config"])
             .arg(&self.config)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

@@ -34,7 +34,7 @@ use futures_util::TryStreamExt;
 use sqlx::{Connection, PgConnection, Row};
 
 use super::format::{self, PackId};
-use super::gc::{GcOptions, GcReport, Progress, blocking, mark};
+use super::gc::{Candidates, GcOptions, GcReport, Progress, blocking, mark};
 use super::pause;
 use super::shared::PgIndex;
 use super::{PackStore, now_ms};
@@ -44,9 +44,6 @@ use crate::storage::{ManifestStore, StoreError};
 
 /// Key of the advisory lock that keeps a cluster to one collector ("GRAVGCL1").
 pub const GC_LOCK_KEY: i64 = 0x4752_4156_4743_4c31;
-
-/// Quarantine this many candidates per statement.
-const BATCH: usize = 4096;
 
 /// The lock connection: closed (and the lock released) when dropped.
 struct GcLock(PgConnection);
@@ -122,9 +119,10 @@ async fn run(
     report.live_blocks = live.len() as u64;
     pause::after("gc mark");
 
-    // 2. select unmarked entries older than the grace period
+    // 2. select unmarked entries older than the grace period, spilled to the candidate
+    //    file (the rows are streamed, so nothing here grows with the garbage)
     progress.phase("select", 0);
-    let mut candidates: Vec<(BlockKey, u32)> = Vec::new();
+    let mut candidates = Candidates::new(store.spool_dir())?;
     let mut per_pack: HashMap<PackId, u64> = HashMap::new();
     {
         let mut rows = sqlx::query(
@@ -151,7 +149,7 @@ async fn run(
             );
             let len = len.max(0) as u32;
             if old && !live.contains(&key) {
-                candidates.push((key, len));
+                candidates.push(&key, len)?;
             } else {
                 let pack = PackId(
                     pack.as_slice()
@@ -168,31 +166,45 @@ async fn run(
     // 3. mark again, just before changing anything
     progress.phase("mark again", 0);
     let live_again = mark(manifests).await?;
-    candidates.retain(|(key, _)| !live_again.contains(key));
-    drop(live_again);
     pause::after("gc mark again");
-    report.candidates = candidates.len() as u64;
-    report.quarantined_bytes = candidates.iter().map(|(_, len)| u64::from(*len)).sum();
 
-    // 4. quarantine, re-checking the age in the statement (a racing dedup commit wins)
-    if !options.dry_run && !candidates.is_empty() {
-        progress.phase("quarantine", candidates.len() as u64);
-        for chunk in candidates.chunks(BATCH) {
-            let keys: Vec<Vec<u8>> = chunk.iter().map(|(k, _)| k.0.to_vec()).collect();
-            let moved = sqlx::query(
-                "UPDATE pack_blocks SET quarantined_at = now()
-                 WHERE block_hash = ANY($1) AND quarantined_at IS NULL
-                   AND last_ref < to_timestamp($2::double precision / 1000)",
-            )
-            .bind(&keys)
-            .bind(cutoff_ms as f64)
-            .execute(pool)
-            .await
-            .map_err(|e| db_error("quarantine blocks", e))?
-            .rows_affected();
-            report.quarantined += moved;
-            progress.advance(chunk.len() as u64);
+    // 4. quarantine, `batch` candidates per statement, re-checking the age in the
+    //    statement (a racing dedup commit wins); the candidates marked again are dropped
+    progress.phase("quarantine", candidates.len());
+    let mut reader = candidates.into_reader()?;
+    loop {
+        let batch = reader.next_batch(options.batch)?;
+        if batch.is_empty() {
+            break;
         }
+        progress.advance(batch.len() as u64);
+        let keys: Vec<Vec<u8>> = batch
+            .into_iter()
+            .filter(|(key, _)| !live_again.contains(key))
+            .map(|(key, len)| {
+                report.quarantined_bytes += u64::from(len);
+                key.0.to_vec()
+            })
+            .collect();
+        report.candidates += keys.len() as u64;
+        if options.dry_run || keys.is_empty() {
+            continue;
+        }
+        report.quarantined += sqlx::query(
+            "UPDATE pack_blocks SET quarantined_at = now()
+             WHERE block_hash = ANY($1) AND quarantined_at IS NULL
+               AND last_ref < to_timestamp($2::double precision / 1000)",
+        )
+        .bind(&keys)
+        .bind(cutoff_ms as f64)
+        .execute(pool)
+        .await
+        .map_err(|e| db_error("quarantine blocks", e))?
+        .rows_affected();
+        pause::after("gc quarantine batch");
+    }
+    drop((reader, live_again));
+    if !options.dry_run && report.candidates > 0 {
         pause::after("gc quarantine");
     }
 
@@ -287,15 +299,7 @@ async fn run(
             report.packs_deleted = expired.len() as u64;
             report.bytes_reclaimed = expired.iter().map(|(_, size)| *size as u64).sum();
         } else {
-            report.purged_entries = sqlx::query(
-                "DELETE FROM pack_blocks
-                 WHERE quarantined_at < to_timestamp($1::double precision / 1000)",
-            )
-            .bind(before_ms as f64)
-            .execute(pool)
-            .await
-            .map_err(|e| db_error("purge quarantined blocks", e))?
-            .rows_affected();
+            report.purged_entries = purge_quarantine(pool, before_ms, options.batch).await?;
             pause::after("gc purge quarantine");
             for (raw, size) in expired {
                 let Some(id) = PackId::try_from_slice(&raw) else {
@@ -311,6 +315,51 @@ async fn run(
     pause::after("gc done");
     report.duration_ms = started.elapsed().as_millis() as u64;
     Ok(report)
+}
+
+/// Delete the rows quarantined before `before_ms`, one statement (and transaction) of
+/// at most `batch` rows at a time, walking the primary key from a cursor so the whole
+/// purge reads the table once. A row restored meanwhile (a dedup commit clears
+/// `quarantined_at`) is re-checked by the `DELETE` and kept.
+async fn purge_quarantine(
+    pool: &sqlx::PgPool,
+    before_ms: i64,
+    batch: usize,
+) -> Result<u64, StoreError> {
+    let mut purged = 0u64;
+    let mut cursor: Vec<u8> = Vec::new();
+    loop {
+        let (last, gone): (Option<Vec<u8>>, i64) = sqlx::query_as(
+            "WITH doomed AS (
+                 SELECT block_hash FROM pack_blocks
+                 WHERE block_hash > $1
+                   AND quarantined_at < to_timestamp($2::double precision / 1000)
+                 ORDER BY block_hash LIMIT $3),
+             gone AS (
+                 DELETE FROM pack_blocks b USING doomed d
+                 WHERE b.block_hash = d.block_hash
+                   AND b.quarantined_at < to_timestamp($2::double precision / 1000)
+                 RETURNING 1)
+             SELECT (SELECT block_hash FROM doomed ORDER BY block_hash DESC LIMIT 1),
+                    (SELECT count(*) FROM gone)",
+        )
+        .bind(cursor.as_slice())
+        .bind(before_ms as f64)
+        .bind(batch.max(1) as i64)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| db_error("purge quarantined blocks", e))?;
+        purged += gone.max(0) as u64;
+        match last {
+            Some(last) => {
+                if gone > 0 {
+                    pause::after("gc purge quarantine batch");
+                }
+                cursor = last;
+            }
+            None => return Ok(purged),
+        }
+    }
 }
 
 /// Delete `id`'s object while holding the pack id's row: the object goes only if no

@@ -19,11 +19,16 @@
 //!    retired packs older than `retention` are removed for good.
 //!
 //! One collector per data directory: the redb file is opened by one process only, and
-//! within a process runs are serialised by a mutex. Memory: the mark set is a sorted
-//! vector of the live block keys ([`MarkSet`], 32 to 64 bytes per live block).
+//! within a process runs are serialised by a mutex.
+//!
+//! **Memory.** Nothing the collector holds grows with the garbage: the candidates of a
+//! run are spilled to an unnamed temporary file ([`Candidates`], 36 bytes per block, in
+//! the index's key order), and the quarantine, the purge of the quarantine and the
+//! restore each run as write transactions of at most `gc.batch` entries. What remains
+//! is the mark set ([`MarkSet`], 8 bytes per live block), the per-pack table (one entry
+//! per pack) and redb's page cache (capped at [`super::index::INDEX_CACHE_BYTES`]).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
@@ -46,6 +51,8 @@ pub struct GcOptions {
     pub dry_run: bool,
     /// Also purge what the retention window allows.
     pub purge: bool,
+    /// Entries per write transaction of the quarantine and the purge (`gc.batch`).
+    pub batch: usize,
 }
 
 impl GcOptions {
@@ -61,6 +68,7 @@ impl GcOptions {
             compact_below: config.compact_below,
             dry_run,
             purge,
+            batch: config.batch.max(1),
         }
     }
 }
@@ -156,21 +164,37 @@ impl GcMetrics {
 
 static RUNNING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The mark set: every block key some manifest references, sorted and deduplicated. It
-/// costs 32 bytes per live block (up to 64 with the vector's spare capacity); the
-/// `HashSet` it replaced cost about 70 (see docs/performance.md, "GC at 1 M blocks").
-pub struct MarkSet(Vec<BlockKey>);
+/// The mark set: the first 8 bytes of every block key some manifest references, sorted
+/// and deduplicated: 8 bytes per live block (the `HashSet<BlockKey>` it replaced cost
+/// about 70, see docs/performance.md, "GC at 1 M blocks").
+///
+/// A prefix can only make [`MarkSet::contains`] answer yes for a key that is not marked
+/// (another live key shares its first 64 bits), never no for a marked one. So a
+/// collision keeps a garbage block alive, and never collects a live one. Keys are BLAKE3
+/// hashes: among a billion live blocks, a given garbage block collides with
+/// probability about 5e-11.
+pub struct MarkSet(Vec<u64>);
+
+fn prefix(key: &BlockKey) -> u64 {
+    u64::from_be_bytes(key.0[..8].try_into().expect("8"))
+}
 
 impl MarkSet {
     /// Build from keys in any order, with repeats.
-    pub fn from_keys(mut keys: Vec<BlockKey>) -> Self {
-        keys.sort_unstable();
-        keys.dedup();
-        Self(keys)
+    pub fn from_keys(keys: impl IntoIterator<Item = BlockKey>) -> Self {
+        Self::from_prefixes(keys.into_iter().map(|k| prefix(&k)).collect())
     }
 
+    fn from_prefixes(mut prefixes: Vec<u64>) -> Self {
+        prefixes.sort_unstable();
+        prefixes.dedup();
+        prefixes.shrink_to_fit();
+        Self(prefixes)
+    }
+
+    /// Whether `key` is marked (or shares its first 8 bytes with a marked key).
     pub fn contains(&self, key: &BlockKey) -> bool {
-        self.0.binary_search(key).is_ok()
+        self.0.binary_search(&prefix(key)).is_ok()
     }
 
     pub fn len(&self) -> usize {
@@ -184,18 +208,91 @@ impl MarkSet {
 
 /// The mark phase (both collectors): every block some manifest references.
 pub(super) async fn mark(manifests: &dyn ManifestStore) -> Result<MarkSet, StoreError> {
-    let mut keys: Vec<BlockKey> = Vec::new();
+    let mut prefixes: Vec<u64> = Vec::new();
     manifests
         .for_each_block(&mut |key| {
-            if keys.len() == keys.capacity() && keys.len() >= 4096 {
+            if prefixes.len() == prefixes.capacity() && prefixes.len() >= 4096 {
                 // Manifests share blocks: drop repeats before the vector grows.
-                keys.sort_unstable();
-                keys.dedup();
+                prefixes.sort_unstable();
+                prefixes.dedup();
             }
-            keys.push(key);
+            prefixes.push(prefix(&key));
         })
         .await?;
-    Ok(MarkSet::from_keys(keys))
+    Ok(MarkSet::from_prefixes(prefixes))
+}
+
+/// The candidates of one run (both collectors), spilled to an unnamed temporary file in
+/// the spool directory as they are selected: 36 bytes per block (key, length), read
+/// back in batches. The file has no name (or loses it at once), so a killed collector
+/// leaves nothing behind, and its pages are page cache, not the collector's memory.
+pub(super) struct Candidates {
+    file: std::io::BufWriter<std::fs::File>,
+    count: u64,
+}
+
+const CANDIDATE_BYTES: usize = 36;
+
+impl Candidates {
+    pub(super) fn new(dir: &std::path::Path) -> Result<Self, StoreError> {
+        let file = tempfile::tempfile_in(dir)
+            .map_err(|e| StoreError::io("create the collector's candidate file", e))?;
+        Ok(Self {
+            file: std::io::BufWriter::with_capacity(1 << 16, file),
+            count: 0,
+        })
+    }
+
+    pub(super) fn push(&mut self, key: &BlockKey, len: u32) -> Result<(), StoreError> {
+        use std::io::Write;
+        let mut record = [0u8; CANDIDATE_BYTES];
+        record[..32].copy_from_slice(&key.0);
+        record[32..].copy_from_slice(&len.to_le_bytes());
+        self.file
+            .write_all(&record)
+            .map_err(|e| StoreError::io("write the collector's candidate file", e))?;
+        self.count += 1;
+        Ok(())
+    }
+
+    pub(super) fn len(&self) -> u64 {
+        self.count
+    }
+
+    /// Read the candidates back from the first.
+    pub(super) fn into_reader(self) -> Result<CandidateReader, StoreError> {
+        use std::io::Seek;
+        let err = |e| StoreError::io("rewind the collector's candidate file", e);
+        let mut file = self.file.into_inner().map_err(|e| err(e.into_error()))?;
+        file.rewind().map_err(err)?;
+        Ok(CandidateReader(std::io::BufReader::with_capacity(
+            1 << 16,
+            file,
+        )))
+    }
+}
+
+/// Reads [`Candidates`] back in batches.
+pub(super) struct CandidateReader(std::io::BufReader<std::fs::File>);
+
+impl CandidateReader {
+    /// The next (up to) `n` candidates, as `(key, length)`; empty at the end.
+    pub(super) fn next_batch(&mut self, n: usize) -> Result<Vec<(BlockKey, u32)>, StoreError> {
+        use std::io::Read;
+        let mut out = Vec::with_capacity(n.min(1 << 16));
+        let mut record = [0u8; CANDIDATE_BYTES];
+        while out.len() < n {
+            match self.0.read_exact(&mut record) {
+                Ok(()) => out.push((
+                    BlockKey(record[..32].try_into().expect("32")),
+                    u32::from_le_bytes(record[32..].try_into().expect("4")),
+                )),
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
+                Err(e) => return Err(StoreError::io("read the collector's candidate file", e)),
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// Run index or file work on the blocking pool (both collectors).
@@ -233,22 +330,20 @@ pub async fn collect(
     report.live_blocks = live.len() as u64;
     pause::after("gc mark");
 
-    // 2. select
+    // 2. select: unmarked entries older than the cutoff, spilled to the candidate file
     let index_len = {
         let store = store.clone();
         blocking(move || store.index()?.block_count()).await?
     };
     progress.phase("select", index_len);
-    let (mut candidates, per_pack) = {
+    let (candidates, per_pack) = {
         let store = store.clone();
-        let live = Arc::new(live);
-        let live_for_scan = live.clone();
         blocking(move || {
-            let mut candidates = Vec::new();
+            let mut candidates = Candidates::new(store.spool_dir())?;
             let mut per_pack: HashMap<PackId, u64> = HashMap::new();
             store.index()?.for_each_block(&mut |key, at: Location| {
-                if !live_for_scan.contains(&key) && at.last_ref_ms < cutoff {
-                    candidates.push((key, at));
+                if !live.contains(&key) && at.last_ref_ms < cutoff {
+                    candidates.push(&key, at.len)?;
                 } else {
                     *per_pack.entry(at.pack).or_default() +=
                         u64::from(at.len) + format::RECORD_HEADER;
@@ -265,11 +360,7 @@ pub async fn collect(
     // 3. mark again, just before changing anything
     progress.phase("mark again", 0);
     let live_again = mark(manifests).await?;
-    candidates.retain(|(key, _)| !live_again.contains(key));
-    drop(live_again);
     pause::after("gc mark again");
-    report.candidates = candidates.len() as u64;
-    report.quarantined_bytes = candidates.iter().map(|(_, at)| u64::from(at.len)).sum();
 
     let packs = {
         let store = store.clone();
@@ -277,14 +368,35 @@ pub async fn collect(
     };
     let record_of: HashMap<PackId, PackRecord> = packs.iter().map(|p| (p.id, *p)).collect();
 
-    // 4. quarantine
-    if !options.dry_run && !candidates.is_empty() {
-        progress.phase("quarantine", candidates.len() as u64);
-        let keys: Vec<BlockKey> = candidates.iter().map(|(k, _)| *k).collect();
+    // 4. quarantine, in write transactions of `batch` candidates; the candidates marked
+    //    again are dropped. Dry, only counted.
+    progress.phase("quarantine", candidates.len());
+    let mut reader = candidates.into_reader()?;
+    loop {
+        let batch = reader.next_batch(options.batch)?;
+        if batch.is_empty() {
+            break;
+        }
+        progress.advance(batch.len() as u64);
+        let keys: Vec<BlockKey> = batch
+            .into_iter()
+            .filter(|(key, _)| !live_again.contains(key))
+            .map(|(key, len)| {
+                report.quarantined_bytes += u64::from(len);
+                key
+            })
+            .collect();
+        report.candidates += keys.len() as u64;
+        if options.dry_run || keys.is_empty() {
+            continue;
+        }
         let store2 = store.clone();
-        report.quarantined =
+        report.quarantined +=
             blocking(move || store2.index()?.quarantine(&keys, cutoff, now_ms())).await?;
-        progress.advance(report.candidates);
+        pause::after("gc quarantine batch");
+    }
+    drop((reader, live_again));
+    if !options.dry_run && report.candidates > 0 {
         pause::after("gc quarantine");
     }
 
@@ -379,9 +491,26 @@ pub async fn collect(
             report.packs_deleted = expired.len() as u64;
             report.bytes_reclaimed = expired.iter().map(|p| p.size).sum();
         } else {
-            let store2 = store.clone();
-            report.purged_entries =
-                blocking(move || store2.index()?.purge_quarantine(before)).await?;
+            // In write transactions of `batch` entries each, from a cursor.
+            let mut cursor = None;
+            loop {
+                let store2 = store.clone();
+                let batch = options.batch;
+                let (purged, next) = blocking(move || {
+                    store2
+                        .index()?
+                        .purge_quarantine_batch(before, cursor.as_ref(), batch)
+                })
+                .await?;
+                report.purged_entries += purged;
+                if purged > 0 {
+                    pause::after("gc purge quarantine batch");
+                }
+                match next {
+                    Some(key) => cursor = Some(key),
+                    None => break,
+                }
+            }
             pause::after("gc purge quarantine");
             for pack in expired {
                 let store2 = store.clone();
@@ -578,20 +707,58 @@ pub async fn migrate_blocks(
 mod mark_set_tests {
     use super::*;
 
+    /// A key whose first 8 bytes are `head` and the rest `tail`.
+    fn key(head: u8, tail: u8) -> BlockKey {
+        let mut key = [tail; 32];
+        key[..8].fill(head);
+        BlockKey(key)
+    }
+
     proptest::proptest! {
-        // The sorted mark set answers exactly as a hash set of the same keys would.
+        // Checks STO-15: every marked key is contained (a prefix never collects a live
+        // block); an unmarked key is contained only when it shares its first 8 bytes
+        // with a marked one (it is kept, never the other way round).
         #[test]
-        fn the_mark_set_contains_exactly_the_marked_keys(
-            marked in proptest::collection::vec(0u8..40, 0..200),
-            probes in proptest::collection::vec(0u8..40, 0..50),
+        fn the_mark_set_contains_every_marked_key_and_only_prefix_twins_besides(
+            marked in proptest::collection::vec((0u8..20, 0u8..4), 0..200),
+            probes in proptest::collection::vec((0u8..20, 0u8..4), 0..50),
         ) {
-            let key = |b: u8| BlockKey([b; 32]);
-            let set = MarkSet::from_keys(marked.iter().map(|b| key(*b)).collect());
-            let reference: HashSet<BlockKey> = marked.iter().map(|b| key(*b)).collect();
-            proptest::prop_assert_eq!(set.len(), reference.len());
-            for probe in probes {
-                proptest::prop_assert_eq!(set.contains(&key(probe)), reference.contains(&key(probe)));
+            let set = MarkSet::from_keys(marked.iter().map(|(h, t)| key(*h, *t)));
+            let heads: HashSet<u8> = marked.iter().map(|(h, _)| *h).collect();
+            proptest::prop_assert_eq!(set.len(), heads.len());
+            for (h, t) in &marked {
+                proptest::prop_assert!(set.contains(&key(*h, *t)));
+            }
+            for (h, t) in probes {
+                proptest::prop_assert_eq!(set.contains(&key(h, t)), heads.contains(&h));
             }
         }
+    }
+
+    // The candidate file gives back exactly what was pushed, in order, in batches.
+    #[test]
+    fn candidates_read_back_in_batches_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut candidates = Candidates::new(dir.path()).unwrap();
+        for i in 0..10u8 {
+            candidates.push(&key(i, i), u32::from(i) * 1000).unwrap();
+        }
+        assert_eq!(candidates.len(), 10);
+        let mut reader = candidates.into_reader().unwrap();
+        let mut got = Vec::new();
+        loop {
+            let batch = reader.next_batch(3).unwrap();
+            if batch.is_empty() {
+                break;
+            }
+            assert!(batch.len() <= 3);
+            got.extend(batch);
+        }
+        let want: Vec<(BlockKey, u32)> = (0..10u8)
+            .map(|i| (key(i, i), u32::from(i) * 1000))
+            .collect();
+        assert_eq!(got, want);
+        // the file has no name in the directory
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 }

@@ -116,6 +116,8 @@ fn options(min_age: Duration, dry_run: bool, purge: bool) -> GcOptions {
         compact_below: 0.9,
         dry_run,
         purge,
+        // Small batches: every run spans several quarantine and purge transactions.
+        batch: 2,
     }
 }
 

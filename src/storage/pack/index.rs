@@ -315,51 +315,51 @@ impl RedbIndex {
         Ok(moved)
     }
 
-    /// Quarantined entries and when they were quarantined.
+    /// Quarantined entries and when they were quarantined (tests and small stores: it
+    /// holds every entry; the collector uses the batched calls below).
     pub fn quarantined(&self) -> Result<Vec<(BlockKey, Location, u64)>, StoreError> {
         let txn = r!("read", self.db.begin_read())?;
         let table = r!("read", txn.open_table(QUARANTINE))?;
         let mut out = Vec::new();
         for item in r!("scan", table.iter())? {
             let (k, v) = r!("scan", item)?;
-            let raw = v.value();
-            let key = BlockKey(
-                k.value()
-                    .try_into()
-                    .map_err(|_| StoreError::Corrupt("quarantine key damaged".into()))?,
-            );
-            let at = raw
-                .get(52..60)
-                .map(|b| u64::from_le_bytes(b.try_into().expect("8")))
-                .unwrap_or(0);
-            out.push((key, Location::decode(raw)?, at));
+            out.push(decode_held(k.value(), v.value())?);
         }
         Ok(out)
     }
 
     /// Put every quarantined block whose pack still exists back (the operator's undo
-    /// within the retention window). Returns how many were restored.
+    /// within the retention window), in write transactions of [`RESTORE_BATCH`] entries.
+    /// Returns how many were restored.
     pub fn restore_quarantine(&self) -> Result<u64, StoreError> {
-        let held = self.quarantined()?;
-        let txn = r!("begin", self.db.begin_write())?;
         let mut restored = 0;
-        {
-            let mut blocks = r!("open", txn.open_table(BLOCKS))?;
-            let mut quarantine = r!("open", txn.open_table(QUARANTINE))?;
-            let mut packs = r!("open", txn.open_table(PACKS))?;
-            for (key, location, _) in &held {
-                if revive_pack(&mut packs, &location.pack)? {
-                    r!("remove", quarantine.remove(key.0.as_slice()))?;
-                    r!(
-                        "insert",
-                        blocks.insert(key.0.as_slice(), location.encode().as_slice())
-                    )?;
-                    restored += 1;
+        let mut cursor: Option<BlockKey> = None;
+        loop {
+            let txn = r!("begin", self.db.begin_write())?;
+            let next;
+            {
+                let mut blocks = r!("open", txn.open_table(BLOCKS))?;
+                let mut quarantine = r!("open", txn.open_table(QUARANTINE))?;
+                let mut packs = r!("open", txn.open_table(PACKS))?;
+                let (held, more) = held_from(&quarantine, cursor.as_ref(), RESTORE_BATCH)?;
+                next = more;
+                for (key, location, _) in &held {
+                    if revive_pack(&mut packs, &location.pack)? {
+                        r!("remove", quarantine.remove(key.0.as_slice()))?;
+                        r!(
+                            "insert",
+                            blocks.insert(key.0.as_slice(), location.encode().as_slice())
+                        )?;
+                        restored += 1;
+                    }
                 }
             }
+            r!("commit", txn.commit())?;
+            match next {
+                Some(key) => cursor = Some(key),
+                None => return Ok(restored),
+            }
         }
-        r!("commit", txn.commit())?;
-        Ok(restored)
     }
 
     /// Purge a pack retired before `before_ms`: inside one write transaction, check that
@@ -410,13 +410,37 @@ impl RedbIndex {
         Ok(true)
     }
 
-    /// Drop quarantined entries older than `before_ms` for good.
+    /// Drop quarantined entries older than `before_ms` for good (every batch, in turn).
     pub fn purge_quarantine(&self, before_ms: u64) -> Result<u64, StoreError> {
-        let held = self.quarantined()?;
+        let mut purged = 0;
+        let mut cursor = None;
+        loop {
+            let (n, next) = self.purge_quarantine_batch(before_ms, cursor.as_ref(), 4096)?;
+            purged += n;
+            match next {
+                Some(key) => cursor = Some(key),
+                None => return Ok(purged),
+            }
+        }
+    }
+
+    /// One write transaction of the purge: visit up to `limit` quarantined entries after
+    /// `after` (from the first when `None`), in key order, and drop those quarantined
+    /// before `before_ms`. Returns how many were dropped, and the cursor to pass next
+    /// (`None` once the table's end was reached).
+    pub fn purge_quarantine_batch(
+        &self,
+        before_ms: u64,
+        after: Option<&BlockKey>,
+        limit: usize,
+    ) -> Result<(u64, Option<BlockKey>), StoreError> {
         let txn = r!("begin", self.db.begin_write())?;
         let mut purged = 0;
+        let next;
         {
             let mut quarantine = r!("open", txn.open_table(QUARANTINE))?;
+            let (held, more) = held_from(&quarantine, after, limit)?;
+            next = more;
             for (key, _, at) in held {
                 if at < before_ms {
                     r!("remove", quarantine.remove(key.0.as_slice()))?;
@@ -425,7 +449,7 @@ impl RedbIndex {
             }
         }
         r!("commit", txn.commit())?;
-        Ok(purged)
+        Ok((purged, next))
     }
 
     /// Point blocks that still live in `from` at their copies in a new pack (compaction);
@@ -512,6 +536,51 @@ impl RedbIndex {
         r!("commit", txn.commit())?;
         Ok(())
     }
+}
+
+/// Entries per write transaction of [`RedbIndex::restore_quarantine`].
+const RESTORE_BATCH: usize = 4096;
+
+/// A quarantine row: key, location, and when it was quarantined (unix ms).
+type Held = (BlockKey, Location, u64);
+
+fn decode_held(key: &[u8], raw: &[u8]) -> Result<Held, StoreError> {
+    let key = BlockKey(
+        key.try_into()
+            .map_err(|_| StoreError::Corrupt("quarantine key damaged".into()))?,
+    );
+    let at = raw
+        .get(52..60)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8")))
+        .unwrap_or(0);
+    Ok((key, Location::decode(raw)?, at))
+}
+
+/// Up to `limit` quarantine rows after `after` (from the first when `None`), in key
+/// order, and the last one's key when more may follow (`None` at the table's end).
+fn held_from(
+    table: &impl ReadableTable<&'static [u8], &'static [u8]>,
+    after: Option<&BlockKey>,
+    limit: usize,
+) -> Result<(Vec<Held>, Option<BlockKey>), StoreError> {
+    use std::ops::Bound;
+    let lower = match after {
+        Some(key) => Bound::Excluded(key.0.as_slice()),
+        None => Bound::Unbounded,
+    };
+    let mut out = Vec::with_capacity(limit.min(1 << 16));
+    for item in r!(
+        "scan",
+        table.range::<&[u8]>((lower, Bound::<&[u8]>::Unbounded))
+    )? {
+        let (k, v) = r!("scan", item)?;
+        out.push(decode_held(k.value(), v.value())?);
+        if out.len() >= limit.max(1) {
+            let last = out.last().map(|(key, _, _)| *key);
+            return Ok((out, last));
+        }
+    }
+    Ok((out, None))
 }
 
 /// Whether the pack still exists; a retired one is made live again.

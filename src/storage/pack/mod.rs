@@ -269,15 +269,29 @@ impl BlockStore for PackStore {
     fn get(&self, key: BlockKey) -> StoreFuture<'_, Option<Bytes>> {
         let store = self.clone();
         Box::pin(async move {
-            let found = match store.locate(key).await? {
-                Some(at) => {
-                    let medium = store.inner.medium.clone();
-                    Some(
-                        blocking(move || medium.read(&at.pack, at.offset, u64::from(at.len)))
-                            .await?,
-                    )
+            let found = match &store.inner.index {
+                // One trip to the blocking pool for the lookup and the read together.
+                Index::Local(_) => {
+                    let store = store.clone();
+                    blocking(move || match store.index()?.lookup(&key)? {
+                        Some(at) => store
+                            .medium()
+                            .read(&at.pack, at.offset, u64::from(at.len))
+                            .map(Some),
+                        None => Ok(None),
+                    })
+                    .await?
                 }
-                None => None,
+                Index::Shared(index) => match index.lookup(&key).await? {
+                    Some(at) => {
+                        let medium = store.inner.medium.clone();
+                        Some(
+                            blocking(move || medium.read(&at.pack, at.offset, u64::from(at.len)))
+                                .await?,
+                        )
+                    }
+                    None => None,
+                },
             };
             match (found, &store.inner.legacy) {
                 (Some(data), _) => Ok(Some(data)),
@@ -349,6 +363,9 @@ impl PackSession {
             }
             None => Written::default(),
         };
+        // Every pack of the upload is published; nothing is indexed yet (a fault test stops
+        // an uploader here while a collector runs, STO-14).
+        pause::after("upload packs published");
         let report = CommitReport {
             packs: written.packs.len(),
             fresh_bytes: self.fresh_bytes,
