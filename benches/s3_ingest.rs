@@ -7,6 +7,9 @@
 //! 3. the same into S3 packs with the cluster's shared PostgreSQL index (when
 //!    `GRAVITON_TEST_DATABASE_URL` or the local server is reachable): index entries and
 //!    the manifest in one transaction, a HEAD per pack;
+//!    Then the ingested blob is downloaded through the product's read path (`read_blob`,
+//!    verified) and compared with raw whole GETs of the same pack objects from the same
+//!    server, one at a time and all at once (the download target: >= 0.8 of raw reads);
 //! 4. one PUT per block (FastCDC blocks, BLAKE3-named objects), 16 in flight: the layout
 //!    packs replace.
 //!
@@ -20,9 +23,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use graviton::cas::ingest::{IngestLimits, ingest};
+use graviton::cas::read::read_blob;
 use graviton::cas::{AVG_CHUNK, MAX_CHUNK, MIN_CHUNK};
 use graviton::config::{HumanDuration, Secret};
-use graviton::storage::ManifestStore;
 use graviton::storage::config::S3Config;
 use graviton::storage::fs::FsManifestStore;
 use graviton::storage::pack::format::PackId;
@@ -31,6 +34,7 @@ use graviton::storage::pack::s3::S3Medium;
 use graviton::storage::pack::shared::PgIndex;
 use graviton::storage::pack::{PackOptions, PackStore};
 use graviton::storage::pg::PgManifestStore;
+use graviton::storage::{BlockStore, ManifestStore};
 
 #[path = "../tests/support/mod.rs"]
 #[allow(unused_imports)]
@@ -120,25 +124,100 @@ async fn plain_pack_puts(data: &Bytes) -> (Duration, usize) {
     (elapsed, count_and_clear(medium).await)
 }
 
-async fn packs_local_index(data: &Bytes) -> (Duration, usize) {
+async fn packs_local_index(data: &Bytes) -> (Duration, usize, Download) {
     let medium = medium(&format!("bench-packs-{}", support::unique_suffix())).await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = PackStore::open(dir.path(), medium.clone(), options()).expect("store");
+    let store: Arc<dyn BlockStore> =
+        Arc::new(PackStore::open(dir.path(), medium.clone(), options()).expect("store"));
     let manifests: Arc<dyn ManifestStore> =
         Arc::new(FsManifestStore::open(dir.path(), false).expect("manifests"));
     let started = Instant::now();
     let report = ingest(
         futures_util::stream::iter(frames(data)),
         limits_for(data),
-        Arc::new(store),
-        manifests,
+        store.clone(),
+        manifests.clone(),
         |_| {},
     )
     .await
     .expect("ingest");
     let elapsed = started.elapsed();
     assert_eq!(report.key.size, data.len() as u64);
-    (elapsed, count_and_clear(medium).await)
+    let manifest = Arc::new(
+        manifests
+            .get(report.key)
+            .await
+            .expect("get")
+            .expect("manifest"),
+    );
+    let download = download_vs_raw(store, manifest, medium.clone(), data.len()).await;
+    (elapsed, count_and_clear(medium).await, download)
+}
+
+/// Best of two each: the blob through the product's read path, whole GETs of its pack
+/// objects one at a time, and all of them at once.
+struct Download {
+    product: Duration,
+    whole: Duration,
+    parallel: Duration,
+}
+
+async fn download_vs_raw(
+    blocks: Arc<dyn BlockStore>,
+    manifest: Arc<graviton::cas::Manifest>,
+    medium: Arc<S3Medium>,
+    size: usize,
+) -> Download {
+    let ids: Vec<PackId> = {
+        let m = medium.clone();
+        tokio::task::spawn_blocking(move || m.list().expect("list"))
+            .await
+            .expect("task")
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect()
+    };
+    let mut best = Download {
+        product: Duration::MAX,
+        whole: Duration::MAX,
+        parallel: Duration::MAX,
+    };
+    for _ in 0..2 {
+        let started = Instant::now();
+        let mut stream = Box::pin(read_blob(blocks.clone(), manifest.clone(), None));
+        let mut total = 0usize;
+        while let Some(piece) = stream.next().await {
+            total += piece.expect("block").len();
+        }
+        best.product = best.product.min(started.elapsed());
+        assert_eq!(total, size);
+
+        let (m, list) = (medium.clone(), ids.clone());
+        let started = Instant::now();
+        let total = tokio::task::spawn_blocking(move || {
+            list.iter()
+                .map(|id| m.read_all(id).expect("GET").len())
+                .sum::<usize>()
+        })
+        .await
+        .expect("task");
+        best.whole = best.whole.min(started.elapsed());
+        assert!(total >= size);
+
+        let started = Instant::now();
+        let gets = ids.iter().map(|id| {
+            let (m, id) = (medium.clone(), *id);
+            tokio::task::spawn_blocking(move || m.read_all(&id).expect("GET").len())
+        });
+        let total: usize = futures_util::future::join_all(gets)
+            .await
+            .into_iter()
+            .map(|n| n.expect("task"))
+            .sum();
+        best.parallel = best.parallel.min(started.elapsed());
+        assert!(total >= size);
+    }
+    best
 }
 
 async fn packs_shared_index(data: &Bytes, db: &support::TestDatabase) -> (Duration, usize) {
@@ -225,12 +304,34 @@ fn main() {
             format!("{plain_puts} PUTs ({:.0}/GiB)", plain_puts as f64 / gib),
             None,
         );
-        let (local, local_puts) = packs_local_index(&data).await;
+        let (local, local_puts, download) = packs_local_index(&data).await;
         row(
             "ingest into S3 packs, redb index",
             local,
             format!("{local_puts} PUTs ({:.0}/GiB)", local_puts as f64 / gib),
             Some(plain),
+        );
+        row(
+            "raw whole GETs of those packs, one at a time",
+            download.whole,
+            format!("{local_puts} GETs (download baseline)"),
+            None,
+        );
+        row(
+            "raw whole GETs of those packs, all at once",
+            download.parallel,
+            format!("{local_puts} GETs"),
+            Some(download.whole),
+        );
+        row(
+            "download from S3 packs (verified, read_blob)",
+            download.product,
+            "vs whole GETs one at a time".into(),
+            Some(download.whole),
+        );
+        println!(
+            "download from S3 packs / fastest raw GETs of the same packs: {:.2} (target >= 0.8)",
+            download.whole.min(download.parallel).as_secs_f64() / download.product.as_secs_f64()
         );
         match support::TestDatabase::create("bench_s3_ingest").await {
             Some(db) => {
