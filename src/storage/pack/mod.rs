@@ -730,8 +730,9 @@ fn published(handle: Publishing, written: &mut Written) -> Result<(), StoreError
     Ok(())
 }
 
-/// The writer thread of one session. A full pack is published (local: fdatasync, rename,
-/// directory fsync) on a helper thread while this thread writes the next pack; at most
+/// The writer thread of one session. On a medium that allows it (local: fdatasync, rename,
+/// directory fsync), a full pack is published on a helper thread while this thread writes
+/// the next pack; at most
 /// one publish runs at a time (packs are published in order), and the last is joined
 /// before the writer returns, so the commit still follows the data syncs of every pack
 /// of the session (STO-1).
@@ -749,7 +750,13 @@ fn write_packs(
         if let Some(previous) = publishing.take() {
             published(previous, written)?;
         }
-        publishing = Some(publish_behind(&store, sealed)?);
+        if store.inner.medium.publish_behind() {
+            publishing = Some(publish_behind(&store, sealed)?);
+        } else {
+            let (record, locations) = sealed.publish(store.inner.medium.as_ref())?;
+            written.packs.push(record);
+            written.new.extend(locations);
+        }
         Ok(())
     };
     let result = (|| {
