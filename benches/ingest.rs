@@ -14,7 +14,8 @@
 //! store or the disk is the limit.
 //!
 //! Run: `cargo bench --bench ingest` (add `-- --quick` for a shorter run,
-//! `GRAVITON_BENCH_LARGE_GIB=2` to set the large upload's size).
+//! `GRAVITON_BENCH_LARGE_GIB=2` to set the large upload's size,
+//! `GRAVITON_BENCH_PACKS_ONLY=1` for raw, discard, disk and durable packs only).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -337,6 +338,8 @@ fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let size = if quick { 64 << 20 } else { 256 << 20 };
     let runs = if quick { 2 } else { 3 };
+    // Only raw, discard, disk and durable packs (iterating on the pack writer).
+    let packs_only = std::env::var("GRAVITON_BENCH_PACKS_ONLY").is_ok();
     let data = Bytes::from(random_bytes(size, 7));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -369,20 +372,22 @@ fn main() {
         ingest_discard,
         Some(("raw", raw)),
     );
-    let legacy_sync = best(1, || runtime.block_on(in_process_legacy(&data, true)));
-    row(
-        "in-process ingest, file per block (fsync on)",
-        size,
-        legacy_sync,
-        Some(("raw", raw)),
-    );
-    let packs_nosync = best(runs, || runtime.block_on(in_process_packs(&data, false)));
-    row(
-        "in-process ingest to packs (fsync off)",
-        size,
-        packs_nosync,
-        Some(("raw", raw)),
-    );
+    if !packs_only {
+        let legacy_sync = best(1, || runtime.block_on(in_process_legacy(&data, true)));
+        row(
+            "in-process ingest, file per block (fsync on)",
+            size,
+            legacy_sync,
+            Some(("raw", raw)),
+        );
+        let packs_nosync = best(runs, || runtime.block_on(in_process_packs(&data, false)));
+        row(
+            "in-process ingest to packs (fsync off)",
+            size,
+            packs_nosync,
+            Some(("raw", raw)),
+        );
+    }
     let disk = best(runs, || synced_pack_files(&data));
     row(
         "disk: 32 MiB files, one fdatasync each (baseline)",
@@ -403,6 +408,9 @@ fn main() {
         packs_sync,
         Some(("disk", disk)),
     );
+    if packs_only {
+        return;
+    }
     let http = best(runs, || runtime.block_on(http_upload(&data, true)));
     row(
         "HTTP upload, one node, loopback (fsync on)",

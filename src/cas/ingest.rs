@@ -64,8 +64,10 @@ pub const fn memory_bound(max_chunk: usize) -> usize {
 }
 
 /// Blocks a write session holds at once: the batch being appended (`APPEND_BATCH`), the
-/// pack writer's queue and the block it is writing.
-const STORE_IN_FLIGHT: usize = crate::storage::pack::WRITER_QUEUE + APPEND_BATCH + 1;
+/// pack writer's queue and the blocks it gathers for one vectored write (the block just
+/// received among them).
+const STORE_IN_FLIGHT: usize =
+    crate::storage::pack::WRITER_QUEUE + APPEND_BATCH + crate::storage::pack::WRITE_BATCH;
 
 /// [`memory_bound`] of the chunker in use.
 pub const MEMORY_BOUND: usize = memory_bound(super::chunker::MAX_CHUNK);

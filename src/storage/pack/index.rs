@@ -9,6 +9,7 @@
 //! transactions and re-check `last_ref` there, so a commit and a collection never
 //! interleave. All calls block; callers run them on the blocking pool.
 
+use std::collections::HashSet;
 use std::path::Path;
 
 use redb::{
@@ -165,6 +166,23 @@ impl RedbIndex {
             Some(value) => Ok(Some(Location::decode(value.value())?)),
             None => Ok(None),
         }
+    }
+
+    /// Which of `keys` are indexed, in one read transaction (an upload's batch of blocks;
+    /// a hint, confirmed inside the commit, STO-3).
+    pub fn lookup_many(&self, keys: &[BlockKey]) -> Result<HashSet<BlockKey>, StoreError> {
+        let mut found = HashSet::new();
+        if keys.is_empty() {
+            return Ok(found);
+        }
+        let txn = r!("read", self.db.begin_read())?;
+        let table = r!("read", txn.open_table(BLOCKS))?;
+        for key in keys {
+            if r!("read", table.get(key.0.as_slice()))?.is_some() {
+                found.insert(*key);
+            }
+        }
+        Ok(found)
     }
 
     /// One durable transaction per upload (see the module docs). `present` says whether a

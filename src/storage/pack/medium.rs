@@ -35,6 +35,13 @@ pub trait Medium: Send + Sync + std::fmt::Debug + 'static {
     fn list(&self) -> Result<Vec<(PackId, u64)>, StoreError>;
     /// Short description for logs (never credentials).
     fn describe(&self) -> String;
+    /// Whether the pack writer may write the next pack while this medium publishes the
+    /// last one. Local: yes (the publish is the file's sync; the next pack goes to the
+    /// same disk anyway). Default no: a stopped remote store must stop the upload within
+    /// one pack, so back-pressure reaches the client (ADM-13).
+    fn publish_behind(&self) -> bool {
+        false
+    }
 }
 
 /// Packs as files under `<data_dir>/packs`.
@@ -195,5 +202,9 @@ impl Medium for LocalMedium {
 
     fn describe(&self) -> String {
         format!("local packs under {}", self.root.display())
+    }
+
+    fn publish_behind(&self) -> bool {
+        true
     }
 }
