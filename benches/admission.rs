@@ -407,20 +407,32 @@ fn main() {
             own_cpu() - own,
         );
 
-        let (cpu, calls, own) = (
-            redis_cpu(server.port),
-            evalsha_stats(server.port),
-            own_cpu(),
-        );
-        let run = facade_run(admission.clone(), tenants.clone(), ops).await;
-        report(
-            "Admission::admit+finish (local + lease + holder actor)",
-            &run,
-            base,
-            redis_cpu(server.port) - cpu,
-            delta(calls, evalsha_stats(server.port)),
-            own_cpu() - own,
-        );
+        // The full path with 4, 2 and 1 batch calls in flight per node
+        // (`admission.redis.batch_in_flight`): fewer calls in flight, larger batches.
+        for in_flight in [4, 2, 1] {
+            let mut cfg = config(server.port);
+            if let Some(redis) = cfg.redis.as_mut() {
+                redis.batch_in_flight = in_flight;
+            }
+            let admission = Admission::new(&cfg, AdmissionMetrics::default()).unwrap();
+            facade_run(admission.clone(), tenants.clone(), CLIENTS * 20).await;
+            let (cpu, calls, own) = (
+                redis_cpu(server.port),
+                evalsha_stats(server.port),
+                own_cpu(),
+            );
+            let run = facade_run(admission.clone(), tenants.clone(), ops).await;
+            report(
+                &format!(
+                    "Admission::admit+finish (local + lease + holder actor), {in_flight} batch call(s) in flight"
+                ),
+                &run,
+                base,
+                redis_cpu(server.port) - cpu,
+                delta(calls, evalsha_stats(server.port)),
+                own_cpu() - own,
+            );
+        }
         let snap = coordinator.snapshot(None, None).await.unwrap();
         assert_eq!(snap.occupancy.service_transfers, 0, "every lease released");
     });

@@ -135,6 +135,9 @@ pub struct RedisAdmissionConfig {
     pub max_events: u64,
     /// Expired leases reaped per script call at most.
     pub reap_batch: u32,
+    /// Batch script calls of one node outstanding at once (`src/storage/redis/batcher.rs`).
+    /// Fewer calls in flight means larger batches: less Redis CPU per admission.
+    pub batch_in_flight: u32,
     /// Reaction to a lost lease.
     pub lease_loss: LeaseLossPolicy,
 }
@@ -165,6 +168,7 @@ impl Default for RedisAdmissionConfig {
             tenant_egress_per_hour: ByteSize(1 << 40),
             max_events: 100_000,
             reap_batch: 256,
+            batch_in_flight: crate::storage::redis::batcher::DEFAULT_IN_FLIGHT as u32,
             lease_loss: LeaseLossPolicy::Cancel,
         }
     }
@@ -259,6 +263,7 @@ impl RedisAdmissionConfig {
             egress_per_hour: self.tenant_egress_per_hour.bytes(),
             max_events: self.max_events,
             reap_batch: self.reap_batch,
+            batch_in_flight: self.batch_in_flight as usize,
         }
     }
 
@@ -458,6 +463,12 @@ impl RedisAdmissionConfig {
             problems.push(Problem::new(
                 "admission.redis.reap_batch",
                 "must be between 1 and 4096",
+            ));
+        }
+        if !(1..=16).contains(&self.batch_in_flight) {
+            problems.push(Problem::new(
+                "admission.redis.batch_in_flight",
+                "must be between 1 and 16",
             ));
         }
     }
@@ -754,6 +765,7 @@ mod tests {
             r.key_prefix = String::new();
             r.max_events = 10;
             r.reap_batch = 0;
+            r.batch_in_flight = 0;
             r.retry_interval = HumanDuration(Duration::from_secs(11));
         });
         assert_eq!(
@@ -763,7 +775,8 @@ mod tests {
                 "admission.redis.key_prefix",
                 "admission.redis.retry_interval",
                 "admission.redis.max_events",
-                "admission.redis.reap_batch"
+                "admission.redis.reap_batch",
+                "admission.redis.batch_in_flight"
             ]
         );
     }

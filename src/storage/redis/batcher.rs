@@ -3,7 +3,7 @@
 //! Every acquire attempt and every release of a [`super::RedisCoordinator`] is queued to
 //! one background task. The task takes whatever is queued (at most [`MAX_BATCH`] items)
 //! and sends it as one `batch` call of `lua/admission.lua`; while that call is in flight,
-//! new items queue up for the next one (group commit), with at most [`IN_FLIGHT`] calls
+//! new items queue up for the next one (group commit), with at most `in_flight` calls
 //! outstanding. Abandons use the same queue, so an abandon is applied after any acquire
 //! of its lease id that was queued before it (a caller that gave up while its attempt
 //! was still queued leaks nothing). Each item gets exactly its own reply, in order. The script runs each item
@@ -24,10 +24,10 @@ use super::script::SCRIPT;
 
 /// Most items in one script call.
 pub const MAX_BATCH: usize = 64;
-/// Batch calls outstanding at once. A batch that carries an abandon waits until every
+/// Batch calls outstanding at once by default (`admission.redis.batch_in_flight`). A batch that carries an abandon waits until every
 /// earlier call has finished, so an abandon never overtakes the acquire it cancels
 /// (releases need no such care: one is only sent after its acquire was answered).
-pub const IN_FLIGHT: usize = 4;
+pub const DEFAULT_IN_FLIGHT: usize = 4;
 
 /// One queued operation, already encoded as script arguments.
 #[derive(Debug, Clone)]
@@ -67,6 +67,8 @@ struct Job {
 /// What the batch task needs to build and send a call.
 pub struct BatchContext {
     pub conn: Connection,
+    /// Calls outstanding at once, at least 1.
+    pub in_flight: usize,
     pub keys: Vec<String>,
     /// `ARGV[2]`, `ARGV[3]`: stream MAXLEN and reap batch.
     pub common: [String; 2],
@@ -100,7 +102,7 @@ impl Batcher {
 }
 
 async fn run(context: Arc<BatchContext>, mut rx: mpsc::UnboundedReceiver<Job>) {
-    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+    let slots = Arc::new(Semaphore::new(context.in_flight));
     loop {
         let Ok(mut slot) = slots.clone().acquire_many_owned(1).await else {
             return;
@@ -120,7 +122,11 @@ async fn run(context: Arc<BatchContext>, mut rx: mpsc::UnboundedReceiver<Job>) {
             .any(|j| matches!(j.item, BatchItem::Abandon { .. }))
         {
             // Drain: wait until the other calls in flight have been answered.
-            let Ok(rest) = slots.clone().acquire_many_owned(IN_FLIGHT as u32 - 1).await else {
+            let Ok(rest) = slots
+                .clone()
+                .acquire_many_owned(context.in_flight as u32 - 1)
+                .await
+            else {
                 return;
             };
             slot.merge(rest);

@@ -73,6 +73,8 @@ pub struct CoordinatorConfig {
     pub max_events: u64,
     /// Expired leases reaped per call at most.
     pub reap_batch: u32,
+    /// Batch calls outstanding at once (see [`super::batcher`]).
+    pub batch_in_flight: usize,
 }
 
 impl CoordinatorConfig {
@@ -268,6 +270,7 @@ impl RedisCoordinator {
             let c = &self.inner.config;
             Batcher::spawn(BatchContext {
                 conn: self.inner.conn.clone(),
+                in_flight: c.batch_in_flight.max(1),
                 keys: self.inner.keys.admission().to_vec(),
                 common: [c.max_events.to_string(), c.reap_batch.to_string()],
                 defaults: [
