@@ -451,13 +451,7 @@ async fn a_cluster_collector_stopped_past_min_age_deletes_nothing_live() {
         .as_str()
         .unwrap()
         .to_string();
-    let response = client()
-        .delete(format!("{url}/v1/blobs/{key}"))
-        .bearer_auth(ADMIN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 204);
+    support::delete_blob(url, &key, ADMIN).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
     // The collector stops itself once its candidates are chosen.

@@ -273,13 +273,7 @@ async fn an_uploader_stopped_after_dedup_hits_loses_them_and_gets_503() {
 }
 
 async fn delete(url: &str, key: &str) {
-    let response = client()
-        .delete(format!("{url}/v1/blobs/{key}"))
-        .bearer_auth(ADMIN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 204);
+    support::delete_blob(url, key, ADMIN).await;
 }
 
 /// Kill the cluster's `graviton gc --purge` after `step` (with `purge_first`, after a

@@ -71,13 +71,7 @@ async fn upload(url: &str, data: &[u8]) -> String {
 }
 
 async fn delete(url: &str, key: &str) {
-    let response = client()
-        .delete(format!("{url}/v1/blobs/{key}"))
-        .bearer_auth(ADMIN_TOKEN)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status(), 204);
+    support::delete_blob(url, key, ADMIN_TOKEN).await;
 }
 
 /// Send the head and all of `data` of an upload on a raw socket, without waiting for the

@@ -127,6 +127,19 @@ pub async fn download(url: &str, key: &str) -> (u16, Vec<u8>) {
     (status, response.bytes().await.unwrap().to_vec())
 }
 
+/// `DELETE /v1/blobs/{key}` with the admin token `admin` on the node at `url`; the
+/// deletion must be acknowledged (204).
+pub async fn delete_blob(url: &str, key: &str, admin: &str) {
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let response = client
+        .delete(format!("{url}/v1/blobs/{key}"))
+        .bearer_auth(admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 204, "DELETE /v1/blobs/{key}");
+}
+
 /// SIGKILL a child process (no shutdown code of it runs) and reap it.
 pub fn kill9(child: &mut std::process::Child) {
     let _ = child.kill();
