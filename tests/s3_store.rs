@@ -124,3 +124,136 @@ async fn the_conditional_create_probe_answers_and_secrets_stay_out_of_debug() {
         .unwrap_err();
     assert!(!err.to_string().contains("not-the-secret"), "{err}");
 }
+
+/// A pack store on the test bucket with its index in `dir`, and a blob of `data` in it.
+async fn ingested_on_s3(
+    s3: &S3Config,
+    dir: &std::path::Path,
+    data: &[u8],
+) -> (
+    std::sync::Arc<S3Medium>,
+    std::sync::Arc<dyn graviton::storage::BlockStore>,
+    std::sync::Arc<graviton::cas::Manifest>,
+) {
+    use graviton::cas::ingest::{IngestLimits, ingest};
+    use graviton::storage::ManifestStore;
+    use graviton::storage::fs::FsManifestStore;
+    use graviton::storage::pack::{PackOptions, PackStore};
+    use std::sync::Arc;
+
+    let medium = Arc::new(S3Medium::new(s3, None).unwrap());
+    medium.probe().await.unwrap();
+    let options = PackOptions {
+        pack_size: 8 << 20,
+        fsync: false,
+        trace: None,
+    };
+    let store: Arc<dyn graviton::storage::BlockStore> =
+        Arc::new(PackStore::open(dir, medium.clone(), options).unwrap());
+    let manifests: Arc<dyn ManifestStore> = Arc::new(FsManifestStore::open(dir, false).unwrap());
+    let frames: Vec<Result<bytes::Bytes, std::io::Error>> = data
+        .chunks(64 << 10)
+        .map(|piece| Ok(bytes::Bytes::copy_from_slice(piece)))
+        .collect();
+    let limits = IngestLimits {
+        max_size: u64::MAX,
+        declared_size: Some(data.len() as u64),
+        idle_timeout: Duration::from_secs(60),
+        digest: None,
+    };
+    let report = ingest(
+        futures_util::stream::iter(frames),
+        limits,
+        store.clone(),
+        manifests.clone(),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    let manifest = manifests.get(report.key).await.unwrap().unwrap();
+    (medium, store, Arc::new(manifest))
+}
+
+async fn read_all(
+    store: std::sync::Arc<dyn graviton::storage::BlockStore>,
+    manifest: std::sync::Arc<graviton::cas::Manifest>,
+    range: Option<graviton::cas::range::ByteRange>,
+) -> Result<Vec<u8>, graviton::cas::read::ReadError> {
+    use futures_util::StreamExt;
+    let mut stream = Box::pin(graviton::cas::read::read_blob(store, manifest, range));
+    let mut out = Vec::new();
+    while let Some(piece) = stream.next().await {
+        out.extend_from_slice(&piece?);
+    }
+    Ok(out)
+}
+
+// Checks STO-17: a download from S3 reads each run of adjacent blocks of a pack with one
+// ranged GET (here, one per pack), not one GET per block.
+#[tokio::test]
+async fn a_download_from_s3_reads_each_pack_run_with_one_request() {
+    let Some(s3) = s3_config("a_download_from_s3_reads_each_pack_run_with_one_request") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let data = random_bytes(20 << 20, 17);
+    let (medium, store, manifest) = ingested_on_s3(&s3, dir.path(), &data).await;
+    let lister = medium.clone();
+    let packs = tokio::task::spawn_blocking(move || lister.list())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(packs.len(), 3, "20 MiB in 8 MiB packs");
+    assert!(manifest.blocks.len() > 200, "{} blocks", manifest.blocks.len());
+
+    let before = medium.block_reads();
+    let body = read_all(store.clone(), manifest.clone(), None).await.unwrap();
+    assert!(body == data, "byte-exact");
+    assert_eq!(
+        medium.block_reads() - before,
+        packs.len() as u64,
+        "one ranged GET per pack for {} blocks",
+        manifest.blocks.len()
+    );
+
+    // A range inside one pack: one request, and only its bytes.
+    let before = medium.block_reads();
+    let range = graviton::cas::range::ByteRange {
+        first: 1_000_000,
+        last: 3_999_999,
+    };
+    let part = read_all(store, manifest, Some(range)).await.unwrap();
+    assert!(part[..] == data[1_000_000..4_000_000]);
+    assert_eq!(medium.block_reads() - before, 1);
+}
+
+// Checks STO-4 on the coalesced path: a pack that vanished from the bucket fails the
+// download loudly.
+#[tokio::test]
+async fn a_download_whose_pack_vanished_from_s3_fails_loudly() {
+    let Some(s3) = s3_config("a_download_whose_pack_vanished_from_s3_fails_loudly") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let data = random_bytes(12 << 20, 18);
+    let (medium, store, manifest) = ingested_on_s3(&s3, dir.path(), &data).await;
+    let m = medium.clone();
+    tokio::task::spawn_blocking(move || {
+        let packs = m.list().unwrap();
+        assert_eq!(packs.len(), 2);
+        // the pack holding the blob's last block
+        for (id, _) in packs {
+            let size = m.read_all(&id).unwrap().len();
+            if size < 8 << 20 {
+                m.delete(&id).unwrap();
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let error = read_all(store, manifest, None).await.unwrap_err();
+    assert!(
+        error.to_string().contains("missing") || error.to_string().contains("pack"),
+        "{error}"
+    );
+}

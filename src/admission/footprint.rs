@@ -9,7 +9,7 @@
 //! | operation | footprint | why |
 //! |---|---|---|
 //! | upload | `cas::ingest::memory_bound(C) + 1 MiB` | frame batches, chunker buffer, queued chunks and block writes in flight (see `cas::ingest`), plus socket read buffers |
-//! | download | `cas::read::memory_bound(C)` | blocks read ahead, the block being sent, one in the body writer (see `cas::read`) |
+//! | download | `cas::read::memory_bound(C)` | blocks read ahead by the store and its open responses on S3, blocks being checked, the block being sent, one in the body writer (see `cas::read`) |
 //! | forwarded upload | `2 MiB` | the forwarder only relays body frames; two 1 MiB frame windows in flight |
 //!
 //! Each is rounded up to whole KiB (the local budget's unit).
@@ -121,7 +121,8 @@ mod tests {
         assert!(download >= crate::cas::read::memory_bound(chunk as usize) as u64);
         // The 256 KiB chunker: 6 x (256 + 416) KiB + 29 x 256 KiB + 1 MiB.
         assert_eq!(upload, (6 * (256 + 416) + 29 * 256 + 1024) * 1024);
-        assert_eq!(download, 6 * 256 * 1024);
+        // 8 x 256 KiB of blocks + 2 x 416 KiB response buffers of a remote medium's reads.
+        assert_eq!(download, (8 * 256 + 2 * 416) * 1024);
     }
 
     #[test]
@@ -133,7 +134,7 @@ mod tests {
         );
         assert_eq!(
             Footprint::for_operation(Operation::Download, chunk).bytes(),
-            24 * MIB
+            8 * chunk + 2 * 416 * 1024
         );
         assert_eq!(
             Footprint::for_operation(Operation::ForwardedUpload, chunk).bytes(),

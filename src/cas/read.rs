@@ -14,16 +14,21 @@ use tokio_util::task::AbortOnDropHandle;
 use super::keys::BlockKey;
 use super::manifest::Manifest;
 use super::range::{ByteRange, plan_slices};
+use crate::storage::block::{READ_AHEAD, READ_RESPONSES};
 use crate::storage::{BlockStore, StoreError};
 
-/// Blocks fetched ahead of the one being sent.
-const READ_AHEAD: usize = 4;
+/// Blocks whose hash is being checked at once, each on a task of its own, so the checks
+/// run on every core (on one core the hash, not the read, bounded downloads from packs;
+/// docs/performance.md).
+const VERIFY_AHEAD: usize = 2;
 
 /// Upper bound of the block bytes one read holds at once (admission reserves this, see
-/// `admission::footprint`): `READ_AHEAD` blocks fetched or buffered by `buffered`, the
-/// block being sent, and one more held by the response body writer.
+/// `admission::footprint`): what the store's read stream holds ([`READ_AHEAD`] blocks and
+/// [`READ_RESPONSES`] HTTP read buffers, see `storage::block`), `VERIFY_AHEAD` blocks being
+/// checked, the block being sent, and one more held by the response body writer.
 pub const fn memory_bound(max_chunk: usize) -> usize {
-    (READ_AHEAD + 2) * max_chunk
+    (READ_AHEAD + VERIFY_AHEAD + 2) * max_chunk
+        + READ_RESPONSES * super::ingest::MAX_BODY_FRAME
 }
 
 /// Why a blob read stopped.
@@ -53,20 +58,30 @@ pub fn read_blob(
         None => None,
     };
     let slices = range.map(|r| plan_slices(&manifest, r)).unwrap_or_default();
+    let keys: Vec<BlockKey> = slices
+        .iter()
+        .map(|slice| manifest.blocks[slice.block].key)
+        .collect();
+    // The store reads the blocks in order (one request per run of adjacent blocks on a
+    // remote medium); each block is then checked on a task of its own. Dropping the stream
+    // stops the reads and aborts the checks.
+    // A store stream that ends early is an error, never a short download.
+    let fetched = blocks
+        .read_blocks(keys)
+        .map(Some)
+        .chain(futures_util::stream::repeat_with(|| None));
     futures_util::stream::iter(slices)
-        .map(move |slice| {
-            let blocks = blocks.clone();
+        .zip(fetched)
+        .map(move |(slice, fetched)| {
             let key: BlockKey = manifest.blocks[slice.block].key;
             let expected_len = manifest.blocks[slice.block].size as usize;
-            // Each block is fetched and checked on a task of its own, so the READ_AHEAD
-            // blocks in flight are hashed on every core instead of one after another on
-            // the stream's task (the hash, not the read, bounded downloads from packs;
-            // docs/performance.md). Dropping the stream aborts the tasks.
             let task = AbortOnDropHandle::new(tokio::spawn(async move {
-                let data = blocks
-                    .get(key)
-                    .await?
-                    .ok_or_else(|| ReadError::MissingBlock(key.to_hex()))?;
+                let fetched = fetched.unwrap_or_else(|| {
+                    Err(StoreError::Unavailable(
+                        "the block store's read ended before the last block".into(),
+                    ))
+                });
+                let data = fetched?.ok_or_else(|| ReadError::MissingBlock(key.to_hex()))?;
                 if data.len() != expected_len || BlockKey::of(&data) != key {
                     return Err(ReadError::CorruptBlock(key.to_hex()));
                 }
@@ -74,9 +89,9 @@ pub fn read_blob(
             }));
             async move {
                 task.await.map_err(|e| {
-                    ReadError::Store(StoreError::Unavailable(format!("block read task: {e}")))
+                    ReadError::Store(StoreError::Unavailable(format!("block check task: {e}")))
                 })?
             }
         })
-        .buffered(READ_AHEAD)
+        .buffered(VERIFY_AHEAD)
 }

@@ -10,10 +10,16 @@
 //! that is `commit` then `ManifestStore::create_fenced`; a store whose index lives in the
 //! manifest store's database (the cluster's PostgreSQL) does both, with the fence, in one
 //! transaction, so a manifest is never visible without its index entries.
+//!
+//! Reads go through `read_blocks`: the blocks a download needs, in order, as one stream,
+//! so that a store on a remote medium can read adjacent blocks with one request (the pack
+//! store on S3) while a local store reads them one by one with `get`.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
 
 use super::manifest::CommitFence;
 use super::{CreateOutcome, ManifestStore, StoreFuture};
@@ -36,6 +42,33 @@ pub struct CommitReport {
     pub fresh_bytes: u64,
 }
 
+/// Blocks a [`BlockStore::read_blocks`] stream holds at once, fetched or being fetched, in
+/// blocks of the chunker's largest size. The default reads this many blocks ahead with
+/// `get`; the pack store on a remote medium holds at most two (the block it is assembling
+/// and one read ahead), plus [`READ_RESPONSES`] open responses.
+pub const READ_AHEAD: usize = 4;
+
+/// HTTP responses a [`BlockStore::read_blocks`] stream keeps open at once: the run of
+/// blocks being read and the next one, whose request is sent early so its latency is
+/// hidden. Each holds at most one HTTP/1 read buffer (`cas::ingest::MAX_BODY_FRAME`).
+pub const READ_RESPONSES: usize = 2;
+
+/// The blocks of a read, in the order asked: one item per key, `None` for a block the
+/// store does not hold. Callers verify each block's hash.
+pub type BlockStream = BoxStream<'static, Result<Option<Bytes>, super::StoreError>>;
+
+/// Read `keys` one by one with [`BlockStore::get`], [`READ_AHEAD`] at once: the default of
+/// [`BlockStore::read_blocks`], for stores where a block read is cheap on its own.
+pub fn read_each<S: BlockStore + ?Sized>(store: Arc<S>, keys: Vec<BlockKey>) -> BlockStream {
+    futures_util::stream::iter(keys)
+        .map(move |key| {
+            let store = store.clone();
+            async move { store.get(key).await }
+        })
+        .buffered(READ_AHEAD)
+        .boxed()
+}
+
 /// Stores blocks by content key.
 pub trait BlockStore: Send + Sync + 'static {
     /// Start writing the blocks of one upload.
@@ -46,6 +79,13 @@ pub trait BlockStore: Send + Sync + 'static {
 
     /// Whether the block exists.
     fn contains(&self, key: BlockKey) -> StoreFuture<'_, bool>;
+
+    /// The blocks `keys`, in order (see [`BlockStream`]), holding at most [`READ_AHEAD`]
+    /// blocks and [`READ_RESPONSES`] responses at once. Dropping the stream stops the
+    /// reads.
+    fn read_blocks(self: Arc<Self>, keys: Vec<BlockKey>) -> BlockStream {
+        read_each(self, keys)
+    }
 }
 
 /// The blocks of one upload, made durable together.

@@ -168,6 +168,19 @@ impl RedbIndex {
         }
     }
 
+    /// Where each of `keys` is stored (`None`: absent), in order, in one read transaction
+    /// (a download's read plan, `runs`).
+    pub fn locate_many(&self, keys: &[BlockKey]) -> Result<Vec<Option<Location>>, StoreError> {
+        let txn = r!("read", self.db.begin_read())?;
+        let table = r!("read", txn.open_table(BLOCKS))?;
+        keys.iter()
+            .map(|key| match r!("read", table.get(key.0.as_slice()))? {
+                Some(value) => Ok(Some(Location::decode(value.value())?)),
+                None => Ok(None),
+            })
+            .collect()
+    }
+
     /// Which of `keys` are indexed, in one read transaction (an upload's batch of blocks;
     /// a hint, confirmed inside the commit, STO-3).
     pub fn lookup_many(&self, keys: &[BlockKey]) -> Result<HashSet<BlockKey>, StoreError> {

@@ -5,7 +5,8 @@
 //! `packs/<2 hex>/<64 hex>.pack`, `fsync` the directory. S3: one PUT of the whole pack
 //! (conditional `If-None-Match: *` when the server honours it, probed at start), then the
 //! spool file is removed. Reads are ranged: `pread` on a local pack, a ranged GET on S3.
-//! Every call blocks; callers run them on the blocking pool.
+//! Every call blocks; callers run them on the blocking pool, except [`Medium::open_range`],
+//! a streamed ranged read for media that coalesce reads (S3, see `runs`).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -14,9 +15,18 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
+use futures_util::stream::BoxStream;
 
 use super::format::PackId;
 use crate::storage::StoreError;
+
+/// The body of a streamed ranged read, as it arrives.
+pub type RangeBody = BoxStream<'static, Result<Bytes, StoreError>>;
+
+/// A streamed ranged read that has begun: `None` if the pack is not on the medium.
+pub type OpenRange = BoxFuture<'static, Result<Option<RangeBody>, StoreError>>;
 
 /// Records the durability steps of an upload in order (tests prove sync-before-commit).
 pub type SyncTrace = Arc<dyn Fn(&'static str) + Send + Sync>;
@@ -41,6 +51,27 @@ pub trait Medium: Send + Sync + std::fmt::Debug + 'static {
     /// one pack, so back-pressure reaches the client (ADM-13).
     fn publish_behind(&self) -> bool {
         false
+    }
+    /// Whether every read is a request with a round trip of its own (S3), so the store
+    /// reads a run of adjacent blocks with one streamed [`Medium::open_range`] instead of
+    /// one `read` per block. Local: no (a `pread` of cached pages takes microseconds).
+    fn coalesces_reads(&self) -> bool {
+        false
+    }
+    /// Begin a streamed read of `len` bytes at `offset` of pack `id`. The default reads
+    /// the range with [`Medium::read`] on the blocking pool and yields it whole.
+    fn open_range(self: Arc<Self>, id: PackId, offset: u64, len: u64) -> OpenRange {
+        Box::pin(async move {
+            let data = tokio::task::spawn_blocking(move || {
+                if !self.exists(&id)? {
+                    return Ok(None);
+                }
+                self.read(&id, offset, len).map(Some)
+            })
+            .await
+            .map_err(|e| StoreError::Unavailable(format!("storage task failed: {e}")))??;
+            Ok(data.map(|data| futures_util::stream::once(async move { Ok(data) }).boxed()))
+        })
     }
 }
 

@@ -20,8 +20,9 @@
 //! PostgreSQL transaction together with the commit fence.
 //!
 //! Modules: [`format`] (pack bytes), [`index`] (redb), [`shared`] (PostgreSQL),
-//! [`medium`] (local dir or S3), [`s3`] (the S3 medium), [`gc`] (collector, verify,
-//! migration), [`cluster_gc`] (the collector over the shared index).
+//! [`medium`] (local dir or S3), [`s3`] (the S3 medium), [`runs`] (coalesced reads on S3),
+//! [`gc`] (collector, verify, migration), [`cluster_gc`] (the collector over the shared
+//! index).
 
 pub mod cli;
 pub mod cluster_gc;
@@ -30,6 +31,7 @@ pub mod gc;
 pub mod index;
 pub mod medium;
 pub mod pause;
+pub mod runs;
 pub mod s3;
 pub mod shared;
 
@@ -42,7 +44,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use futures_util::StreamExt;
 use tokio::sync::mpsc;
+use tokio_util::task::AbortOnDropHandle;
 
 use self::format::{Entry, RECORD_HEADER};
 use self::index::{CommitBatch, Location, PackRecord, RedbIndex};
@@ -50,6 +54,7 @@ use self::medium::{Medium, SyncTrace};
 use self::shared::PgIndex;
 use super::fs::FsBlockStore;
 use super::manifest::CommitFence;
+use super::block::{BlockStream, READ_RESPONSES, read_each};
 use super::{
     BlockStore, CommitReport, CreateOutcome, ManifestStore, PutOutcome, StoreError, StoreFuture,
     WriteSession,
@@ -215,6 +220,42 @@ impl PackStore {
         }
     }
 
+    /// Where each of `keys` is stored, in order, with one index call.
+    async fn locate_many(&self, keys: Vec<BlockKey>) -> Result<Vec<Option<Location>>, StoreError> {
+        match &self.inner.index {
+            Index::Local(_) => {
+                let store = self.clone();
+                blocking(move || store.index()?.locate_many(&keys)).await
+            }
+            Index::Shared(index) => index.locate_many(&keys).await,
+        }
+    }
+
+    /// The blocks of one step of a read plan (see [`runs`]), once its request has begun.
+    async fn open_step(
+        self,
+        step: runs::Step,
+        keys: Vec<BlockKey>,
+    ) -> Result<BlockStream, StoreError> {
+        match step {
+            runs::Step::Alone => {
+                let block = self.get(keys[0]).await?;
+                Ok(futures_util::stream::once(async move { Ok(block) }).boxed())
+            }
+            runs::Step::Run {
+                pack,
+                offset,
+                len,
+                pieces,
+            } => match self.inner.medium.clone().open_range(pack, offset, len).await? {
+                Some(body) => Ok(runs::RunReader::new(pack, pieces, body).into_stream()),
+                // The pack went away after the lookup (compaction moved its blocks and
+                // the collector purged it): look each block up again.
+                None => Ok(read_each(Arc::new(self), keys)),
+            },
+        }
+    }
+
     pub fn medium(&self) -> &Arc<dyn Medium> {
         &self.inner.medium
     }
@@ -299,6 +340,65 @@ impl BlockStore for PackStore {
                 (None, None) => Ok(None),
             }
         })
+    }
+
+    /// On a medium that coalesces reads (S3), the blocks are located [`runs::LOCATE_BATCH`]
+    /// at a time and read one run of adjacent blocks per streamed request, with the next
+    /// run's request sent while the current one is read; otherwise one by one.
+    fn read_blocks(self: Arc<Self>, keys: Vec<BlockKey>) -> BlockStream {
+        if !self.inner.medium.coalesces_reads() {
+            return read_each(self, keys);
+        }
+        let store = (*self).clone();
+        let batches: Vec<Vec<BlockKey>> = keys
+            .chunks(runs::LOCATE_BATCH)
+            .map(<[BlockKey]>::to_vec)
+            .collect();
+        futures_util::stream::iter(batches)
+            .then(move |batch| {
+                let store = store.clone();
+                async move {
+                    let located = store.locate_many(batch.clone()).await;
+                    (store, batch, located)
+                }
+            })
+            .flat_map(|(store, batch, located)| {
+                let steps = match located {
+                    Ok(located) => {
+                        let mut keys = batch.into_iter();
+                        runs::plan(&located)
+                            .into_iter()
+                            .map(|step| {
+                                let keys: Vec<BlockKey> = keys.by_ref().take(step.blocks()).collect();
+                                Ok((store.clone(), step, keys))
+                            })
+                            .collect()
+                    }
+                    Err(e) => vec![Err(e)],
+                };
+                futures_util::stream::iter(steps)
+            })
+            .map(|step| {
+                // Each step's request is sent on a task of its own, so the next run's
+                // round trip overlaps the reading of this one (`READ_RESPONSES`).
+                let opened = step.map(|(store, step, keys)| {
+                    AbortOnDropHandle::new(tokio::spawn(store.open_step(step, keys)))
+                });
+                async move {
+                    match opened {
+                        Ok(task) => task.await.map_err(|e| {
+                            StoreError::Unavailable(format!("storage task failed: {e}"))
+                        })?,
+                        Err(e) => Err(e),
+                    }
+                }
+            })
+            .buffered(READ_RESPONSES)
+            .flat_map(|opened| match opened {
+                Ok(blocks) => blocks,
+                Err(e) => futures_util::stream::once(async move { Err(e) }).boxed(),
+            })
+            .boxed()
     }
 
     fn contains(&self, key: BlockKey) -> StoreFuture<'_, bool> {

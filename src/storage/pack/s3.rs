@@ -17,7 +17,7 @@
 use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -25,13 +25,13 @@ use futures_util::StreamExt;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path as ObjectPath;
 use object_store::{
-    BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
-    RetryConfig,
+    BackoffConfig, ClientOptions, GetOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions,
+    PutPayload, RetryConfig,
 };
 use tokio::runtime::Handle;
 
 use super::format::PackId;
-use super::medium::{Medium, SyncTrace, TraceHook};
+use super::medium::{Medium, OpenRange, SyncTrace, TraceHook};
 use crate::config::Secret;
 use crate::storage::StoreError;
 use crate::storage::config::S3Config;
@@ -41,6 +41,8 @@ pub struct S3Medium {
     prefix: String,
     runtime: Handle,
     conditional: AtomicBool,
+    /// GET requests sent for block reads (ranged reads and streamed runs).
+    reads: AtomicU64,
     label: String,
     trace: Option<TraceHook>,
 }
@@ -133,6 +135,7 @@ impl S3Medium {
             prefix: config.prefix.trim_matches('/').to_string(),
             runtime,
             conditional: AtomicBool::new(false),
+            reads: AtomicU64::new(0),
             label: format!(
                 "S3 packs in bucket {} at {} (prefix {})",
                 config.bucket,
@@ -186,6 +189,11 @@ impl S3Medium {
 
     pub fn conditional_create(&self) -> bool {
         self.conditional.load(Ordering::SeqCst)
+    }
+
+    /// GET requests sent so far for block reads (tests and benchmarks count them).
+    pub fn block_reads(&self) -> u64 {
+        self.reads.load(Ordering::Relaxed)
     }
 
     /// One PUT of `data` as pack `id` (used by publish and compaction).
@@ -288,6 +296,7 @@ impl Medium for S3Medium {
     }
 
     fn read(&self, id: &PackId, offset: u64, len: u64) -> Result<Bytes, StoreError> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
         let data = self
             .runtime
             .block_on(self.store.get_range(&self.path(id), offset..offset + len))
@@ -341,5 +350,29 @@ impl Medium for S3Medium {
 
     fn describe(&self) -> String {
         self.label.clone()
+    }
+
+    fn coalesces_reads(&self) -> bool {
+        true
+    }
+
+    /// One ranged GET whose body is streamed: `object_store` sends the request and
+    /// resolves when the response headers arrive (retrying what fails before that); the
+    /// body is read from the connection only as it is pulled.
+    fn open_range(self: Arc<Self>, id: PackId, offset: u64, len: u64) -> OpenRange {
+        Box::pin(async move {
+            self.reads.fetch_add(1, Ordering::Relaxed);
+            let options = GetOptions::new().with_range(Some(offset..offset + len));
+            match self.store.get_opts(&self.path(&id), options).await {
+                Ok(result) => Ok(Some(
+                    result
+                        .into_stream()
+                        .map(|chunk| chunk.map_err(s3_err("read pack range from S3")))
+                        .boxed(),
+                )),
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(s3_err("read pack range from S3")(e)),
+            }
+        })
     }
 }

@@ -22,7 +22,7 @@
 //! Nothing is trusted from before the transaction: a dedup answer of `lookup` is only a
 //! hint that lets the upload skip writing bytes.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use sqlx::PgPool;
@@ -39,6 +39,17 @@ use crate::storage::{CreateOutcome, StoreError};
 #[derive(Clone, Debug)]
 pub struct PgIndex {
     pool: PgPool,
+}
+
+/// A location from an index row.
+fn location(pack: &[u8], offset: i64, len: i32) -> Result<Location, StoreError> {
+    Ok(Location {
+        pack: pack_id(pack)?,
+        offset: u64::try_from(offset)
+            .map_err(|_| StoreError::Corrupt("negative block offset".into()))?,
+        len: u32::try_from(len).map_err(|_| StoreError::Corrupt("negative block length".into()))?,
+        last_ref_ms: 0,
+    })
 }
 
 fn pack_id(raw: &[u8]) -> Result<PackId, StoreError> {
@@ -68,17 +79,35 @@ impl PgIndex {
         .fetch_optional(&self.pool)
         .await
         .map_err(|e| db_error("look up a block", e))?;
-        row.map(|(pack, offset, len)| {
-            Ok(Location {
-                pack: pack_id(&pack)?,
-                offset: u64::try_from(offset)
-                    .map_err(|_| StoreError::Corrupt("negative block offset".into()))?,
-                len: u32::try_from(len)
-                    .map_err(|_| StoreError::Corrupt("negative block length".into()))?,
-                last_ref_ms: 0,
-            })
-        })
-        .transpose()
+        row.map(|(pack, offset, len)| location(&pack, offset, len))
+            .transpose()
+    }
+
+    /// Where each of `keys` is stored (`None`: absent or quarantined), in order: one query
+    /// for the whole batch (a download's read plan, `runs`).
+    pub async fn locate_many(&self, keys: &[BlockKey]) -> Result<Vec<Option<Location>>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let raw: Vec<&[u8]> = keys.iter().map(|k| k.0.as_slice()).collect();
+        let rows: Vec<(Vec<u8>, Vec<u8>, i64, i32)> = sqlx::query_as(
+            "SELECT block_hash, pack_id, pack_offset, len FROM pack_blocks
+             WHERE block_hash = ANY($1) AND quarantined_at IS NULL",
+        )
+        .bind(&raw)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| db_error("look up blocks", e))?;
+        let mut found = HashMap::with_capacity(rows.len());
+        for (hash, pack, offset, len) in rows {
+            let key = hash
+                .as_slice()
+                .try_into()
+                .map(BlockKey)
+                .map_err(|_| StoreError::Corrupt("block hash damaged in the index".into()))?;
+            found.insert(key, location(&pack, offset, len)?);
+        }
+        Ok(keys.iter().map(|key| found.get(key).copied()).collect())
     }
 
     /// Which of `keys` are stored (not quarantined): one query for the whole batch. Like
