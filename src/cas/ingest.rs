@@ -2,15 +2,17 @@
 //!
 //! ```text
 //!  body frames --(bounded queue)--> chunk thread ---------(bounded queue)--> write session
-//!  (async: counts bytes, enforces   (blocking pool: FastCDC cut,            (appends in order;
-//!   limits, BLAKE3 of the whole,     BLAKE3 of each block)                   the pack store
-//!   batches frames)                                                          writes on its own
-//!                                                                            thread)
+//!  (async: counts bytes, enforces   (blocking pool: FastCDC cut,            (async: BLAKE3 of
+//!   limits, BLAKE3 of the whole,     nothing else, the one serial            each block, appends
+//!   batches frames)                  stage)                                  in order; the pack
+//!                                                                            store writes on its
+//!                                                                            own thread)
 //! ```
 //! Every stage is bounded, so memory per upload stays a few MiB whatever the blob size,
 //! and a slow or stopped block store stops the reading of the request body (back-pressure
-//! reaches the client through TCP). CPU-heavy work runs on the blocking pool, never on the
-//! async workers.
+//! reaches the client through TCP). The cut-point search runs on the blocking pool; the
+//! hashing (whole content, each block) runs on the async stages in slices of at most one
+//! frame or one block (a few hundred microseconds), in parallel with the cut.
 //!
 //! The blocks go through one [`WriteSession`](crate::storage::WriteSession) per upload.
 //! The session is committed (blocks durable, index committed, deduplicated blocks
@@ -313,7 +315,7 @@ where
     E: std::fmt::Display,
 {
     let (frame_tx, frame_rx) = mpsc::channel::<Frame>(FRAME_QUEUE);
-    let (chunk_tx, chunk_rx) = mpsc::channel::<(BlockKey, Bytes)>(CHUNK_QUEUE);
+    let (chunk_tx, chunk_rx) = mpsc::channel::<Bytes>(CHUNK_QUEUE);
     let chunking = tokio::task::spawn_blocking(move || chunk_blocks(frame_rx, chunk_tx, tail));
     let feed = feed_frames(body, limits, span, whole, frame_tx, on_bytes);
     let store = store_blocks(chunk_rx, session);
@@ -454,15 +456,12 @@ where
 /// `Frame::End` (the upload was aborted) or the writer went away.
 fn chunk_blocks(
     mut frames: mpsc::Receiver<Frame>,
-    chunks: mpsc::Sender<(BlockKey, Bytes)>,
+    chunks: mpsc::Sender<Bytes>,
     tail: Bytes,
 ) -> Option<Bytes> {
     let mut chunker = StreamChunker::new();
     chunker.push(&tail);
-    let emit = |chunk: Bytes| -> Option<()> {
-        let key = BlockKey::of(&chunk);
-        chunks.blocking_send((key, chunk)).ok()
-    };
+    let emit = |chunk: Bytes| -> Option<()> { chunks.blocking_send(chunk).ok() };
     loop {
         match frames.blocking_recv()? {
             Frame::Data(batch) => {
@@ -491,7 +490,7 @@ struct Stored {
 
 /// Append blocks to the upload's session, in order.
 async fn store_blocks(
-    mut chunks: mpsc::Receiver<(BlockKey, Bytes)>,
+    mut chunks: mpsc::Receiver<Bytes>,
     session: &mut dyn WriteSession,
 ) -> Result<Stored, IngestError> {
     let mut stored = Stored {
@@ -503,11 +502,18 @@ async fn store_blocks(
     // Whatever the chunker has queued (up to APPEND_BATCH) goes to the session at once, so
     // a store with a remote index looks the batch up in one round trip.
     while chunks.recv_many(&mut batch, APPEND_BATCH).await > 0 {
-        let sizes: Vec<(BlockKey, u32)> = batch
+        // Each block's BLAKE3 is computed here, not on the chunk thread: the cut-point
+        // search is the one serial stage, so it does nothing else, and the block hashes
+        // run beside it on the other cores.
+        let keyed: Vec<(BlockKey, Bytes)> = std::mem::take(&mut batch)
+            .into_iter()
+            .map(|data| (BlockKey::of(&data), data))
+            .collect();
+        let sizes: Vec<(BlockKey, u32)> = keyed
             .iter()
             .map(|(key, data)| (*key, data.len() as u32))
             .collect();
-        let outcomes = session.append_many(std::mem::take(&mut batch)).await?;
+        let outcomes = session.append_many(keyed).await?;
         for ((key, size), outcome) in sizes.into_iter().zip(outcomes) {
             if outcome == PutOutcome::Fresh {
                 stored.fresh += 1;
