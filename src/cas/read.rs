@@ -27,8 +27,7 @@ const VERIFY_AHEAD: usize = 2;
 /// [`READ_RESPONSES`] HTTP read buffers, see `storage::block`), `VERIFY_AHEAD` blocks being
 /// checked, the block being sent, and one more held by the response body writer.
 pub const fn memory_bound(max_chunk: usize) -> usize {
-    (READ_AHEAD + VERIFY_AHEAD + 2) * max_chunk
-        + READ_RESPONSES * super::ingest::MAX_BODY_FRAME
+    (READ_AHEAD + VERIFY_AHEAD + 2) * max_chunk + READ_RESPONSES * super::ingest::MAX_BODY_FRAME
 }
 
 /// Why a blob read stopped.

@@ -52,9 +52,9 @@ use self::format::{Entry, RECORD_HEADER};
 use self::index::{CommitBatch, Location, PackRecord, RedbIndex};
 use self::medium::{Medium, SyncTrace};
 use self::shared::PgIndex;
+use super::block::{BlockStream, READ_RESPONSES, read_each};
 use super::fs::FsBlockStore;
 use super::manifest::CommitFence;
-use super::block::{BlockStream, READ_RESPONSES, read_each};
 use super::{
     BlockStore, CommitReport, CreateOutcome, ManifestStore, PutOutcome, StoreError, StoreFuture,
     WriteSession,
@@ -247,7 +247,13 @@ impl PackStore {
                 offset,
                 len,
                 pieces,
-            } => match self.inner.medium.clone().open_range(pack, offset, len).await? {
+            } => match self
+                .inner
+                .medium
+                .clone()
+                .open_range(pack, offset, len)
+                .await?
+            {
                 Some(body) => Ok(runs::RunReader::new(pack, pieces, body).into_stream()),
                 // The pack went away after the lookup (compaction moved its blocks and
                 // the collector purged it): look each block up again.
@@ -369,7 +375,8 @@ impl BlockStore for PackStore {
                         runs::plan(&located)
                             .into_iter()
                             .map(|step| {
-                                let keys: Vec<BlockKey> = keys.by_ref().take(step.blocks()).collect();
+                                let keys: Vec<BlockKey> =
+                                    keys.by_ref().take(step.blocks()).collect();
                                 Ok((store.clone(), step, keys))
                             })
                             .collect()

@@ -96,12 +96,7 @@ pub fn plan(located: &[Option<Location>]) -> Vec<Step> {
         if let Some(run) = open.take() {
             steps.push(close(run));
         }
-        open = Some((
-            at.pack,
-            at.offset,
-            end,
-            vec![Piece { at: 0, len: at.len }],
-        ));
+        open = Some((at.pack, at.offset, end, vec![Piece { at: 0, len: at.len }]));
     }
     if let Some(run) = open.take() {
         steps.push(close(run));
@@ -259,10 +254,10 @@ mod tests {
         let far = 40 + 100 + MAX_GAP + 1;
         let steps = plan(&[
             loc(1, 40, 100),
-            loc(2, 40, 100),  // another pack
-            loc(2, 40, 100),  // the same block again (a repeat in the blob): backward
-            loc(2, far, 10),  // too far ahead
-            None,             // not indexed
+            loc(2, 40, 100), // another pack
+            loc(2, 40, 100), // the same block again (a repeat in the blob): backward
+            loc(2, far, 10), // too far ahead
+            None,            // not indexed
             loc(2, far + 50, 10),
         ]);
         let sizes: Vec<usize> = steps.iter().map(Step::blocks).collect();

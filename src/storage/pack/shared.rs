@@ -85,7 +85,10 @@ impl PgIndex {
 
     /// Where each of `keys` is stored (`None`: absent or quarantined), in order: one query
     /// for the whole batch (a download's read plan, `runs`).
-    pub async fn locate_many(&self, keys: &[BlockKey]) -> Result<Vec<Option<Location>>, StoreError> {
+    pub async fn locate_many(
+        &self,
+        keys: &[BlockKey],
+    ) -> Result<Vec<Option<Location>>, StoreError> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
