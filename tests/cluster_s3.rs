@@ -241,6 +241,24 @@ async fn two_nodes_on_s3_share_blocks_dedup_and_collect_under_one_lock() {
         assert!(got == live, "a live blob changed after collection");
         assert_eq!(support::download(url, &doomed_key).await.0, 404);
     }
+    // `graviton verify` checks the shared index and bucket beside the running nodes.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_graviton"))
+        .args(["verify", "--config"])
+        .arg(&nodes[0].config)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "verify: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        report["packs_checked"].as_i64(),
+        Some(pack_rows(db.url()).await),
+        "{report}"
+    );
+    assert_eq!(report["damaged"], serde_json::json!([]), "{report}");
 }
 
 /// A shared store on the test servers, in process (the collector's races).
@@ -416,6 +434,226 @@ async fn a_dedup_hit_on_a_block_collected_meanwhile_fails_its_commit() {
     assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
     assert!(manifests.get(blob).await.unwrap().is_none());
     assert!(store.get(key).await.unwrap().is_none());
+}
+
+// Checks STO-18: on the shared index, a pack whose live bytes fell below
+// `compact_below` is rewritten: its live blocks move to a new pack (published, then
+// relocated in one transaction), the old pack is retired and kept for readers that
+// located it before, then purged; a dedup hit taken before the compaction still
+// commits; a dry run reports the rewrite and changes nothing; every object left is named
+// by a row, and every live block reads byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sparse_pack_on_s3_is_compacted_and_every_live_block_still_reads() {
+    let test = "a_sparse_pack_on_s3_is_compacted_and_every_live_block_still_reads";
+    let Some((db, store, _dir)) = shared_store(test).await else {
+        return;
+    };
+    let index = store.shared().unwrap().clone();
+    let manifests: Arc<dyn ManifestStore> = Arc::new(PgManifestStore::new(index.pool().clone()));
+    // Twelve 64 KiB blocks in one pack (1 MiB packs), then two of them kept by a second
+    // blob and the first blob deleted: the pack is about 1/6 live.
+    let blocks: Vec<Bytes> = (0..12)
+        .map(|i| Bytes::from(random_bytes(64 << 10, 300 + i)))
+        .collect();
+    let mut session = store.begin().unwrap();
+    for block in &blocks {
+        session
+            .append(BlockKey::of(block), block.clone())
+            .await
+            .unwrap();
+    }
+    let all = manifest_of(&blocks);
+    session
+        .commit_manifest(all.clone(), manifests.clone(), None)
+        .await
+        .unwrap();
+    let kept = &blocks[..2];
+    let mut session = store.begin().unwrap();
+    for block in kept {
+        session
+            .append(BlockKey::of(block), block.clone())
+            .await
+            .unwrap();
+    }
+    session
+        .commit_manifest(manifest_of(kept), manifests.clone(), None)
+        .await
+        .unwrap();
+    manifests.delete(all.key).await.unwrap();
+    let old = index
+        .lookup(&BlockKey::of(&kept[0]))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(pack_rows(db.url()).await, 1, "one pack holds every block");
+
+    // A dedup hit taken before the compaction, committed after it.
+    let mut pending = store.begin().unwrap();
+    assert_eq!(
+        pending
+            .append(BlockKey::of(&kept[1]), kept[1].clone())
+            .await
+            .unwrap(),
+        graviton::storage::PutOutcome::Duplicate
+    );
+
+    let dry = GcOptions {
+        dry_run: true,
+        ..no_grace(false)
+    };
+    let report = gc::collect(&store, manifests.as_ref(), dry, &mut Quiet)
+        .await
+        .unwrap();
+    assert_eq!(report.packs_rewritten, 1, "{report:?}");
+    assert_eq!(
+        index
+            .lookup(&BlockKey::of(&kept[0]))
+            .await
+            .unwrap()
+            .unwrap()
+            .pack,
+        old.pack,
+        "a dry run moves nothing"
+    );
+    assert_eq!(pack_rows(db.url()).await, 1);
+
+    let report = gc::collect(&store, manifests.as_ref(), no_grace(false), &mut Quiet)
+        .await
+        .unwrap();
+    assert_eq!(report.quarantined, 10, "{report:?}");
+    assert_eq!(report.packs_rewritten, 1, "{report:?}");
+    assert!(report.packs_retired >= 1, "{report:?}");
+    for block in kept {
+        let at = index.lookup(&BlockKey::of(block)).await.unwrap().unwrap();
+        assert_ne!(
+            at.pack, old.pack,
+            "a live block still names the sparse pack"
+        );
+        assert_eq!(
+            store.get(BlockKey::of(block)).await.unwrap().as_ref(),
+            Some(block)
+        );
+    }
+    // A reader that located the block before the compaction still reads the old pack.
+    let medium = store.medium().clone();
+    let stale =
+        tokio::task::spawn_blocking(move || medium.read(&old.pack, old.offset, u64::from(old.len)))
+            .await
+            .unwrap()
+            .unwrap();
+    assert!(stale == kept[0], "the retired pack is kept until the purge");
+    pending
+        .commit_manifest(manifest_of(&kept[1..]), manifests.clone(), None)
+        .await
+        .unwrap();
+
+    let purge = gc::collect(&store, manifests.as_ref(), no_grace(true), &mut Quiet)
+        .await
+        .unwrap();
+    assert!(purge.packs_deleted >= 1, "{purge:?}");
+    let medium = store.medium().clone();
+    let listed: Vec<_> = tokio::task::spawn_blocking(move || medium.list().unwrap())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert!(!listed.contains(&old.pack), "the sparse pack is purged");
+    assert_eq!(
+        listed.len() as i64,
+        pack_rows(db.url()).await,
+        "every object left is named"
+    );
+    let keys: Vec<BlockKey> = kept.iter().map(|b| BlockKey::of(b)).collect();
+    let read: Vec<Option<Bytes>> =
+        futures_util::TryStreamExt::try_collect(Arc::new(store.clone()).read_blocks(keys))
+            .await
+            .unwrap();
+    let want: Vec<Option<Bytes>> = kept.iter().cloned().map(Some).collect();
+    assert!(read == want, "live blocks read byte-exact after the purge");
+}
+
+// Checks STO-19: `verify` on the shared index reads every live pack from the bucket and
+// checks every block hash and every live row; a lost object and a pack whose bytes were
+// changed under its name are both reported, with the rows they affect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_on_the_shared_index_reports_a_lost_and_a_corrupt_pack() {
+    let test = "verify_on_the_shared_index_reports_a_lost_and_a_corrupt_pack";
+    let Some((db, store, dir)) = shared_store(test).await else {
+        return;
+    };
+    let index = store.shared().unwrap().clone();
+    let blocks: Vec<Bytes> = (0..24)
+        .map(|i| Bytes::from(random_bytes(64 << 10, 400 + i)))
+        .collect();
+    let mut session = store.begin().unwrap();
+    for block in &blocks {
+        session
+            .append(BlockKey::of(block), block.clone())
+            .await
+            .unwrap();
+    }
+    session.commit().await.unwrap();
+    let packs = pack_rows(db.url()).await;
+    assert!(packs >= 2, "1.5 MiB in 1 MiB packs");
+    let clean = gc::verify(&store, &mut Quiet).await.unwrap();
+    assert_eq!(clean.packs_checked as i64, packs, "{clean:?}");
+    assert_eq!(clean.blocks_checked, 24, "{clean:?}");
+    assert!(
+        clean.damaged.is_empty() && clean.entries_affected == 0,
+        "{clean:?}"
+    );
+
+    // The first block's pack loses its object; the last block's pack has one byte of a
+    // block changed under the same name.
+    let lost = index
+        .lookup(&BlockKey::of(&blocks[0]))
+        .await
+        .unwrap()
+        .unwrap();
+    let bent = index
+        .lookup(&BlockKey::of(&blocks[23]))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_ne!(lost.pack, bent.pack);
+    let per_pack = |id: graviton::storage::pack::format::PackId| {
+        let url = db.url().to_string();
+        async move {
+            let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pack_blocks WHERE pack_id = $1")
+                .bind(id.0.as_slice())
+                .fetch_one(&mut conn)
+                .await
+                .unwrap()
+        }
+    };
+    let affected = per_pack(lost.pack).await + per_pack(bent.pack).await;
+    let medium = store.medium().clone();
+    let spool = dir.path().join("bent.spool");
+    tokio::task::spawn_blocking(move || {
+        let mut bytes = medium.read_all(&bent.pack).unwrap().to_vec();
+        bytes[bent.offset as usize + 7] ^= 0x40;
+        std::fs::write(&spool, &bytes).unwrap();
+        medium.delete(&lost.pack).unwrap();
+        medium.delete(&bent.pack).unwrap();
+        let file = std::fs::File::open(&spool).unwrap();
+        medium.publish(file, &spool, &bent.pack).unwrap();
+    })
+    .await
+    .unwrap();
+    let report = gc::verify(&store, &mut Quiet).await.unwrap();
+    assert_eq!(report.damaged.len(), 2, "{report:?}");
+    for id in [lost.pack, bent.pack] {
+        assert!(
+            report
+                .damaged
+                .iter()
+                .any(|d| d.starts_with(&id.to_string())),
+            "{id} not reported: {report:?}"
+        );
+    }
+    assert_eq!(report.entries_affected as i64, affected, "{report:?}");
 }
 
 // Checks STO-13 (and STO-10 with real processes): `graviton gc` against the cluster stops

@@ -290,6 +290,13 @@ async fn cluster_gc_killed_after(test: &str, step: &str, purge_first: bool) {
     let keep_key = upload_acknowledged(&url, &keep).await;
     let gone_key = upload_acknowledged(&url, &gone).await;
     delete(&url, &gone_key).await;
+    // A sparse pack for the compaction: a blob kept that shares its first blocks with a
+    // deleted one (content-defined chunks: the same prefix cuts the same first blocks).
+    let wide = random_bytes(2 << 20, 74);
+    let narrow = wide[..384 << 10].to_vec();
+    let wide_key = upload_acknowledged(&url, &wide).await;
+    let narrow_key = upload_acknowledged(&url, &narrow).await;
+    delete(&url, &wide_key).await;
     // An upload killed after its pack is in the bucket and before its commit: an orphan.
     node.restart_with_env(&[("GRAVITON_TEST_STOP_AFTER", STEP)]);
     wait_ready(&node).await;
@@ -346,10 +353,12 @@ async fn cluster_gc_killed_after(test: &str, step: &str, purge_first: bool) {
     support::kill9(&mut gc);
 
     let check = || async {
-        let (status, body) = support::download(&url, &keep_key).await;
-        assert_eq!(status, 200);
-        assert!(body == keep, "an acknowledged blob is byte-exact");
-        for absent in [&gone, &unacked] {
+        for (key, data) in [(&keep_key, &keep), (&narrow_key, &narrow)] {
+            let (status, body) = support::download(&url, key).await;
+            assert_eq!(status, 200);
+            assert!(body == *data, "an acknowledged blob is byte-exact");
+        }
+        for absent in [&gone, &unacked, &wide] {
             let key = graviton::cas::BlobKey::of(absent).to_string();
             assert_eq!(support::download(&url, &key).await.0, 404);
         }
@@ -392,6 +401,8 @@ cluster_gc_killed! {
     cluster_gc_killed_after_mark_again: "gc mark again", false;
     cluster_gc_killed_after_the_first_quarantine_batch: "gc quarantine batch", false;
     cluster_gc_killed_after_quarantine: "gc quarantine", false;
+    cluster_gc_killed_after_a_compaction_rewrite_is_published: "gc compact published", false;
+    cluster_gc_killed_after_compaction: "gc compact", false;
     cluster_gc_killed_after_retire: "gc retire", false;
     cluster_gc_killed_after_an_orphan_is_deleted: "gc orphan deleted", false;
     cluster_gc_killed_after_the_first_purge_batch: "gc purge quarantine batch", true;

@@ -1,7 +1,8 @@
 //! `graviton gc`, `graviton verify` and `graviton migrate-blocks`: offline commands on a
 //! node's data directory (the node must be stopped: the index is opened by one process;
 //! a running node collects on its own schedule, `storage.gc.interval`). In cluster mode
-//! on S3, `graviton gc` runs the cluster collector beside the running nodes.
+//! on S3, `graviton gc` runs the cluster collector and `graviton verify` checks the
+//! shared index and bucket, both beside the running nodes.
 
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -64,7 +65,8 @@ fn refuse_cluster(config: &Config) -> anyhow::Result<()> {
         anyhow::bail!(
             "this command works on a single node's data directory; a cluster on S3 is \
              collected with `graviton gc` or POST /v1/admin/gc (one run at a time in the \
-             cluster), and verify and migrate-blocks are not available in cluster mode yet"
+             cluster) and checked with `graviton verify`; migrate-blocks is not available \
+             in cluster mode"
         );
     }
     Ok(())
@@ -141,10 +143,20 @@ pub async fn run_gc(
     .await?)
 }
 
-/// `graviton verify`.
+/// `graviton verify`: a node's own data directory, or in cluster mode on S3 the shared
+/// index and bucket (read-only, so it may run beside the nodes).
 pub async fn run_verify(config: &Config) -> anyhow::Result<VerifyReport> {
-    refuse_cluster(config)?;
-    let store = open_pack_store(&config.storage).await?;
+    let store = if config.cluster.enabled {
+        if config.storage.backend_in(true) != crate::storage::config::Backend::S3 {
+            anyhow::bail!(
+                "verify in cluster mode needs storage.backend = \"s3\" (the shared-mount \
+                 file-per-block layout has no packs to check)"
+            );
+        }
+        crate::storage::open::open_shared_pack_store(config).await?
+    } else {
+        open_pack_store(&config.storage).await?
+    };
     let mut bar = Bar::new();
     Ok(gc::verify(&store, &mut bar).await?)
 }

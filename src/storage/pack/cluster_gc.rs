@@ -24,8 +24,10 @@
 //! that each object is present, so it either sees the object gone and fails (503,
 //! retry) or the collector sees its row and keeps the object.
 //!
-//! Not in cluster mode yet: compaction of sparse packs (they are kept until every block
-//! in them is dead, then retired and purged).
+//! **Compaction** (step 5, as on one node): a pack older than the grace period whose
+//! live bytes fall below `compact_below` of its size is rewritten; its live rows are
+//! pointed at the new pack in one transaction and the old pack is retired, then purged
+//! after `retention` like any retired pack (see [`compact_pack`]).
 
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
@@ -34,7 +36,7 @@ use futures_util::TryStreamExt;
 use sqlx::{Connection, PgConnection, Row};
 
 use super::format::{self, PackId};
-use super::gc::{Candidates, GcOptions, GcReport, Progress, blocking, mark};
+use super::gc::{Candidates, GcOptions, GcReport, Progress, blocking, mark, rewrite_pack};
 use super::pause;
 use super::shared::PgIndex;
 use super::{PackStore, now_ms};
@@ -208,7 +210,18 @@ async fn run(
         pause::after("gc quarantine");
     }
 
-    // 5. retire packs older than the grace period with no live entry left
+    // 5. compact packs older than the grace period whose live bytes fall below
+    //    `compact_below` of their size, then retire those with no live entry left
+    let compacted = compact_sparse(
+        store,
+        index,
+        &per_pack,
+        cutoff_ms,
+        &options,
+        &mut report,
+        progress,
+    )
+    .await?;
     let packs: Vec<(Vec<u8>, i64, bool, bool)> = sqlx::query_as(
         "SELECT pack_id, size, retired_at IS NOT NULL,
                 sealed_at < to_timestamp($1::double precision / 1000)
@@ -227,6 +240,7 @@ async fn run(
                 && PackId::try_from_slice(id).is_some_and(|id| !per_pack.contains_key(&id))
         })
         .map(|p| p.0.clone())
+        .chain(compacted)
         .collect();
     if options.dry_run {
         report.packs_retired = to_retire.len() as u64;
@@ -315,6 +329,177 @@ async fn run(
     pause::after("gc done");
     report.duration_ms = started.elapsed().as_millis() as u64;
     Ok(report)
+}
+
+/// Step 5's compaction: every pack sealed before `cutoff_ms`, not retired, whose live
+/// bytes (`per_pack`, from the select scan) are above zero and below `compact_below` of
+/// its size is rewritten ([`compact_pack`]). Returns the ids of the rewritten packs, for
+/// the retire statement (which re-checks that no live row names them).
+async fn compact_sparse(
+    store: &PackStore,
+    index: &PgIndex,
+    per_pack: &HashMap<PackId, u64>,
+    cutoff_ms: i64,
+    options: &GcOptions,
+    report: &mut GcReport,
+    progress: &mut dyn Progress,
+) -> Result<Vec<Vec<u8>>, StoreError> {
+    let packs: Vec<(Vec<u8>, i64)> = sqlx::query_as(
+        "SELECT pack_id, size FROM pack_packs
+         WHERE retired_at IS NULL AND sealed_at < to_timestamp($1::double precision / 1000)",
+    )
+    .bind(cutoff_ms as f64)
+    .fetch_all(index.pool())
+    .await
+    .map_err(|e| db_error("list packs to compact", e))?;
+    let sparse: Vec<PackId> = packs
+        .into_iter()
+        .filter_map(|(id, size)| {
+            let id = PackId::try_from_slice(&id)?;
+            let live = per_pack.get(&id).copied().unwrap_or(0);
+            (live > 0 && (live as f64) < options.compact_below * size.max(0) as f64).then_some(id)
+        })
+        .collect();
+    if options.dry_run {
+        report.packs_rewritten = sparse.len() as u64;
+        return Ok(Vec::new());
+    }
+    progress.phase("compact", sparse.len() as u64);
+    let mut compacted = Vec::new();
+    for id in sparse {
+        if compact_pack(store, index, id).await? {
+            report.packs_rewritten += 1;
+            compacted.push(id.0.to_vec());
+        }
+        progress.advance(1);
+    }
+    if !compacted.is_empty() {
+        pause::after("gc compact");
+    }
+    Ok(compacted)
+}
+
+/// Rewrite pack `id`: the blocks of its live rows are copied into a new pack, which is
+/// published first ([`rewrite_pack`]); then, in one transaction, the new pack's row is
+/// inserted, its object checked with a HEAD (STO-10's rule for every commit), and each
+/// of those rows pointed at it. A row that no longer names `id` at that moment (the
+/// statement's `pack_id = id`) is left alone. Readers that located a block in the old
+/// pack keep reading it: the old pack is retired, and its object deleted only after
+/// `retention`. A crash after the publish leaves the new pack an orphan (a later run
+/// deletes it); after the commit, the old pack is retired by the next run.
+async fn compact_pack(store: &PackStore, index: &PgIndex, id: PackId) -> Result<bool, StoreError> {
+    let live = live_rows(index, &id).await?;
+    if live.is_empty() {
+        return Ok(false);
+    }
+    let rewritten = {
+        let store = store.clone();
+        blocking(move || {
+            rewrite_pack(&store, &id, &mut |entry| {
+                Ok(live.contains(&(entry.key, entry.offset)))
+            })
+        })
+        .await?
+    };
+    let Some((record, moved)) = rewritten else {
+        return Ok(false);
+    };
+    let mut tx = index
+        .pool()
+        .begin()
+        .await
+        .map_err(|e| db_error("begin a compaction", e))?;
+    sqlx::query(
+        "INSERT INTO pack_packs (pack_id, size, blocks) VALUES ($1, $2, $3)
+         ON CONFLICT (pack_id) DO UPDATE SET retired_at = NULL",
+    )
+    .bind(record.id.0.as_slice())
+    .bind(record.size as i64)
+    .bind(record.blocks as i32)
+    .execute(&mut *tx)
+    .await
+    .map_err(|e| db_error("record a compacted pack", e))?;
+    let present = {
+        let medium = store.medium().clone();
+        let new_id = record.id;
+        blocking(move || medium.exists(&new_id)).await?
+    };
+    if !present {
+        return Err(StoreError::Unavailable(format!(
+            "compacted pack {} is not on the medium after its publish",
+            record.id
+        )));
+    }
+    let keys: Vec<Vec<u8>> = moved.iter().map(|(k, _)| k.0.to_vec()).collect();
+    let offsets: Vec<i64> = moved.iter().map(|(_, at)| at.offset as i64).collect();
+    sqlx::query(
+        "UPDATE pack_blocks b SET pack_id = $1, pack_offset = u.off
+         FROM UNNEST($2::bytea[], $3::bigint[]) AS u(hash, off)
+         WHERE b.block_hash = u.hash AND b.pack_id = $4",
+    )
+    .bind(record.id.0.as_slice())
+    .bind(&keys)
+    .bind(&offsets)
+    .bind(id.0.as_slice())
+    .execute(&mut *tx)
+    .await
+    .map_err(|e| db_error("relocate compacted blocks", e))?;
+    tx.commit()
+        .await
+        .map_err(|e| db_error("commit a compaction", e))?;
+    Ok(true)
+}
+
+/// The live (not quarantined) rows naming pack `id`: `(block, offset)`.
+pub(super) async fn live_rows(
+    index: &PgIndex,
+    id: &PackId,
+) -> Result<HashSet<(BlockKey, u64)>, StoreError> {
+    let rows: Vec<(Vec<u8>, i64)> = sqlx::query_as(
+        "SELECT block_hash, pack_offset FROM pack_blocks
+         WHERE pack_id = $1 AND quarantined_at IS NULL",
+    )
+    .bind(id.0.as_slice())
+    .fetch_all(index.pool())
+    .await
+    .map_err(|e| db_error("list the live blocks of a pack", e))?;
+    rows.into_iter()
+        .map(|(hash, offset)| {
+            let key = BlockKey(
+                hash.as_slice()
+                    .try_into()
+                    .map_err(|_| StoreError::Corrupt("block hash length".into()))?,
+            );
+            Ok((key, offset.max(0) as u64))
+        })
+        .collect()
+}
+
+/// The packs that are not retired, for `verify`.
+pub(super) async fn live_packs(index: &PgIndex) -> Result<Vec<PackId>, StoreError> {
+    let ids: Vec<Vec<u8>> =
+        sqlx::query_scalar("SELECT pack_id FROM pack_packs WHERE retired_at IS NULL")
+            .fetch_all(index.pool())
+            .await
+            .map_err(|e| db_error("list packs", e))?;
+    ids.iter()
+        .map(|id| {
+            PackId::try_from_slice(id)
+                .ok_or_else(|| StoreError::Corrupt(format!("pack id of {} bytes", id.len())))
+        })
+        .collect()
+}
+
+/// Live rows naming a retired pack (damage: a retired pack may be deleted), for `verify`.
+pub(super) async fn rows_off_live_packs(index: &PgIndex) -> Result<u64, StoreError> {
+    let count: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pack_blocks b JOIN pack_packs p ON p.pack_id = b.pack_id
+         WHERE b.quarantined_at IS NULL AND p.retired_at IS NOT NULL",
+    )
+    .fetch_one(index.pool())
+    .await
+    .map_err(|e| db_error("count rows on retired packs", e))?;
+    Ok(count.max(0) as u64)
 }
 
 /// Delete the rows quarantined before `before_ms`, one statement (and transaction) of

@@ -615,58 +615,81 @@ async fn compact_pack(worker: &Worker, store: &PackStore, id: &PackId) -> Result
     let id = *id;
     worker
         .run(move || {
-            let bytes = store.medium().read_all(&id)?;
-            let entries = format::verify_pack(&bytes, &id)
-                .map_err(|e| StoreError::Corrupt(format!("pack {id}: {e}")))?;
-            let mut live = Vec::new();
-            for entry in &entries {
-                if let Some(at) = store.index()?.lookup(&entry.key)?
-                    && at.pack == id
-                {
-                    let start = entry.offset as usize;
-                    live.push((entry.key, &bytes[start..start + entry.len as usize]));
-                }
-            }
-            if live.is_empty() {
+            let index = store.index()?;
+            let rewritten = rewrite_pack(&store, &id, &mut |entry| {
+                Ok(index.lookup(&entry.key)?.is_some_and(|at| at.pack == id))
+            })?;
+            let Some((record, moved)) = rewritten else {
                 return Ok(false);
-            }
-            let (encoded, new_entries, new_id) = format::encode(&live);
-            let spool = store
-                .spool_dir()
-                .join(format!("{}.spool", uuid::Uuid::new_v4().simple()));
-            std::fs::write(&spool, &encoded).map_err(|e| StoreError::io("write spool file", e))?;
-            let file = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(&spool)
-                .map_err(|e| StoreError::io("open spool file", e))?;
-            store.medium().publish(file, &spool, &new_id)?;
-            pause::after("gc compact published");
-            let record = PackRecord {
-                id: new_id,
-                size: encoded.len() as u64,
-                blocks: new_entries.len() as u32,
-                sealed_ms: now_ms(),
-                retired: false,
             };
-            let moved: Vec<(BlockKey, Location)> = new_entries
-                .iter()
-                .map(|e| {
-                    (
-                        e.key,
-                        Location {
-                            pack: new_id,
-                            offset: e.offset,
-                            len: e.len,
-                            last_ref_ms: 0,
-                        },
-                    )
-                })
-                .collect();
-            store.index()?.relocate(&id, &record, &moved)?;
+            index.relocate(&id, &record, &moved)?;
             Ok(true)
         })
         .await
+}
+
+/// What [`rewrite_pack`] made: the new pack, and where each kept block now lives.
+pub(super) type Rewrite = (PackRecord, Vec<(BlockKey, Location)>);
+
+/// The rewrite step of compaction, one place for both indexes: read pack `id`, check its
+/// name and every block hash (a damaged pack is never copied), copy the blocks that
+/// `keep` accepts into a new pack named by its own bytes, and publish it on the store's
+/// medium. Returns the new pack and where each kept block now lives, or `None` when no
+/// block is kept. The caller points its index at the new pack; until then the new pack
+/// is an orphan (deleted by a later run after `min_age` if the caller never gets there).
+/// Memory: the old pack and the new one (at most `pack_size` each).
+pub(super) fn rewrite_pack(
+    store: &PackStore,
+    id: &PackId,
+    keep: &mut dyn FnMut(&format::Entry) -> Result<bool, StoreError>,
+) -> Result<Option<Rewrite>, StoreError> {
+    let bytes = store.medium().read_all(id)?;
+    let entries = format::verify_pack(&bytes, id)
+        .map_err(|e| StoreError::Corrupt(format!("pack {id}: {e}")))?;
+    let mut live = Vec::new();
+    for entry in &entries {
+        if keep(entry)? {
+            let start = entry.offset as usize;
+            live.push((entry.key, &bytes[start..start + entry.len as usize]));
+        }
+    }
+    if live.is_empty() {
+        return Ok(None);
+    }
+    let (encoded, new_entries, new_id) = format::encode(&live);
+    let spool = store
+        .spool_dir()
+        .join(format!("{}.spool", uuid::Uuid::new_v4().simple()));
+    std::fs::write(&spool, &encoded).map_err(|e| StoreError::io("write spool file", e))?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&spool)
+        .map_err(|e| StoreError::io("open spool file", e))?;
+    store.medium().publish(file, &spool, &new_id)?;
+    pause::after("gc compact published");
+    let record = PackRecord {
+        id: new_id,
+        size: encoded.len() as u64,
+        blocks: new_entries.len() as u32,
+        sealed_ms: now_ms(),
+        retired: false,
+    };
+    let moved = new_entries
+        .iter()
+        .map(|e| {
+            (
+                e.key,
+                Location {
+                    pack: new_id,
+                    offset: e.offset,
+                    len: e.len,
+                    last_ref_ms: 0,
+                },
+            )
+        })
+        .collect();
+    Ok(Some((record, moved)))
 }
 
 /// Damage found by [`verify`].
@@ -680,55 +703,111 @@ pub struct VerifyReport {
     pub entries_affected: u64,
 }
 
+/// Packs whose directories [`verify`] holds at once (on one node, one index scan per
+/// group): about 512 entries of 40 bytes per 32 MiB pack, so a few MiB per group.
+const VERIFY_GROUP: usize = 256;
+
 /// Read every live pack, check its name, directory and every block hash, and check that
-/// each index entry points at a block its pack really holds.
+/// each live index entry points at a block its pack really holds, on either index.
+///
+/// Memory does not grow with the store: packs are checked [`VERIFY_GROUP`] at a time,
+/// and only that group's directories are held while the index entries naming them are
+/// compared (one scan of the local index per group; in a cluster, one query per pack).
+/// What grows is one pack id per live pack, and one pack read whole (`pack_size`).
 pub async fn verify(
     store: &PackStore,
     progress: &mut dyn Progress,
 ) -> Result<VerifyReport, StoreError> {
-    let packs = {
-        let store = store.clone();
-        blocking(move || store.index()?.packs()).await?
-    };
-    let live: Vec<PackRecord> = packs.into_iter().filter(|p| !p.retired).collect();
-    progress.phase("verify", live.len() as u64);
+    let shared = store.shared().cloned();
     let mut report = VerifyReport::default();
-    let mut good: HashMap<PackId, HashSet<(BlockKey, u64)>> = HashMap::new();
-    for pack in live {
-        let store2 = store.clone();
-        let checked = blocking(move || {
-            Ok(store2
-                .medium()
-                .read_all(&pack.id)
-                .map(|bytes| format::verify_pack(&bytes, &pack.id)))
+    let live: Vec<PackId> = match &shared {
+        Some(index) => {
+            report.entries_affected += super::cluster_gc::rows_off_live_packs(index).await?;
+            super::cluster_gc::live_packs(index).await?
+        }
+        None => {
+            let store = store.clone();
+            blocking(move || {
+                Ok(store
+                    .index()?
+                    .packs()?
+                    .into_iter()
+                    .filter(|p| !p.retired)
+                    .map(|p| p.id)
+                    .collect())
+            })
+            .await?
+        }
+    };
+    progress.phase("verify", live.len() as u64);
+    if shared.is_none() {
+        // Entries naming a pack that is not live (retired or unknown).
+        let live_set: HashSet<PackId> = live.iter().copied().collect();
+        let store = store.clone();
+        report.entries_affected += blocking(move || {
+            let mut affected = 0;
+            store.index()?.for_each_block(&mut |_, at| {
+                affected += u64::from(!live_set.contains(&at.pack));
+                Ok(())
+            })?;
+            Ok(affected)
         })
         .await?;
-        report.packs_checked += 1;
-        match checked {
-            Ok(Ok(entries)) => {
-                report.blocks_checked += entries.len() as u64;
-                good.insert(pack.id, entries.iter().map(|e| (e.key, e.offset)).collect());
-            }
-            Ok(Err(problem)) => report.damaged.push(format!("{}: {problem}", pack.id)),
-            Err(err) => report.damaged.push(format!("{}: {err}", pack.id)),
-        }
-        progress.advance(1);
     }
-    let store2 = store.clone();
-    report.entries_affected = blocking(move || {
-        let mut affected = 0;
-        store2.index()?.for_each_block(&mut |key, at| {
-            if !good
-                .get(&at.pack)
-                .is_some_and(|s| s.contains(&(key, at.offset)))
-            {
-                affected += 1;
+    for group in live.chunks(VERIFY_GROUP) {
+        let mut good: HashMap<PackId, HashSet<(BlockKey, u64)>> = HashMap::new();
+        for id in group {
+            let (store2, id) = (store.clone(), *id);
+            let checked = blocking(move || {
+                Ok(store2
+                    .medium()
+                    .read_all(&id)
+                    .map(|bytes| format::verify_pack(&bytes, &id)))
+            })
+            .await?;
+            report.packs_checked += 1;
+            let directory = match checked {
+                Ok(Ok(entries)) => {
+                    report.blocks_checked += entries.len() as u64;
+                    entries.iter().map(|e| (e.key, e.offset)).collect()
+                }
+                Ok(Err(problem)) => {
+                    report.damaged.push(format!("{id}: {problem}"));
+                    HashSet::new()
+                }
+                Err(err) => {
+                    report.damaged.push(format!("{id}: {err}"));
+                    HashSet::new()
+                }
+            };
+            good.insert(id, directory);
+            progress.advance(1);
+        }
+        report.entries_affected += match &shared {
+            Some(index) => {
+                let mut affected = 0;
+                for (id, directory) in &good {
+                    let rows = super::cluster_gc::live_rows(index, id).await?;
+                    affected += rows.iter().filter(|r| !directory.contains(r)).count() as u64;
+                }
+                affected
             }
-            Ok(())
-        })?;
-        Ok(affected)
-    })
-    .await?;
+            None => {
+                let store = store.clone();
+                blocking(move || {
+                    let mut affected = 0;
+                    store.index()?.for_each_block(&mut |key, at| {
+                        if let Some(directory) = good.get(&at.pack) {
+                            affected += u64::from(!directory.contains(&(key, at.offset)));
+                        }
+                        Ok(())
+                    })?;
+                    Ok(affected)
+                })
+                .await?
+            }
+        };
+    }
     Ok(report)
 }
 
