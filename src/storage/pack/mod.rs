@@ -35,7 +35,7 @@ pub mod runs;
 pub mod s3;
 pub mod shared;
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::fs::File;
 use std::io::{IoSlice, Write};
 use std::path::{Path, PathBuf};
@@ -349,8 +349,9 @@ impl BlockStore for PackStore {
     }
 
     /// On a medium that coalesces reads (S3), the blocks are located [`runs::LOCATE_BATCH`]
-    /// at a time and read one run of adjacent blocks per streamed request, with the next
-    /// run's request sent while the current one is read; otherwise one by one.
+    /// at a time and read one run of adjacent blocks per streamed request (a run may span
+    /// lookup batches: [`runs::Planner`]), with the next run's request sent while the
+    /// current one is read; otherwise one by one.
     fn read_blocks(self: Arc<Self>, keys: Vec<BlockKey>) -> BlockStream {
         if !self.inner.medium.coalesces_reads() {
             return read_each(self, keys);
@@ -360,31 +361,47 @@ impl BlockStore for PackStore {
             .chunks(runs::LOCATE_BATCH)
             .map(<[BlockKey]>::to_vec)
             .collect();
-        futures_util::stream::iter(batches)
-            .then(move |batch| {
+        let last = batches.len().saturating_sub(1);
+        // The planner and the keys of the runs it has not closed yet carry over from one
+        // lookup batch to the next; after a failed lookup the stream ends with its error.
+        let carried = (runs::Planner::default(), VecDeque::<BlockKey>::new(), false);
+        futures_util::stream::iter(batches.into_iter().enumerate())
+            .then(move |(i, batch)| {
                 let store = store.clone();
                 async move {
                     let located = store.locate_many(batch.clone()).await;
-                    (store, batch, located)
+                    (store, i, batch, located)
                 }
             })
-            .flat_map(|(store, batch, located)| {
-                let steps = match located {
-                    Ok(located) => {
-                        let mut keys = batch.into_iter();
-                        runs::plan(&located)
-                            .into_iter()
-                            .map(|step| {
-                                let keys: Vec<BlockKey> =
-                                    keys.by_ref().take(step.blocks()).collect();
-                                Ok((store.clone(), step, keys))
-                            })
-                            .collect()
-                    }
-                    Err(e) => vec![Err(e)],
-                };
-                futures_util::stream::iter(steps)
-            })
+            .scan(
+                carried,
+                move |(planner, pending, failed), (store, i, batch, located)| {
+                    let steps = match located {
+                        _ if *failed => return futures_util::future::ready(None),
+                        Ok(located) => {
+                            pending.extend(batch);
+                            let mut steps = planner.push(&located);
+                            if i == last {
+                                steps.extend(std::mem::take(planner).finish());
+                            }
+                            steps
+                                .into_iter()
+                                .map(|step| {
+                                    let keys: Vec<BlockKey> =
+                                        pending.drain(..step.blocks()).collect();
+                                    Ok((store.clone(), step, keys))
+                                })
+                                .collect()
+                        }
+                        Err(e) => {
+                            *failed = true;
+                            vec![Err(e)]
+                        }
+                    };
+                    futures_util::future::ready(Some(futures_util::stream::iter(steps)))
+                },
+            )
+            .flatten()
             .map(|step| {
                 // Each step's request is sent on a task of its own, so the next run's
                 // round trip overlaps the reading of this one (`READ_RESPONSES`).

@@ -10,8 +10,9 @@
 //! block plus the HTTP client's read buffer. Blocks the index does not name (absent, or in
 //! the legacy file-per-block directory) are read on their own.
 //!
-//! `plan` is pure; the tests check that it covers every requested block once, in order,
-//! at its indexed place.
+//! `plan` and its batch-at-a-time form [`Planner`] are pure; the tests check that the
+//! plan covers every requested block once, in order, at its indexed place, and that
+//! planning batch by batch gives the same steps (runs continue across lookup batches).
 
 use std::collections::VecDeque;
 
@@ -68,40 +69,56 @@ impl Step {
 
 /// Group `located` (the index's answer for each requested block, in order) into steps.
 pub fn plan(located: &[Option<Location>]) -> Vec<Step> {
-    let mut steps = Vec::new();
-    let mut open: Option<(PackId, u64, u64, Vec<Piece>)> = None; // pack, start, end, pieces
-    for at in located {
-        let Some(at) = at else {
-            if let Some(run) = open.take() {
-                steps.push(close(run));
-            }
-            steps.push(Step::Alone);
-            continue;
-        };
-        let end = at.offset + u64::from(at.len);
-        if let Some((pack, start, run_end, pieces)) = &mut open {
-            let joins = *pack == at.pack
-                && at.offset >= *run_end
-                && at.offset - *run_end <= MAX_GAP
-                && end - *start <= MAX_RUN;
-            if joins {
-                pieces.push(Piece {
-                    at: at.offset - *start,
-                    len: at.len,
-                });
-                *run_end = end;
-                continue;
-            }
-        }
-        if let Some(run) = open.take() {
-            steps.push(close(run));
-        }
-        open = Some((at.pack, at.offset, end, vec![Piece { at: 0, len: at.len }]));
-    }
-    if let Some(run) = open.take() {
-        steps.push(close(run));
-    }
+    let mut planner = Planner::default();
+    let mut steps = planner.push(located);
+    steps.extend(planner.finish());
     steps
+}
+
+/// [`plan`] fed one lookup batch at a time: a run still open at the end of a batch stays
+/// open for the next one, so a download's runs do not split at batch boundaries. The
+/// steps of all pushes and the finish, in order, equal `plan` of the whole request.
+#[derive(Debug, Default)]
+pub struct Planner {
+    /// The open run: pack, start, end, pieces.
+    open: Option<(PackId, u64, u64, Vec<Piece>)>,
+}
+
+impl Planner {
+    /// The steps that `located` (the next blocks of the request) completes.
+    pub fn push(&mut self, located: &[Option<Location>]) -> Vec<Step> {
+        let mut steps = Vec::new();
+        for at in located {
+            let Some(at) = at else {
+                steps.extend(self.open.take().map(close));
+                steps.push(Step::Alone);
+                continue;
+            };
+            let end = at.offset + u64::from(at.len);
+            if let Some((pack, start, run_end, pieces)) = &mut self.open {
+                let joins = *pack == at.pack
+                    && at.offset >= *run_end
+                    && at.offset - *run_end <= MAX_GAP
+                    && end - *start <= MAX_RUN;
+                if joins {
+                    pieces.push(Piece {
+                        at: at.offset - *start,
+                        len: at.len,
+                    });
+                    *run_end = end;
+                    continue;
+                }
+            }
+            steps.extend(self.open.take().map(close));
+            self.open = Some((at.pack, at.offset, end, vec![Piece { at: 0, len: at.len }]));
+        }
+        steps
+    }
+
+    /// The run still open at the end of the request, if any.
+    pub fn finish(self) -> Option<Step> {
+        self.open.map(close)
+    }
 }
 
 fn close((pack, start, end, pieces): (PackId, u64, u64, Vec<Piece>)) -> Step {
@@ -280,6 +297,38 @@ mod tests {
     }
 
     proptest! {
+        // Planning in lookup batches of any sizes gives exactly the plan of the whole
+        // request: a run open at a batch's end continues into the next batch.
+        #[test]
+        fn planning_in_batches_equals_planning_the_whole_request(
+            blocks in proptest::collection::vec((0u8..3, 0u64..4, 1u32..300, any::<bool>()), 0..60),
+            cuts in proptest::collection::vec(1usize..20, 1..10),
+        ) {
+            // Mostly increasing offsets within a pack, with gaps and absent blocks.
+            let mut next = [0u64; 3];
+            let located: Vec<Option<Location>> = blocks
+                .iter()
+                .map(|(p, gap, len, present)| {
+                    let at = next[*p as usize] + 40 + gap * 100_000;
+                    next[*p as usize] = at + u64::from(*len);
+                    if *present { loc(*p, at, *len) } else { None }
+                })
+                .collect();
+            let mut planner = Planner::default();
+            let mut steps = Vec::new();
+            let mut rest = &located[..];
+            for cut in cuts.iter().cycle() {
+                if rest.is_empty() {
+                    break;
+                }
+                let (batch, tail) = rest.split_at((*cut).min(rest.len()));
+                steps.extend(planner.push(batch));
+                rest = tail;
+            }
+            steps.extend(planner.finish());
+            prop_assert_eq!(steps, plan(&located));
+        }
+
         /// Every requested block is covered once, in order, at its indexed bytes, and
         /// every run stays within its limits.
         #[test]
