@@ -188,6 +188,87 @@ async fn read_all(
     Ok(out)
 }
 
+// Checks STO-21: small uploads that commit at the same time on S3 share group packs:
+// fewer PUTs than uploads, a block two of them share written once per group pack, every
+// block indexed and read back byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_uploads_committing_together_share_group_packs_on_s3() {
+    use graviton::cas::BlockKey;
+    use graviton::storage::BlockStore;
+    use graviton::storage::pack::{PackOptions, PackStore, format};
+    use std::sync::Arc;
+
+    let Some(s3) = s3_config("small_uploads_committing_together_share_group_packs_on_s3") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let medium = Arc::new(S3Medium::new(&s3, None).unwrap());
+    medium.probe().await.unwrap();
+    let options = PackOptions {
+        pack_size: 8 << 20,
+        fsync: false,
+        trace: None,
+    };
+    let store = PackStore::open(dir.path(), medium.clone(), options).unwrap();
+    const UPLOADS: usize = 24;
+    let shared = bytes::Bytes::from(random_bytes(32 << 10, 500));
+    let mut sessions = Vec::new();
+    let mut blocks = Vec::new();
+    for u in 0..UPLOADS {
+        let mut session = store.begin().unwrap();
+        let mut own = vec![shared.clone()];
+        own.extend(
+            (0..3).map(|b| bytes::Bytes::from(random_bytes(32 << 10, 501 + (u * 3 + b) as u64))),
+        );
+        for block in &own {
+            session
+                .append(BlockKey::of(block), block.clone())
+                .await
+                .unwrap();
+        }
+        sessions.push(session);
+        blocks.extend(own);
+    }
+    let before = medium.pack_puts();
+    let commits = futures_util::future::join_all(sessions.into_iter().map(|s| s.commit())).await;
+    for commit in commits {
+        assert_eq!(
+            commit.unwrap().packs,
+            1,
+            "each upload names one (group) pack"
+        );
+    }
+    let puts = medium.pack_puts() - before;
+    assert!(
+        puts < (UPLOADS / 2) as u64,
+        "{puts} PUTs for {UPLOADS} small uploads committing together"
+    );
+    let lister = medium.clone();
+    let packs = tokio::task::spawn_blocking(move || lister.list().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(packs.len() as u64, puts, "every PUT is a pack");
+    for (id, _) in packs {
+        let reader = medium.clone();
+        let bytes = tokio::task::spawn_blocking(move || reader.read_all(&id).unwrap())
+            .await
+            .unwrap();
+        let entries = format::verify_pack(&bytes, &id).unwrap();
+        let copies = entries
+            .iter()
+            .filter(|e| e.key == BlockKey::of(&shared))
+            .count();
+        assert!(
+            copies <= 1,
+            "a block shared by a group is written once per pack"
+        );
+    }
+    for block in &blocks {
+        let got = store.get(BlockKey::of(block)).await.unwrap();
+        assert_eq!(got.as_ref(), Some(block), "byte-exact from its group pack");
+    }
+}
+
 // Checks STO-17: a download from S3 reads each run of adjacent blocks of a pack with one
 // ranged GET (here, exactly one per pack), not one GET per block.
 #[tokio::test]

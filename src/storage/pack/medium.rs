@@ -52,6 +52,12 @@ pub trait Medium: Send + Sync + std::fmt::Debug + 'static {
     fn publish_behind(&self) -> bool {
         false
     }
+    /// Whether every pack published is a request priced on its own (S3), so the small
+    /// last packs of concurrent uploads are published together ([`super::group`]).
+    /// Local: no (a small pack costs one file sync, and grouping would add a copy).
+    fn groups_small_packs(&self) -> bool {
+        false
+    }
     /// Whether every read is a request with a round trip of its own (S3), so the store
     /// reads a run of adjacent blocks with one streamed [`Medium::open_range`] instead of
     /// one `read` per block. Local: no (a `pread` of cached pages takes microseconds).

@@ -22,12 +22,13 @@
 //! Modules: [`format`] (pack bytes), [`index`] (redb), [`shared`] (PostgreSQL),
 //! [`medium`] (local dir or S3), [`s3`] (the S3 medium), [`runs`] (coalesced reads on S3),
 //! [`gc`] (collector, verify, migration), [`cluster_gc`] (the collector over the shared
-//! index).
+//! index), [`group`] (small last packs of concurrent uploads published together on S3).
 
 pub mod cli;
 pub mod cluster_gc;
 pub mod format;
 pub mod gc;
+pub mod group;
 pub mod index;
 pub mod medium;
 pub mod pause;
@@ -100,11 +101,17 @@ struct Inner {
     spool: PathBuf,
     /// Spool files being written by this process's sessions; the collector's sweep of
     /// crash leftovers skips them, whatever `min_age` is.
-    live_spools: Arc<std::sync::Mutex<HashSet<PathBuf>>>,
+    live_spools: LiveSpools,
     options: PackOptions,
+    /// Groups the small last packs of concurrent uploads into one pack, on a medium where
+    /// every pack is a priced request ([`group`]); `None` elsewhere.
+    group: Option<group::GroupWriter>,
     /// The file-per-block directory of older versions, read as a fallback.
     legacy: Option<FsBlockStore>,
 }
+
+/// The set of spool files in use (see `Inner::live_spools`).
+type LiveSpools = Arc<std::sync::Mutex<HashSet<PathBuf>>>;
 
 /// Packs on a medium, indexed in redb under `<data_dir>/index.redb`.
 #[derive(Clone)]
@@ -176,14 +183,26 @@ impl PackStore {
         } else {
             None
         };
+        let live_spools = LiveSpools::default();
+        let group = if medium.groups_small_packs() {
+            Some(group::GroupWriter::start(group::GroupContext {
+                spool: spool.clone(),
+                live_spools: live_spools.clone(),
+                medium: medium.clone(),
+                pack_size: options.pack_size,
+            })?)
+        } else {
+            None
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 index,
                 medium,
                 spool,
-                live_spools: Arc::default(),
+                live_spools,
                 options,
                 legacy,
+                group,
             }),
         })
     }
@@ -676,11 +695,13 @@ struct SealedSpool {
 
 impl OpenPack {
     fn create(store: &PackStore) -> Result<Self, StoreError> {
-        let path = store
-            .inner
-            .spool
-            .join(format!("{}.spool", uuid::Uuid::new_v4().simple()));
-        let live = store.inner.live_spools.clone();
+        Self::create_in(&store.inner.spool, &store.inner.live_spools)
+    }
+
+    /// A new spool file in `spool`, kept in `live` while the pack is open.
+    fn create_in(spool: &Path, live: &LiveSpools) -> Result<Self, StoreError> {
+        let path = spool.join(format!("{}.spool", uuid::Uuid::new_v4().simple()));
+        let live = live.clone();
         if let Ok(mut set) = live.lock() {
             set.insert(path.clone());
         }
@@ -898,7 +919,15 @@ fn write_packs(
             return Err(StoreError::Unavailable("upload aborted".into()));
         }
         if let Some(pack) = open.take() {
-            seal(pack, &mut written)?;
+            match &store.inner.group {
+                // A small last pack on S3: published with those of concurrent uploads.
+                Some(group) if pack.len < store.inner.options.pack_size / group::GROUP_BELOW => {
+                    let (record, locations) = group.submit(pack)?;
+                    written.packs.push(record);
+                    written.new.extend(locations);
+                }
+                _ => seal(pack, &mut written)?,
+            }
         }
         Ok(())
     })();

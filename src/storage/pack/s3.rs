@@ -43,6 +43,7 @@ pub struct S3Medium {
     conditional: AtomicBool,
     /// GET requests sent for block reads (ranged reads and streamed runs).
     reads: AtomicU64,
+    puts: AtomicU64,
     label: String,
     trace: Option<TraceHook>,
 }
@@ -136,6 +137,7 @@ impl S3Medium {
             runtime,
             conditional: AtomicBool::new(false),
             reads: AtomicU64::new(0),
+            puts: AtomicU64::new(0),
             label: format!(
                 "S3 packs in bucket {} at {} (prefix {})",
                 config.bucket,
@@ -196,8 +198,14 @@ impl S3Medium {
         self.reads.load(Ordering::Relaxed)
     }
 
+    /// Packs PUT so far (tests and benchmarks count them).
+    pub fn pack_puts(&self) -> u64 {
+        self.puts.load(Ordering::Relaxed)
+    }
+
     /// One PUT of `data` as pack `id` (used by publish and compaction).
     pub fn put_pack(&self, id: &PackId, data: Bytes) -> Result<(), StoreError> {
+        self.puts.fetch_add(1, Ordering::Relaxed);
         let path = self.path(id);
         let mode = if self.conditional_create() {
             PutMode::Create
@@ -280,6 +288,10 @@ fn map_file(file: &File) -> std::io::Result<Bytes> {
 }
 
 impl Medium for S3Medium {
+    fn groups_small_packs(&self) -> bool {
+        true
+    }
+
     fn publish(&self, spool: File, spool_path: &Path, id: &PackId) -> Result<(), StoreError> {
         drop(spool);
         // The spool was written through a write-only handle: map a reading one.
