@@ -11,7 +11,9 @@
 //!    verified) and compared with raw whole GETs of the same pack objects from the same
 //!    server, one at a time and all at once (the download target: >= 0.8 of raw reads);
 //! 4. one PUT per block (FastCDC blocks, BLAKE3-named objects), 16 in flight: the layout
-//!    packs replace.
+//!    packs replace;
+//! 5. 512 small uploads (100 KiB) 32 at a time through the pipeline (group commit of their
+//!    last packs, STO-21) against one PUT per upload of the same bytes, as many at a time.
 //!
 //! Each row prints throughput and the requests it made (PUTs, HEADs). Random data, so
 //! nothing deduplicates. Run: `scripts/services.sh` (sourced), then
@@ -277,6 +279,73 @@ async fn put_per_block(data: &Bytes) -> (Duration, usize) {
     (elapsed, count_and_clear(medium).await)
 }
 
+/// Small uploads committing together (group commit, STO-21): `SMALL_UPLOADS` uploads of
+/// `SMALL_SIZE` bytes each, `SMALL_IN_FLIGHT` at a time, through the ingest pipeline into
+/// S3 packs (redb index); returns the time and the packs PUT. The baseline is one PUT
+/// per upload of the same bytes, as many at a time.
+const SMALL_UPLOADS: usize = 512;
+const SMALL_SIZE: usize = 100 << 10;
+const SMALL_IN_FLIGHT: usize = 32;
+
+async fn small_uploads(data: &Bytes) -> (Duration, u64) {
+    let medium = medium(&format!("bench-small-{}", support::unique_suffix())).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store: Arc<dyn BlockStore> =
+        Arc::new(PackStore::open(dir.path(), medium.clone(), options()).expect("store"));
+    let manifests: Arc<dyn ManifestStore> =
+        Arc::new(FsManifestStore::open(dir.path(), false).expect("manifests"));
+    let pieces: Vec<Bytes> = (0..SMALL_UPLOADS)
+        .map(|i| data.slice(i * SMALL_SIZE..(i + 1) * SMALL_SIZE))
+        .collect();
+    let before = medium.pack_puts();
+    let started = Instant::now();
+    futures_util::stream::iter(pieces)
+        .map(|piece| {
+            let (store, manifests) = (store.clone(), manifests.clone());
+            async move {
+                let limits = limits_for(&piece);
+                ingest(
+                    futures_util::stream::iter(frames(&piece)),
+                    limits,
+                    store,
+                    manifests,
+                    |_| {},
+                )
+                .await
+                .expect("ingest")
+            }
+        })
+        .buffer_unordered(SMALL_IN_FLIGHT)
+        .for_each(|_| async {})
+        .await;
+    let elapsed = started.elapsed();
+    let puts = medium.pack_puts() - before;
+    count_and_clear(medium).await;
+    (elapsed, puts)
+}
+
+async fn small_plain_puts(data: &Bytes) -> (Duration, usize) {
+    let medium = medium(&format!("bench-small-plain-{}", support::unique_suffix())).await;
+    let pieces: Vec<Bytes> = (0..SMALL_UPLOADS)
+        .map(|i| data.slice(i * SMALL_SIZE..(i + 1) * SMALL_SIZE))
+        .collect();
+    let m = medium.clone();
+    let started = Instant::now();
+    futures_util::stream::iter(pieces)
+        .map(|piece| {
+            let m = m.clone();
+            tokio::task::spawn_blocking(move || {
+                let id = PackId(*blake3::hash(&piece).as_bytes());
+                m.put_pack(&id, piece).expect("PUT");
+            })
+        })
+        .buffer_unordered(SMALL_IN_FLIGHT)
+        .for_each(|done| async move { done.expect("task") })
+        .await;
+    let elapsed = started.elapsed();
+    (elapsed, count_and_clear(medium).await)
+}
+
 fn main() {
     let mib: usize = std::env::var("GRAVITON_BENCH_S3_MIB")
         .ok()
@@ -369,5 +438,22 @@ fn main() {
             per_block.as_secs_f64() / local.as_secs_f64(),
             block_puts as f64 / local_puts.max(1) as f64
         );
+        if size >= SMALL_UPLOADS * SMALL_SIZE {
+            let small_bytes = (SMALL_UPLOADS * SMALL_SIZE) as f64;
+            let small_gib = small_bytes / (1u64 << 30) as f64;
+            let (plain, plain_puts) = small_plain_puts(&data).await;
+            let (grouped, puts) = small_uploads(&data).await;
+            println!(
+                "{SMALL_UPLOADS} uploads of {} KiB, {SMALL_IN_FLIGHT} at a time: one PUT per upload \
+                 {:.1} MB/s ({plain_puts} PUTs); ingest with group commit {:.1} MB/s, ratio {:.2}, \
+                 {puts} PUTs ({:.3} per upload, {:.0}/GiB)",
+                SMALL_SIZE >> 10,
+                small_bytes / plain.as_secs_f64() / 1e6,
+                small_bytes / grouped.as_secs_f64() / 1e6,
+                plain.as_secs_f64() / grouped.as_secs_f64(),
+                puts as f64 / SMALL_UPLOADS as f64,
+                puts as f64 / small_gib
+            );
+        }
     });
 }
