@@ -656,6 +656,69 @@ async fn verify_on_the_shared_index_reports_a_lost_and_a_corrupt_pack() {
     assert_eq!(report.entries_affected as i64, affected, "{report:?}");
 }
 
+// Checks STO-5 in a cluster: the file-per-block directory of a shared mount moves into
+// the bucket and the shared index (`graviton migrate-blocks` in cluster mode): every
+// block indexed and byte-exact, the files removed only after their commit, a rerun
+// finds nothing left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_mounts_blocks_migrate_into_the_bucket_and_the_shared_index() {
+    let test = "a_shared_mounts_blocks_migrate_into_the_bucket_and_the_shared_index";
+    let Some(db) = support::TestDatabase::create(test).await else {
+        return;
+    };
+    if s3_storage_toml(test, std::path::Path::new("/"), "", "").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let legacy = graviton::storage::fs::FsBlockStore::open(dir.path(), false).unwrap();
+    let blocks: Vec<Bytes> = (0..30)
+        .map(|i| Bytes::from(random_bytes(40 << 10, 600 + i)))
+        .collect();
+    for block in &blocks {
+        legacy
+            .put(BlockKey::of(block), block.clone())
+            .await
+            .unwrap();
+    }
+    let pool = sqlx::PgPool::connect(db.url()).await.unwrap();
+    graviton::storage::pg::migrate(&pool).await.unwrap();
+    let medium = S3Medium::new(
+        &s3_config(&format!("migrate-{}", support::unique_suffix())),
+        None,
+    )
+    .unwrap();
+    medium.probe().await.unwrap();
+    let store = PackStore::open_shared(
+        dir.path(),
+        Arc::new(medium),
+        PackOptions {
+            pack_size: 1 << 20,
+            fsync: false,
+            trace: None,
+        },
+        PgIndex::new(pool),
+    )
+    .unwrap();
+    assert_eq!(gc::migrate_blocks(&store, &mut Quiet).await.unwrap(), 30);
+    assert!(legacy.list().unwrap().is_empty(), "the files are gone");
+    let index = store.shared().unwrap();
+    for block in &blocks {
+        assert!(index.lookup(&BlockKey::of(block)).await.unwrap().is_some());
+        assert_eq!(
+            store.get(BlockKey::of(block)).await.unwrap().as_ref(),
+            Some(block)
+        );
+    }
+    assert!(pack_rows(db.url()).await >= 2, "1.2 MiB in 1 MiB packs");
+    assert_eq!(gc::migrate_blocks(&store, &mut Quiet).await.unwrap(), 0);
+    let report = gc::verify(&store, &mut Quiet).await.unwrap();
+    assert!(
+        report.damaged.is_empty() && report.entries_affected == 0,
+        "{report:?}"
+    );
+    assert_eq!(report.blocks_checked, 30, "{report:?}");
+}
+
 // Checks STO-13 (and STO-10 with real processes): `graviton gc` against the cluster stops
 // (SIGSTOP) right after it has chosen its candidates, and stays stopped past min_age
 // while the node keeps taking uploads, one of which deduplicates against those very

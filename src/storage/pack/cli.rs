@@ -2,7 +2,8 @@
 //! node's data directory (the node must be stopped: the index is opened by one process;
 //! a running node collects on its own schedule, `storage.gc.interval`). In cluster mode
 //! on S3, `graviton gc` runs the cluster collector and `graviton verify` checks the
-//! shared index and bucket, both beside the running nodes.
+//! shared index and bucket, both beside the running nodes, and `graviton migrate-blocks`
+//! moves a shared mount's `blocks/` into the bucket.
 
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -14,6 +15,7 @@ use crate::config::Config;
 use crate::storage::ManifestStore;
 use crate::storage::fs::FsManifestStore;
 use crate::storage::open::open_pack_store;
+use crate::storage::pack::PackStore;
 
 /// A progress bar on a terminal, nothing otherwise.
 pub struct Bar(Option<ProgressBar>);
@@ -63,25 +65,29 @@ impl Drop for Bar {
 fn refuse_cluster(config: &Config) -> anyhow::Result<()> {
     if config.cluster.enabled {
         anyhow::bail!(
-            "this command works on a single node's data directory; a cluster on S3 is \
-             collected with `graviton gc` or POST /v1/admin/gc (one run at a time in the \
-             cluster) and checked with `graviton verify`; migrate-blocks is not available \
-             in cluster mode"
+            "`graviton gc --restore` works on a single node's data directory; in a \
+             cluster on S3 a quarantined block is stored again by the next upload of its \
+             bytes"
         );
     }
     Ok(())
 }
 
+/// The cluster's shared store (S3 packs, PostgreSQL index) for `command`.
+async fn cluster_store(config: &Config, command: &str) -> anyhow::Result<PackStore> {
+    if config.storage.backend_in(true) != crate::storage::config::Backend::S3 {
+        anyhow::bail!(
+            "{command} in cluster mode needs storage.backend = \"s3\" (the shared-mount \
+             file-per-block layout has no packs)"
+        );
+    }
+    Ok(crate::storage::open::open_shared_pack_store(config).await?)
+}
+
 /// `graviton gc` against a cluster on S3: the shared index and the PostgreSQL manifests;
 /// the cluster's advisory lock keeps it to one run (running nodes may keep serving).
 async fn run_cluster_gc(config: &Config, dry_run: bool, purge: bool) -> anyhow::Result<GcReport> {
-    if config.storage.backend_in(true) != crate::storage::config::Backend::S3 {
-        anyhow::bail!(
-            "the cluster collector needs storage.backend = \"s3\" (the shared-mount \
-             file-per-block layout has no collector)"
-        );
-    }
-    let store = crate::storage::open::open_shared_pack_store(config).await?;
+    let store = cluster_store(config, "gc").await?;
     let pool = store
         .shared()
         .map(|index| index.pool().clone())
@@ -147,13 +153,7 @@ pub async fn run_gc(
 /// index and bucket (read-only, so it may run beside the nodes).
 pub async fn run_verify(config: &Config) -> anyhow::Result<VerifyReport> {
     let store = if config.cluster.enabled {
-        if config.storage.backend_in(true) != crate::storage::config::Backend::S3 {
-            anyhow::bail!(
-                "verify in cluster mode needs storage.backend = \"s3\" (the shared-mount \
-                 file-per-block layout has no packs to check)"
-            );
-        }
-        crate::storage::open::open_shared_pack_store(config).await?
+        cluster_store(config, "verify").await?
     } else {
         open_pack_store(&config.storage).await?
     };
@@ -161,10 +161,15 @@ pub async fn run_verify(config: &Config) -> anyhow::Result<VerifyReport> {
     Ok(gc::verify(&store, &mut bar).await?)
 }
 
-/// `graviton migrate-blocks`.
+/// `graviton migrate-blocks`: the `blocks/` directory under `storage.data_dir` into packs
+/// of the node's store, or in cluster mode on S3 into the shared bucket and index (point
+/// `data_dir` at the old shared mount for the run, with the cluster stopped).
 pub async fn run_migrate(config: &Config) -> anyhow::Result<u64> {
-    refuse_cluster(config)?;
-    let store = open_pack_store(&config.storage).await?;
+    let store = if config.cluster.enabled {
+        cluster_store(config, "migrate-blocks").await?
+    } else {
+        open_pack_store(&config.storage).await?
+    };
     let mut bar = Bar::new();
     Ok(gc::migrate_blocks(&store, &mut bar).await?)
 }
