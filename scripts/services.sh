@@ -6,6 +6,8 @@
 # 127.0.0.1:5432 and otherwise starts a private cluster on port 55432.
 # Exports GRAVITON_TEST_DATABASE_URL for the tests. Tests start their own redis-server
 # processes (one per test), so only the binary must exist.
+# fuse3 (fusermount3) is installed for the power-loss tests, which mount a FUSE filesystem
+# of their own (/dev/fuse must exist).
 # Garage (an S3-compatible store) is installed with `cargo install garage --locked` unless
 # a binary is on PATH or in ~/.cargo/bin, and started as a single node (replication
 # factor 1, data and metadata fsync on) on 127.0.0.1:3900; the GRAVITON_TEST_S3_* variables
@@ -20,6 +22,12 @@ apt_install() {
 if ! command -v redis-server >/dev/null 2>&1; then
   echo "installing redis-server" >&2
   apt_install redis-server
+fi
+
+# The power-loss tests mount a FUSE filesystem of their own (tests/support/lazyfs.rs).
+if ! command -v fusermount3 >/dev/null 2>&1; then
+  echo "installing fuse3" >&2
+  apt_install fuse3
 fi
 
 pg_bin_dir() {

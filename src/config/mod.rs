@@ -80,7 +80,8 @@ impl Default for NodeConfig {
 pub struct StorageConfig {
     /// Root of `packs/`, `index.redb` and `manifests/` (and the legacy `blocks/`).
     pub data_dir: PathBuf,
-    /// Sync pack data, the index and manifests before acknowledging an upload.
+    /// Sync pack data and manifests before acknowledging an upload (the redb index
+    /// commits durably whatever this says).
     pub fsync: bool,
     /// `fs` or `s3`; unset: `fs` on one node, `s3` in cluster mode.
     pub backend: Option<crate::storage::config::Backend>,

@@ -23,6 +23,7 @@
 pub mod admission_events;
 pub mod cluster;
 pub mod garage;
+pub mod lazyfs;
 pub mod node;
 pub mod pki;
 pub mod placement;
