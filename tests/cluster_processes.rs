@@ -1,6 +1,10 @@
-//! A three-node cluster of real `graviton serve` processes on one PostgreSQL database:
-//! session stickiness, forwarding of a 64 MiB upload to its owner, reads from every node,
-//! drain through the CLI, kill -9 of a node, kill -9 of the manager's process, a second
+//! A three-node cluster of real `graviton serve` processes on one PostgreSQL database,
+//! with blocks on the test S3 server (Garage, `GRAVITON_TEST_S3_*` from
+//! scripts/services.sh): each process has a data directory of its own, the cluster one
+//! key prefix in the bucket, so a blob written by one node is read by the others through
+//! S3 and the block index in PostgreSQL, not through a shared directory. Session
+//! stickiness, forwarding of a 64 MiB upload to its owner, reads from every node, drain
+//! through the CLI, kill -9 of a node, kill -9 of the manager's process, a second
 //! standalone manager failing closed, and a restart of every node.
 
 mod support;
@@ -9,12 +13,57 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use graviton::cas::BlobKey;
+use graviton::config::Secret;
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
 use graviton::placement::hash::shard_of;
-use support::cluster::{BIN, NodeProcess, is_ready};
+use graviton::storage::config::S3Config;
+use graviton::storage::pack::medium::Medium;
+use graviton::storage::pack::s3::S3Medium;
+use support::cluster::{BIN, NodeProcess, is_ready, s3_storage_toml};
 use support::node::random_bytes;
 
 const SHARDS: u32 = 32;
+
+/// The `[storage]` sections of the nodes of one test: blocks on the test S3 server under
+/// one prefix per test (shared by the test's nodes, returned first), and a data directory
+/// per node, `<dir>/<id>-data`. `None` (after the skip report, or a failure under
+/// `GRAVITON_REQUIRE_SERVICES=1`) without an S3 server.
+fn s3_storage(
+    test: &str,
+    dir: &std::path::Path,
+    ids: &[&str],
+) -> Option<(String, HashMap<String, String>)> {
+    let prefix = format!("cluster-processes-{}", support::unique_suffix());
+    let storage = ids
+        .iter()
+        .map(|id| {
+            s3_storage_toml(test, &dir.join(format!("{id}-data")), &prefix, "")
+                .map(|toml| (id.to_string(), toml))
+        })
+        .collect::<Option<_>>()?;
+    Some((prefix, storage))
+}
+
+/// Pack objects under `prefix` in the test bucket (the same server and credentials as
+/// [`s3_storage_toml`]).
+async fn s3_packs(prefix: &str) -> usize {
+    let var = |name: &str| std::env::var(name).unwrap_or_default();
+    let config = S3Config {
+        endpoint: var("GRAVITON_TEST_S3_ENDPOINT"),
+        bucket: var("GRAVITON_TEST_S3_BUCKET"),
+        region: std::env::var("GRAVITON_TEST_S3_REGION").unwrap_or_else(|_| "garage".into()),
+        path_style: true,
+        prefix: prefix.to_string(),
+        access_key_id: var("GRAVITON_TEST_S3_ACCESS_KEY"),
+        secret_access_key: Some(Secret::new(var("GRAVITON_TEST_S3_SECRET_KEY"))),
+        ..Default::default()
+    };
+    let medium = S3Medium::new(&config, None).expect("S3 client");
+    // Medium calls block (the store runs them on the blocking pool).
+    tokio::task::spawn_blocking(move || medium.list().expect("list packs").len())
+        .await
+        .unwrap()
+}
 
 fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
@@ -88,13 +137,21 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("shared-data");
     let db_url = db.url().to_string();
     let db_url = db_url.as_str();
     let names = ["node-a", "node-b", "node-c"];
+    let Some((prefix, storage)) = s3_storage(
+        "three_processes_forward_drain_fail_over_and_restart",
+        dir.path(),
+        &names,
+    ) else {
+        return;
+    };
     let mut nodes: Vec<NodeProcess> = names
         .iter()
-        .map(|id| NodeProcess::start(dir.path(), id, db_url, SHARDS, &data))
+        .map(|id| {
+            NodeProcess::start_with_storage(dir.path(), id, db_url, SHARDS, &storage[*id], "")
+        })
         .collect();
 
     // Every node becomes ready (owns shards) and the table covers every shard.
@@ -159,6 +216,14 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
             "bytes differ when read from {}",
             node.id
         );
+    }
+    // The blocks are in the bucket (64 MiB in 8 MiB packs), not in a node's directory:
+    // the other nodes read them through S3 and the block index in PostgreSQL.
+    let packs = s3_packs(&prefix).await;
+    assert!(packs >= 8, "{packs} pack objects under {prefix}");
+    for id in names {
+        let local = support::node::packed_blocks(&dir.path().join(format!("{id}-data")));
+        assert_eq!(local, 0, "{id} holds packs of its own");
     }
 
     // Sticky: the same session from every node goes to the same owner.
@@ -312,7 +377,15 @@ async fn internal_listener_refuses_unauthenticated_requests_before_the_body() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let node = NodeProcess::start(dir.path(), "solo", db.url(), 8, &dir.path().join("data"));
+    let Some((_, storage)) = s3_storage(
+        "internal_listener_refuses_unauthenticated_requests_before_the_body",
+        dir.path(),
+        &["solo"],
+    ) else {
+        return;
+    };
+    let node =
+        NodeProcess::start_with_storage(dir.path(), "solo", db.url(), 8, &storage["solo"], "");
     let http = client();
     assert!(
         support::wait_until(Duration::from_secs(60), || is_ready(&http, &node.url)).await,
