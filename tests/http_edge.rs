@@ -240,6 +240,41 @@ async fn oversized_request_heads_get_431() {
     assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
 }
 
+// An upload refused before its body is read (413 on the declared length) is answered
+// with `Connection: close`, and the server does close: a keep-alive client must not
+// send its next request on that connection. An upload read to its end keeps it.
+#[tokio::test]
+async fn an_answer_before_the_body_is_read_says_connection_close() {
+    let node = TestNode::start_with(
+        |c| c.upload.max_blob_size = ByteSize::mib(1),
+        NodeOptions::default(),
+    )
+    .await;
+    let request = "POST /v1/blobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\nContent-Length: 10485760\r\n\r\n";
+    let mut stream = TcpStream::connect(node.addr()).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    stream.write_all(&[7u8; 4096]).await.unwrap();
+    let answer = read_until_closed(&mut stream, Duration::from_secs(10))
+        .await
+        .expect("the server closes after refusing an unread body");
+    let answer = String::from_utf8_lossy(&answer).to_ascii_lowercase();
+    assert!(answer.starts_with("http/1.1 413"), "{answer}");
+    assert!(answer.contains("\r\nconnection: close\r\n"), "{answer}");
+
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let response = client
+        .post(format!("{}/v1/blobs", node.url))
+        .body(vec![1u8; 1000])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    assert!(
+        response.headers().get("connection").is_none(),
+        "{response:?}"
+    );
+}
+
 #[tokio::test]
 async fn cors_preflight_allows_the_locality_and_tus_headers_and_exposes_location() {
     let node = TestNode::start_with(

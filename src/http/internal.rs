@@ -208,6 +208,7 @@ pub fn router(state: InternalState) -> Router {
             "/internal/v1/sessions/{tenant}/{session}/blobs",
             head(preflight).post(ingest),
         )
+        .layer(axum::middleware::from_fn(super::unread::close_if_unread))
         .with_state(state)
 }
 

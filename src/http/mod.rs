@@ -7,6 +7,7 @@
 //! - [`openapi`]: the OpenAPI 3.1 document, `GET /openapi.json`
 //! - [`console`]: the operator console, `GET /console` and its data `GET /v1/admin/console`
 //! - [`rejections`]: extractor rejections answered in the JSON error format
+//! - [`unread`]: `Connection: close` on answers sent before the request body was read
 //! - [`admin_gate`]: the admin token checked before an admin request's extractors
 //! - [`headers`]: header checks that run before the body is read
 //! - [`error`]: [`ApiError`], the one place errors become responses
@@ -36,6 +37,7 @@ pub mod rejections;
 pub mod tls;
 pub mod tus;
 pub mod tus_internal;
+pub mod unread;
 pub mod upload;
 
 use std::sync::Arc;
@@ -211,6 +213,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             observe::record,
         ))
         .layer(axum::middleware::from_fn(rejections::json_errors))
+        .layer(axum::middleware::from_fn(unread::close_if_unread))
         .with_state(state);
     match cors {
         Some(cors) => router.layer(cors),
