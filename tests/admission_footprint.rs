@@ -587,9 +587,10 @@ async fn uploads_against_a_stopped_block_store_stay_within_process_bytes() {
     let serve = serve_on_garage(dir.path(), &garage, &admission).await;
     warm_up(&serve, 1_000).await;
 
-    // Larger than a pack, a pipeline and both sockets' buffers, so an admitted upload is
-    // still sending when the first PUT of its pack stops it.
-    let size = 64 << 20;
+    // Larger than two packs, a pipeline and both sockets' buffers, so an admitted upload
+    // is still sending when the hung PUT of its first pack stops it (the writer spools a
+    // second pack while the first one is PUT).
+    let size = 3 * PACK_SIZE as usize;
     let bodies: Vec<Arc<Vec<u8>>> = (0..UPLOADS as u64)
         .map(|i| Arc::new(worst_case_body(size, i)))
         .collect();

@@ -46,9 +46,11 @@ pub trait Medium: Send + Sync + std::fmt::Debug + 'static {
     /// Short description for logs (never credentials).
     fn describe(&self) -> String;
     /// Whether the pack writer may write the next pack while this medium publishes the
-    /// last one. Local: yes (the publish is the file's sync; the next pack goes to the
-    /// same disk anyway). Default no: a stopped remote store must stop the upload within
-    /// one pack, so back-pressure reaches the client (ADM-13).
+    /// last one (at most one publish at a time, in pack order). Local: yes (the publish is
+    /// the file's sync). S3: yes (the PUT of one pack overlaps the spooling of the next);
+    /// a stopped server then stops the upload within two packs of spool on disk (one
+    /// being PUT, one written), so back-pressure still reaches the client, and memory is
+    /// unchanged: one pack mapped per upload for its PUT (ADM-13). Default no.
     fn publish_behind(&self) -> bool {
         false
     }

@@ -292,6 +292,10 @@ impl Medium for S3Medium {
         true
     }
 
+    fn publish_behind(&self) -> bool {
+        true
+    }
+
     fn publish(&self, spool: File, spool_path: &Path, id: &PackId) -> Result<(), StoreError> {
         drop(spool);
         // The spool was written through a write-only handle: map a reading one.
