@@ -75,6 +75,58 @@ impl NodeProcess {
         cluster_extra: &str,
         extra: &str,
     ) -> Self {
+        // A port from `free_port` is free when picked, and another process may take it
+        // before the node binds it: a node that exits with EADDRINUSE is started again
+        // on new ports (a harness race, seen once in 30 runs under load).
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut node = Self::launch(
+                dir,
+                id,
+                database_url,
+                shard_count,
+                storage,
+                cluster_extra,
+                extra,
+            );
+            if attempt == 5 || !node.lost_a_port_race() {
+                return node;
+            }
+        }
+    }
+
+    /// Whether the node exited at start because a port was taken meanwhile (polled until
+    /// its public port answers, it exits, or 10 s pass).
+    fn lost_a_port_race(&mut self) -> bool {
+        let public = self.url.trim_start_matches("http://").to_string();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            let exited = self
+                .child
+                .as_mut()
+                .is_some_and(|child| matches!(child.try_wait(), Ok(Some(_))));
+            if exited {
+                return self.log_text().contains("Address already in use");
+            }
+            if std::net::TcpStream::connect(&public).is_ok() {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// Write the node's config on newly picked ports and start it.
+    fn launch(
+        dir: &Path,
+        id: &str,
+        database_url: &str,
+        shard_count: u32,
+        storage: &str,
+        cluster_extra: &str,
+        extra: &str,
+    ) -> Self {
         let (public, internal, control) =
             (super::free_port(), super::free_port(), super::free_port());
         let config = dir.join(format!("{id}.toml"));
@@ -106,6 +158,8 @@ internal_token = "{TOKEN}"
         )
         .expect("write node config");
         let log = dir.join(format!("{id}.log"));
+        // A fresh log per launch: a lost port race is read from it.
+        let _ = std::fs::remove_file(&log);
         let mut node = Self {
             id: id.to_string(),
             config,
