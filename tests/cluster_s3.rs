@@ -263,6 +263,14 @@ async fn two_nodes_on_s3_share_blocks_dedup_and_collect_under_one_lock() {
 
 /// A shared store on the test servers, in process (the collector's races).
 async fn shared_store(test: &str) -> Option<(support::TestDatabase, PackStore, tempfile::TempDir)> {
+    shared_store_in(test, tempfile::tempdir().unwrap()).await
+}
+
+/// [`shared_store`] with `dir` (prepared by the test) as its data directory.
+async fn shared_store_in(
+    test: &str,
+    dir: tempfile::TempDir,
+) -> Option<(support::TestDatabase, PackStore, tempfile::TempDir)> {
     let db = support::TestDatabase::create(test).await?;
     s3_storage_toml(test, std::path::Path::new("/"), "", "")?;
     let pool = sqlx::PgPool::connect(db.url()).await.unwrap();
@@ -273,7 +281,6 @@ async fn shared_store(test: &str) -> Option<(support::TestDatabase, PackStore, t
     )
     .unwrap();
     medium.probe().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
     let store = PackStore::open_shared(
         dir.path(),
         Arc::new(medium),
@@ -663,12 +670,6 @@ async fn verify_on_the_shared_index_reports_a_lost_and_a_corrupt_pack() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_mounts_blocks_migrate_into_the_bucket_and_the_shared_index() {
     let test = "a_shared_mounts_blocks_migrate_into_the_bucket_and_the_shared_index";
-    let Some(db) = support::TestDatabase::create(test).await else {
-        return;
-    };
-    if s3_storage_toml(test, std::path::Path::new("/"), "", "").is_none() {
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let legacy = graviton::storage::fs::FsBlockStore::open(dir.path(), false).unwrap();
     let blocks: Vec<Bytes> = (0..30)
@@ -680,25 +681,9 @@ async fn a_shared_mounts_blocks_migrate_into_the_bucket_and_the_shared_index() {
             .await
             .unwrap();
     }
-    let pool = sqlx::PgPool::connect(db.url()).await.unwrap();
-    graviton::storage::pg::migrate(&pool).await.unwrap();
-    let medium = S3Medium::new(
-        &s3_config(&format!("migrate-{}", support::unique_suffix())),
-        None,
-    )
-    .unwrap();
-    medium.probe().await.unwrap();
-    let store = PackStore::open_shared(
-        dir.path(),
-        Arc::new(medium),
-        PackOptions {
-            pack_size: 1 << 20,
-            fsync: false,
-            trace: None,
-        },
-        PgIndex::new(pool),
-    )
-    .unwrap();
+    let Some((db, store, _dir)) = shared_store_in(test, dir).await else {
+        return;
+    };
     assert_eq!(gc::migrate_blocks(&store, &mut Quiet).await.unwrap(), 30);
     assert!(legacy.list().unwrap().is_empty(), "the files are gone");
     let index = store.shared().unwrap();
