@@ -149,6 +149,17 @@ fn write_group(
     group: &mut [Tail],
 ) -> Result<(PackRecord, HashMap<BlockKey, Location>), StoreError> {
     let mut out = OpenPack::create_in(&context.spool, &context.live_spools)?;
+    if let Err(err) = copy_records(group, &mut out) {
+        out.discard();
+        return Err(err);
+    }
+    let sealed = out.finish()?;
+    let (record, locations) = sealed.publish(context.medium.as_ref())?;
+    Ok((record, locations.into_iter().collect()))
+}
+
+/// Append the records of every pack of `group` to `out`, each block once.
+fn copy_records(group: &mut [Tail], out: &mut OpenPack) -> Result<(), StoreError> {
     let mut seen = HashSet::new();
     for tail in group.iter_mut() {
         tail.pack.write_pending()?;
@@ -168,9 +179,7 @@ fn write_group(
             out.append(entry.key, Bytes::from(data), false)?;
         }
     }
-    let sealed = out.finish()?;
-    let (record, locations) = sealed.publish(context.medium.as_ref())?;
-    Ok((record, locations.into_iter().collect()))
+    Ok(())
 }
 
 /// The same failure for every session of a group.
