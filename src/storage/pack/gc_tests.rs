@@ -239,7 +239,7 @@ async fn sparse_packs_are_rewritten_and_shared_blocks_survive() {
     assert_eq!(verified.entries_affected, 0);
 }
 
-// Checks STO-4.
+// Checks STO-4 and STO-19 (one node).
 #[tokio::test]
 async fn verify_reports_a_damaged_pack() {
     let f = Fixture::new();

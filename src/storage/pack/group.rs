@@ -200,8 +200,9 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        // A group takes the first pack and then waiting packs in order while the total
-        // stays within pack_size; it never skips one to take a later one.
+        // Checks STO-21 (the selection): a group takes the first pack and then waiting
+        // packs in order while the total stays within pack_size; it never skips one to
+        // take a later one.
         #[test]
         fn a_group_takes_waiting_packs_in_order_up_to_pack_size(
             first in 1u64..100,
