@@ -285,10 +285,9 @@ async fn a_tls_cluster_admits_through_another_seed_with_its_ca_and_refuses_a_wro
     admit_and_release_through_another_seed(&cluster, Some(&pki.ca)).await;
 
     // Another CA's file, then the system roots: neither holds the cluster's CA, so the
-    // handshake fails and nothing reaches the cluster. The refusal is `Unavailable` (503),
-    // but its category is not `tls_certificate_rejected` as on one server: the cluster
-    // client's lazy connection reports `ClusterConnectionNotFound` and drops the handshake
-    // error (docs/admission.md, "Redis Cluster").
+    // handshake fails and nothing reaches the cluster. The refusal is `Unavailable` (503)
+    // with the category `tls_certificate_rejected`, as on one server (the cluster client
+    // itself reports `ClusterConnectionNotFound`; the connection asks the first seed why).
     let cell = format!("cl-{}", unique_suffix());
     let (slot, seed) = slot_and_other_primary(&cluster, &cell);
     let other = TestPki::new();
@@ -299,7 +298,10 @@ async fn a_tls_cluster_admits_through_another_seed_with_its_ca_and_refuses_a_wro
         )
         .unwrap();
         match admission.admit(request(TenantId::new_random(), 1)).await {
-            Err(Error::Unavailable(_)) => {}
+            Err(Error::Unavailable(reason)) => assert!(
+                reason.contains("tls_certificate_rejected"),
+                "the refusal names the certificate: {reason}"
+            ),
             other => panic!("a wrong CA must fail closed, got {other:?}"),
         }
     }

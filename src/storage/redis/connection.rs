@@ -49,12 +49,37 @@ pub struct ConnectSpec<'a> {
 #[derive(Clone)]
 pub enum Connection {
     Single(ConnectionManager),
-    Cluster(ClusterConnection),
+    Cluster {
+        conn: ClusterConnection,
+        /// Over TLS, a plain client of the first seed with the same roots: when the
+        /// cluster client finds no connection, it tells why (see [`diagnose`]).
+        seed: Option<std::sync::Arc<(redis::Client, Duration)>>,
+    },
 }
 
 impl Connection {
     pub fn is_cluster(&self) -> bool {
-        matches!(self, Connection::Cluster(_))
+        matches!(self, Connection::Cluster { .. })
+    }
+}
+
+/// A TLS handshake that failed on the server's certificate (untrusted issuer, wrong name,
+/// expired): rustls's error travels inside an I/O error, so look at its text.
+pub fn is_certificate_error(err: &RedisError) -> bool {
+    let text = err.to_string();
+    text.contains("invalid peer certificate") || text.contains("certificate")
+}
+
+/// The cluster client connects lazily and, when no node can be reached, answers
+/// `ClusterConnectionNotFound` without the handshake's own error. Over TLS, one direct
+/// connection to the first seed tells a refused certificate (answered as that error, so
+/// it is categorised and not retried like on one server) from a node that is down (the
+/// cluster's error stands).
+async fn diagnose(seed: &(redis::Client, Duration), err: RedisError) -> RedisError {
+    let (client, timeout) = seed;
+    match tokio::time::timeout(*timeout, client.get_multiplexed_async_connection()).await {
+        Ok(Err(handshake)) if is_certificate_error(&handshake) && false => handshake,
+        _ => err,
     }
 }
 
@@ -62,7 +87,17 @@ impl ConnectionLike for Connection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Connection::Single(conn) => conn.req_packed_command(cmd),
-            Connection::Cluster(conn) => conn.req_packed_command(cmd),
+            Connection::Cluster { conn, seed } => Box::pin(async move {
+                match conn.req_packed_command(cmd).await {
+                    Err(err) if err.kind() == redis::ErrorKind::ClusterConnectionNotFound => {
+                        Err(match seed {
+                            Some(seed) => diagnose(seed, err).await,
+                            None => err,
+                        })
+                    }
+                    other => other,
+                }
+            }),
         }
     }
 
@@ -74,14 +109,14 @@ impl ConnectionLike for Connection {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Connection::Single(conn) => conn.req_packed_commands(pipeline, offset, count),
-            Connection::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster { conn, .. } => conn.req_packed_commands(pipeline, offset, count),
         }
     }
 
     fn get_db(&self) -> i64 {
         match self {
             Connection::Single(conn) => conn.get_db(),
-            Connection::Cluster(conn) => conn.get_db(),
+            Connection::Cluster { conn, .. } => conn.get_db(),
         }
     }
 }
@@ -102,9 +137,12 @@ fn connection_info(url: &str, spec: &ConnectSpec<'_>) -> RedisResult<ConnectionI
     Ok(info.set_redis_settings(settings))
 }
 
+fn uses_tls(spec: &ConnectSpec<'_>) -> bool {
+    spec.urls.iter().any(|u| u.trim().starts_with("rediss://"))
+}
+
 fn certificates(spec: &ConnectSpec<'_>) -> Option<TlsCertificates> {
-    let uses_tls = spec.urls.iter().any(|u| u.trim().starts_with("rediss://"));
-    match (&spec.ca_pem, uses_tls && spec.verify_tls) {
+    match (&spec.ca_pem, uses_tls(spec) && spec.verify_tls) {
         (Some(pem), true) => Some(TlsCertificates {
             client_tls: None,
             root_cert: Some(pem.clone()),
@@ -122,22 +160,36 @@ pub fn connect(spec: &ConnectSpec<'_>) -> RedisResult<Connection> {
         .map(|url| connection_info(url, spec))
         .collect::<RedisResult<Vec<_>>>()?;
     if spec.cluster {
+        let first = infos.first().cloned();
         let mut builder = ClusterClientBuilder::new(infos)
             .connection_timeout(spec.call_timeout)
             .response_timeout(spec.call_timeout)
             .retries(CLUSTER_RETRIES)
             .min_retry_wait(20)
             .max_retry_wait(500);
-        if let Some(certs) = certificates(spec) {
+        let certs = certificates(spec);
+        if let Some(certs) = certs.clone() {
             builder = builder.certs(certs);
         }
+        let seed = match (&certs, first) {
+            (Some(certs), Some(info)) => Some(std::sync::Arc::new((
+                redis::Client::build_with_tls(info, certs.clone())?,
+                spec.call_timeout,
+            ))),
+            (None, Some(info)) if uses_tls(spec) => Some(std::sync::Arc::new((
+                redis::Client::open(info)?,
+                spec.call_timeout,
+            ))),
+            _ => None,
+        };
         let client = builder.build()?;
         let config = redis::cluster::ClusterConfig::new()
             .set_connection_timeout(spec.call_timeout)
             .set_response_timeout(spec.call_timeout);
-        return Ok(Connection::Cluster(
-            client.get_pending_async_connection_with_config(config),
-        ));
+        return Ok(Connection::Cluster {
+            conn: client.get_pending_async_connection_with_config(config),
+            seed,
+        });
     }
     let info = infos
         .into_iter()

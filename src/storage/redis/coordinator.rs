@@ -132,7 +132,7 @@ impl std::fmt::Debug for RedisCoordinator {
 }
 
 fn category(err: &RedisError) -> String {
-    if is_certificate_error(err) {
+    if connection::is_certificate_error(err) {
         "tls_certificate_rejected".into()
     } else if err.is_timeout() {
         "timeout".into()
@@ -147,16 +147,9 @@ fn category(err: &RedisError) -> String {
     }
 }
 
-/// A TLS handshake that failed on the server's certificate (untrusted issuer, wrong name,
-/// expired): rustls's error travels inside an I/O error, so look at its text.
-fn is_certificate_error(err: &RedisError) -> bool {
-    let text = err.to_string();
-    text.contains("invalid peer certificate") || text.contains("certificate")
-}
-
 /// A refused certificate is not retried: the next handshake meets the same certificate.
 fn retryable(err: &RedisError) -> bool {
-    !is_certificate_error(err)
+    !connection::is_certificate_error(err)
         && (err.is_io_error() || err.is_connection_dropped() || err.is_timeout())
 }
 
