@@ -150,7 +150,7 @@ pub async fn run_gc(
 }
 
 /// `graviton verify`: a node's own data directory, or in cluster mode on S3 the shared
-/// index and bucket (read-only, so it may run beside the nodes).
+/// index and bucket (it changes no pack and no row, so it may run beside the nodes).
 pub async fn run_verify(config: &Config) -> anyhow::Result<VerifyReport> {
     let store = if config.cluster.enabled {
         cluster_store(config, "verify").await?
