@@ -78,7 +78,7 @@ pub fn is_certificate_error(err: &RedisError) -> bool {
 async fn diagnose(seed: &(redis::Client, Duration), err: RedisError) -> RedisError {
     let (client, timeout) = seed;
     match tokio::time::timeout(*timeout, client.get_multiplexed_async_connection()).await {
-        Ok(Err(handshake)) if is_certificate_error(&handshake) && false => handshake,
+        Ok(Err(handshake)) if is_certificate_error(&handshake) => handshake,
         _ => err,
     }
 }
