@@ -13,7 +13,7 @@
 //! session's own blocks. While it publishes, newly committing sessions queue, so groups
 //! form under load, and a lone upload waits for no timer.
 //!
-//! Durability per upload is unchanged (STO-1, STO-20 of docs/invariants.md): a session
+//! Durability per upload is unchanged (STO-1 and STO-21 of docs/invariants.md): a session
 //! gets its answer only once the group pack is published, and then runs its own index
 //! commit, naming the group pack like a pack of its own; the upload is acknowledged only
 //! after that commit. A failed publish fails every session of the group (503 at the
