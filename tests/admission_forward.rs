@@ -92,12 +92,15 @@ async fn a_forwarded_upload_takes_one_lease_and_owner_refusals_reach_the_client(
     let cell = format!("fwd-{}", support::unique_suffix());
     let extra = admission_toml(&redis.url(), &cell);
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("shared-data");
+    let prefix = format!("admission-forward-{}", support::unique_suffix());
     let db_url = db.url().to_string();
-    let nodes: Vec<NodeProcess> = ["node-a", "node-b"]
+    let Some(nodes) = ["node-a", "node-b"]
         .iter()
-        .map(|id| NodeProcess::start_with_extra(dir.path(), id, &db_url, SHARDS, &data, "", &extra))
-        .collect();
+        .map(|id| NodeProcess::start_on_s3(test, dir.path(), id, &db_url, SHARDS, &prefix, &extra))
+        .collect::<Option<Vec<NodeProcess>>>()
+    else {
+        return;
+    };
     let converged = support::wait_until(Duration::from_secs(60), || {
         let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
         let db_url = db_url.clone();

@@ -797,12 +797,25 @@ async fn a_cluster_forwards_to_the_owner_and_resumes_after_the_owner_is_killed()
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let shared = dir.path().join("shared-data");
+    let prefix = format!("tus-cluster-{}", support::unique_suffix());
     let db_url = db.url().to_string();
-    let mut nodes: Vec<NodeProcess> = ["tus-a", "tus-b"]
+    let Some(mut nodes) = ["tus-a", "tus-b"]
         .iter()
-        .map(|id| NodeProcess::start(dir.path(), id, &db_url, SHARDS, &shared))
-        .collect();
+        .map(|id| {
+            NodeProcess::start_on_s3(
+                "tus_cluster_owner_killed",
+                dir.path(),
+                id,
+                &db_url,
+                SHARDS,
+                &prefix,
+                "",
+            )
+        })
+        .collect::<Option<Vec<NodeProcess>>>()
+    else {
+        return;
+    };
     let settled = support::wait_until(Duration::from_secs(60), || {
         let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
         let db_url = db_url.clone();

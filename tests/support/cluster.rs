@@ -292,6 +292,29 @@ max_retries = 2
 }
 
 impl NodeProcess {
+    /// A cluster node with blocks on the test S3 server under `prefix` (shared by the
+    /// test's nodes) and a data directory of its own, `<dir>/<id>-data`; `None` (after
+    /// the skip report) without an S3 server. `extra` is appended as more sections.
+    pub fn start_on_s3(
+        test: &str,
+        dir: &Path,
+        id: &str,
+        database_url: &str,
+        shard_count: u32,
+        prefix: &str,
+        extra: &str,
+    ) -> Option<Self> {
+        let storage = s3_storage_toml(test, &dir.join(format!("{id}-data")), prefix, "")?;
+        Some(Self::start_with_storage(
+            dir,
+            id,
+            database_url,
+            shard_count,
+            &storage,
+            extra,
+        ))
+    }
+
     /// A cluster node whose `[storage]` section is `storage` (e.g. from
     /// [`s3_storage_toml`]) instead of the shared mount; `extra` is appended as more
     /// sections.
