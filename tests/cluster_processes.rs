@@ -13,51 +13,19 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use graviton::cas::BlobKey;
-use graviton::config::Secret;
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
 use graviton::placement::hash::shard_of;
-use graviton::storage::config::S3Config;
 use graviton::storage::pack::medium::Medium;
 use graviton::storage::pack::s3::S3Medium;
-use support::cluster::{BIN, NodeProcess, is_ready, s3_storage_toml};
+use support::cluster::{BIN, NodeProcess, is_ready};
 use support::node::random_bytes;
 
 const SHARDS: u32 = 32;
 
-/// The `[storage]` sections of the nodes of one test: blocks on the test S3 server under
-/// one prefix per test (shared by the test's nodes, returned first), and a data directory
-/// per node, `<dir>/<id>-data`. `None` (after the skip report, or a failure under
-/// `GRAVITON_REQUIRE_SERVICES=1`) without an S3 server.
-fn s3_storage(
-    test: &str,
-    dir: &std::path::Path,
-    ids: &[&str],
-) -> Option<(String, HashMap<String, String>)> {
-    let prefix = format!("cluster-processes-{}", support::unique_suffix());
-    let storage = ids
-        .iter()
-        .map(|id| {
-            s3_storage_toml(test, &dir.join(format!("{id}-data")), &prefix, "")
-                .map(|toml| (id.to_string(), toml))
-        })
-        .collect::<Option<_>>()?;
-    Some((prefix, storage))
-}
-
 /// Pack objects under `prefix` in the test bucket (the same server and credentials as
-/// [`s3_storage_toml`]).
+/// `support::cluster::s3_storage_toml`).
 async fn s3_packs(prefix: &str) -> usize {
-    let var = |name: &str| std::env::var(name).unwrap_or_default();
-    let config = S3Config {
-        endpoint: var("GRAVITON_TEST_S3_ENDPOINT"),
-        bucket: var("GRAVITON_TEST_S3_BUCKET"),
-        region: std::env::var("GRAVITON_TEST_S3_REGION").unwrap_or_else(|_| "garage".into()),
-        path_style: true,
-        prefix: prefix.to_string(),
-        access_key_id: var("GRAVITON_TEST_S3_ACCESS_KEY"),
-        secret_access_key: Some(Secret::new(var("GRAVITON_TEST_S3_SECRET_KEY"))),
-        ..Default::default()
-    };
+    let config = support::cluster::test_s3_config(prefix);
     let medium = S3Medium::new(&config, None).expect("S3 client");
     // Medium calls block (the store runs them on the blocking pool).
     tokio::task::spawn_blocking(move || medium.list().expect("list packs").len())
@@ -140,19 +108,24 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
     let db_url = db.url().to_string();
     let db_url = db_url.as_str();
     let names = ["node-a", "node-b", "node-c"];
-    let Some((prefix, storage)) = s3_storage(
-        "three_processes_forward_drain_fail_over_and_restart",
-        dir.path(),
-        &names,
-    ) else {
-        return;
-    };
-    let mut nodes: Vec<NodeProcess> = names
+    let prefix = format!("cluster-processes-{}", support::unique_suffix());
+    let Some(mut nodes) = names
         .iter()
         .map(|id| {
-            NodeProcess::start_with_storage(dir.path(), id, db_url, SHARDS, &storage[*id], "")
+            NodeProcess::start_on_s3(
+                "three_processes_forward_drain_fail_over_and_restart",
+                dir.path(),
+                id,
+                db_url,
+                SHARDS,
+                &prefix,
+                "",
+            )
         })
-        .collect();
+        .collect::<Option<Vec<NodeProcess>>>()
+    else {
+        return;
+    };
 
     // Every node becomes ready (owns shards) and the table covers every shard.
     let all_ready = support::wait_until(Duration::from_secs(60), || {
@@ -377,15 +350,18 @@ async fn internal_listener_refuses_unauthenticated_requests_before_the_body() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let Some((_, storage)) = s3_storage(
+    let prefix = format!("cluster-processes-{}", support::unique_suffix());
+    let Some(node) = NodeProcess::start_on_s3(
         "internal_listener_refuses_unauthenticated_requests_before_the_body",
         dir.path(),
-        &["solo"],
+        "solo",
+        db.url(),
+        8,
+        &prefix,
+        "",
     ) else {
         return;
     };
-    let node =
-        NodeProcess::start_with_storage(dir.path(), "solo", db.url(), 8, &storage["solo"], "");
     let http = client();
     assert!(
         support::wait_until(Duration::from_secs(60), || is_ready(&http, &node.url)).await,

@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use graviton::cas::{BlobKey, BlockKey, BlockRef, Manifest};
-use graviton::config::{HumanDuration, Secret};
 use graviton::storage::config::S3Config;
 use graviton::storage::pack::cluster_gc::GC_LOCK_KEY;
 use graviton::storage::pack::gc::{self, GcOptions, Quiet};
@@ -32,19 +31,7 @@ fn client() -> reqwest::Client {
 }
 
 fn s3_config(prefix: &str) -> S3Config {
-    let var = |name: &str| std::env::var(name).unwrap_or_default();
-    S3Config {
-        endpoint: var("GRAVITON_TEST_S3_ENDPOINT"),
-        bucket: var("GRAVITON_TEST_S3_BUCKET"),
-        region: std::env::var("GRAVITON_TEST_S3_REGION").unwrap_or_else(|_| "garage".into()),
-        path_style: true,
-        prefix: prefix.to_string(),
-        access_key_id: var("GRAVITON_TEST_S3_ACCESS_KEY"),
-        secret_access_key: Some(Secret::new(var("GRAVITON_TEST_S3_SECRET_KEY"))),
-        request_timeout: HumanDuration(Duration::from_secs(10)),
-        max_retries: 2,
-        ..Default::default()
-    }
+    support::cluster::test_s3_config(prefix)
 }
 
 async fn upload(url: &str, data: Vec<u8>) -> serde_json::Value {

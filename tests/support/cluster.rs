@@ -251,6 +251,26 @@ pub async fn is_ready(client: &reqwest::Client, url: &str) -> bool {
     matches!(client.get(format!("{url}/readyz")).send().await, Ok(r) if r.status() == 200)
 }
 
+/// The client settings of the test S3 server (`GRAVITON_TEST_S3_*`, set by
+/// scripts/services.sh) under `prefix`, for tests that look into the bucket themselves.
+pub fn test_s3_config(prefix: &str) -> graviton::storage::config::S3Config {
+    let var = |name: &str| std::env::var(name).unwrap_or_default();
+    graviton::storage::config::S3Config {
+        endpoint: var("GRAVITON_TEST_S3_ENDPOINT"),
+        bucket: var("GRAVITON_TEST_S3_BUCKET"),
+        region: std::env::var("GRAVITON_TEST_S3_REGION").unwrap_or_else(|_| "garage".into()),
+        path_style: true,
+        prefix: prefix.to_string(),
+        access_key_id: var("GRAVITON_TEST_S3_ACCESS_KEY"),
+        secret_access_key: Some(graviton::config::Secret::new(var(
+            "GRAVITON_TEST_S3_SECRET_KEY",
+        ))),
+        request_timeout: graviton::config::HumanDuration(Duration::from_secs(10)),
+        max_retries: 2,
+        ..Default::default()
+    }
+}
+
 /// `[storage]` TOML of a cluster node on the test S3 server (`GRAVITON_TEST_S3_*`, set by
 /// scripts/services.sh) under `prefix`, or `None` (after the skip report) without one.
 pub fn s3_storage_toml(test: &str, data_dir: &Path, prefix: &str, extra: &str) -> Option<String> {
