@@ -30,15 +30,58 @@ pub async fn migrate(url: &str) -> Result<(), ClusterError> {
     Ok(())
 }
 
-/// `graviton drain NODE`: ask the manager to move every shard off `node`. Returns false
-/// for an unknown or dead node.
-pub async fn request_drain(url: &str, node: &NodeId) -> Result<bool, ClusterError> {
+/// How often `graviton drain --wait` reads the shard table.
+pub const DRAIN_POLL: Duration = Duration::from_millis(50);
+
+/// What `graviton drain` found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrainOutcome {
+    /// No such node, or it is dead: nothing was requested.
+    UnknownNode,
+    /// The drain was requested; the caller did not wait.
+    Requested,
+    /// `--wait`: the node owns no shard and none is moving to it.
+    Drained,
+    /// `--wait`: the timeout passed with `held` shards still owned by or moving to the node.
+    TimedOut { held: usize },
+}
+
+/// `graviton drain NODE [--wait]`: ask the manager to move every shard off `node`; with
+/// `wait`, read the shard table every [`DRAIN_POLL`] until the node holds none (owned
+/// or moving to it) or the timeout passes. `progress` gets the number still held each
+/// time it changes (the CLI prints it on a terminal).
+pub async fn drain(
+    url: &str,
+    node: &NodeId,
+    wait: Option<Duration>,
+    mut progress: impl FnMut(usize),
+) -> Result<DrainOutcome, ClusterError> {
     let pool = pg::connect_pool(url, 1, Duration::from_secs(10)).await?;
-    let drained = PlacementStore::new(pool.clone())
-        .request_drain(node)
-        .await?;
+    let store = PlacementStore::new(pool.clone());
+    let outcome = if !store.request_drain(node).await? {
+        DrainOutcome::UnknownNode
+    } else if let Some(timeout) = wait {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut last = None;
+        loop {
+            let held = store.read_table().await?.held_by(node);
+            if last != Some(held) {
+                progress(held);
+                last = Some(held);
+            }
+            if held == 0 {
+                break DrainOutcome::Drained;
+            }
+            if tokio::time::Instant::now() + DRAIN_POLL > deadline {
+                break DrainOutcome::TimedOut { held };
+            }
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+    } else {
+        DrainOutcome::Requested
+    };
     pool.close().await;
-    Ok(drained)
+    Ok(outcome)
 }
 
 /// `graviton cluster status`: meta, nodes and shard rows, straight from PostgreSQL.

@@ -1,5 +1,6 @@
 //! The `graviton` command line.
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -56,6 +57,14 @@ enum Command {
     /// Move every shard off NODE now (the node keeps serving until it is stopped).
     Drain {
         node: String,
+        /// Wait until NODE holds no shard (owned or moving to it); exit status 3 if
+        /// `--timeout` passes first.
+        #[arg(long)]
+        wait: bool,
+        /// How long `--wait` waits (e.g. "30s"; in-flight uploads on a moving shard get
+        /// `cluster.handoff_grace` to finish).
+        #[arg(long, default_value = "60s", requires = "wait")]
+        timeout: graviton::config::HumanDuration,
         #[arg(long, env = "GRAVITON_CONFIG")]
         config: Option<PathBuf>,
     },
@@ -304,19 +313,47 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Drain { node, config } => {
+        Command::Drain {
+            node,
+            wait,
+            timeout,
+            config,
+        } => {
             let (_, url) = database_url(config.as_deref())?;
             let node = graviton::ids::NodeId::parse(node).map_err(|e| {
                 anyhow::anyhow!(
                     "the node id {e} (node ids are the `node.id` values of the cluster's nodes)"
                 )
             })?;
-            if graviton::cli::request_drain(&url, &node).await? {
-                println!("drain of {node} requested; its shards move on the manager's next round");
-                Ok(ExitCode::SUCCESS)
-            } else {
-                eprintln!("error: no node {node} in the cluster");
-                Ok(ExitCode::from(2))
+            let terminal = std::io::stderr().is_terminal();
+            let progress = |held: usize| {
+                if terminal {
+                    eprintln!("{node}: {held} shard(s) still to move");
+                }
+            };
+            let wait = wait.then_some(timeout.0);
+            use graviton::cli::DrainOutcome;
+            match graviton::cli::drain(&url, &node, wait, progress).await? {
+                DrainOutcome::UnknownNode => {
+                    eprintln!("error: no node {node} in the cluster");
+                    Ok(ExitCode::from(2))
+                }
+                DrainOutcome::Requested => {
+                    println!(
+                        "drain of {node} requested; its shards move on the manager's next round"
+                    );
+                    Ok(ExitCode::SUCCESS)
+                }
+                DrainOutcome::Drained => {
+                    println!("{node} drained: it owns no shard");
+                    Ok(ExitCode::SUCCESS)
+                }
+                DrainOutcome::TimedOut { held } => {
+                    eprintln!(
+                        "error: {node} still holds {held} shard(s) after {timeout}; the drain stays requested (is a manager running? see `graviton cluster status`)"
+                    );
+                    Ok(ExitCode::from(3))
+                }
             }
         }
         Command::Gc {

@@ -328,6 +328,23 @@ async fn second_standalone_manager_fails_closed() {
     eventually(GENEROUS, "node n owns all shards", || owned(&n, "n") == 64).await;
 
     first.shutdown().await;
+    // No manager runs now: `graviton drain --wait` gives up at its timeout and says how
+    // many shards the node still holds; an unknown node is refused.
+    let wait = Some(Duration::from_millis(300));
+    let n_id = NodeId::parse("n").unwrap();
+    let ghost = NodeId::parse("ghost").unwrap();
+    assert_eq!(
+        graviton::cli::drain(db.url(), &n_id, wait, |_| {})
+            .await
+            .unwrap(),
+        graviton::cli::DrainOutcome::TimedOut { held: 64 }
+    );
+    assert_eq!(
+        graviton::cli::drain(db.url(), &ghost, wait, |_| {})
+            .await
+            .unwrap(),
+        graviton::cli::DrainOutcome::UnknownNode
+    );
     let second = placement::run_standalone_manager(NodeId::parse("m2").unwrap(), &config)
         .await
         .unwrap();
@@ -357,10 +374,11 @@ async fn observer_heals_lost_notifications_within_the_polling_bound() {
     .await;
     let mut worst = Duration::ZERO;
     for victim in ["b", "a"] {
-        assert!(
-            graviton::cli::request_drain(db.url(), &NodeId::parse(victim).unwrap())
+        assert_eq!(
+            graviton::cli::drain(db.url(), &NodeId::parse(victim).unwrap(), None, |_| {})
                 .await
-                .unwrap()
+                .unwrap(),
+            graviton::cli::DrainOutcome::Requested
         );
         // Wait on the listening nodes, then time how long the observer lags behind.
         eventually(GENEROUS, "listeners see the drain", || {

@@ -140,6 +140,14 @@ impl ShardTable {
             .count()
     }
 
+    /// Shards `node` still holds in a drain: owned by it, or moving to it.
+    pub fn held_by(&self, node: &NodeId) -> usize {
+        self.shards
+            .iter()
+            .filter(|s| s.owner.as_ref() == Some(node) || s.moving_to.as_ref() == Some(node))
+            .count()
+    }
+
     /// Shards with an owner.
     pub fn assigned(&self) -> usize {
         self.shards.iter().filter(|s| s.owner.is_some()).count()
@@ -169,5 +177,41 @@ impl ShardTable {
             .map(|s| s.epoch)
             .max()
             .unwrap_or(Epoch(0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(shard: u32, owner: Option<&str>, moving_to: Option<&str>) -> ShardEntry {
+        let node = |id: &str| NodeId::parse(id.to_string()).unwrap();
+        ShardEntry {
+            shard: ShardId(shard),
+            owner: owner.map(node),
+            epoch: Epoch(1),
+            moving_to: moving_to.map(node),
+            revoke_acked: false,
+        }
+    }
+
+    #[test]
+    fn a_drain_is_done_only_when_no_shard_is_owned_by_or_moving_to_the_node() {
+        let a = NodeId::parse("node-a".to_string()).unwrap();
+        let mut table = ShardTable {
+            shards: vec![
+                entry(0, Some("node-a"), Some("node-b")),
+                entry(1, Some("node-b"), Some("node-a")),
+                entry(2, Some("node-b"), None),
+                entry(3, None, None),
+            ],
+            ..ShardTable::default()
+        };
+        assert_eq!(table.held_by(&a), 2);
+        // The move away is acknowledged and the row changes owner: one left (moving in).
+        table.shards[0] = entry(0, Some("node-b"), None);
+        assert_eq!(table.held_by(&a), 1);
+        table.shards[1] = entry(1, Some("node-b"), None);
+        assert_eq!(table.held_by(&a), 0);
     }
 }
