@@ -15,23 +15,10 @@ use std::time::{Duration, Instant};
 use graviton::cas::BlobKey;
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
 use graviton::placement::hash::shard_of;
-use graviton::storage::pack::medium::Medium;
-use graviton::storage::pack::s3::S3Medium;
 use support::cluster::{BIN, NodeProcess, is_ready};
 use support::node::random_bytes;
 
 const SHARDS: u32 = 32;
-
-/// Pack objects under `prefix` in the test bucket (the same server and credentials as
-/// `support::cluster::s3_storage_toml`).
-async fn s3_packs(prefix: &str) -> usize {
-    let config = support::cluster::test_s3_config(prefix);
-    let medium = S3Medium::new(&config, None).expect("S3 client");
-    // Medium calls block (the store runs them on the blocking pool).
-    tokio::task::spawn_blocking(move || medium.list().expect("list packs").len())
-        .await
-        .unwrap()
-}
 
 fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
@@ -192,12 +179,7 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
     }
     // The blocks are in the bucket (64 MiB in 8 MiB packs), not in a node's directory:
     // the other nodes read them through S3 and the block index in PostgreSQL.
-    let packs = s3_packs(&prefix).await;
-    assert!(packs >= 8, "{packs} pack objects under {prefix}");
-    for id in names {
-        let local = support::node::packed_blocks(&dir.path().join(format!("{id}-data")));
-        assert_eq!(local, 0, "{id} holds packs of its own");
-    }
+    support::cluster::assert_packs_in_bucket_only(dir.path(), &names, &prefix, 8).await;
 
     // Sticky: the same session from every node goes to the same owner.
     for (owner, key) in &by_owner {
@@ -226,10 +208,11 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
         String::from_utf8_lossy(&second.stderr).contains("another shard manager holds the lock")
     );
 
-    // Drain node-b through the CLI: its shards move, its sessions resolve to survivors.
+    // Drain node-b through the CLI and wait: when it returns, node-b holds no shard
+    // (read once, no polling here), and its sessions resolve to survivors.
     let started = Instant::now();
     let drain = std::process::Command::new(BIN)
-        .args(["drain", "node-b", "--config"])
+        .args(["drain", "node-b", "--wait", "--timeout", "20s", "--config"])
         .arg(&nodes[0].config)
         .output()
         .unwrap();
@@ -238,15 +221,17 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
         "{}",
         String::from_utf8_lossy(&drain.stderr)
     );
-    let drained = support::wait_until(Duration::from_secs(20), || async {
-        owners(db_url)
-            .await
-            .nodes
+    assert!(String::from_utf8_lossy(&drain.stdout).contains("node-b drained"));
+    let status = owners(db_url).await;
+    let b = status.nodes.iter().find(|n| n.id.as_str() == "node-b");
+    assert_eq!(b.map(|n| n.shards), Some(0), "drain --wait returned early");
+    assert!(
+        status
+            .shards
             .iter()
-            .any(|n| n.id.as_str() == "node-b" && n.shards == 0)
-    })
-    .await;
-    assert!(drained, "drain did not move node-b's shards");
+            .all(|s| s.moving_to.as_ref().is_none_or(|m| m.as_str() != "node-b")),
+        "a shard is still moving to node-b"
+    );
     eprintln!(
         "DRILL drain (CLI request to all shards moved): {:?}",
         started.elapsed()

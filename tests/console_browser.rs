@@ -1,8 +1,9 @@
 //! The operator console in a real browser: headless Debian chromium, driven by
 //! playwright-core (tests/console/console.cjs), against a live cluster of three
-//! `graviton serve` processes on one PostgreSQL database, with Redis admission. The script
-//! signs in with the admin token, checks the nodes and the shard map, drains one node
-//! (its row must show zero shards) and kills another (its row must turn dead).
+//! `graviton serve` processes on one PostgreSQL database, with blocks on the test S3
+//! server and Redis admission. The script signs in with the admin token, checks the nodes
+//! and the shard map, drains one node (its row must show zero shards) and kills another
+//! (its row must turn dead).
 //! Screenshots are kept under target/console-screenshots/.
 //!
 //! `scripts/console-test-deps` installs chromium (apt) and playwright-core (npm) when they
@@ -43,18 +44,29 @@ async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() 
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("shared-data");
+    let prefix = format!("console-browser-{}", support::unique_suffix());
     let extra = format!(
         "[admin]\ntoken = \"{ADMIN_TOKEN}\"\n\n[admission.redis]\nurl = \"{}\"\n",
         redis.url()
     );
     let names = ["node-1", "node-2", "node-3"];
-    let mut nodes: Vec<NodeProcess> = names
+    let Some(mut nodes) = names
         .iter()
         .map(|id| {
-            NodeProcess::start_with_extra(dir.path(), id, db.url(), SHARDS, &data, "", &extra)
+            NodeProcess::start_on_s3(
+                "console_browser",
+                dir.path(),
+                id,
+                db.url(),
+                SHARDS,
+                &prefix,
+                &extra,
+            )
         })
-        .collect();
+        .collect::<Option<Vec<NodeProcess>>>()
+    else {
+        return;
+    };
 
     let client = reqwest::Client::builder().no_proxy().build().unwrap();
     let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();

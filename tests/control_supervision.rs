@@ -1,8 +1,9 @@
 //! A cluster node's control plane is supervised (issue 9, defect 9): its actors are
 //! linked under the node's actor tree, a crashed one is replaced together with its
 //! siblings, and a plane that keeps crashing makes the node fail readiness, drain, and
-//! report that it must exit non-zero. Real node (in process), real PostgreSQL; the
-//! faults are `kill`s of the plane's actors found by walking the node's actor tree.
+//! report that it must exit non-zero. Real node (in process), real PostgreSQL, blocks on
+//! the test S3 server; the faults are `kill`s of the plane's actors found by walking the
+//! node's actor tree.
 
 #[allow(unused_imports)]
 mod support;
@@ -14,19 +15,18 @@ use graviton::node::StopCause;
 use ractor::ActorCell;
 use support::TestDatabase;
 
-fn config_toml(dir: &std::path::Path, db: &str) -> String {
+/// The node's config, or `None` (after the skip report) without the test S3 server.
+fn config_toml(test: &str, dir: &std::path::Path, db: &str) -> Option<String> {
     let port = support::free_port;
-    format!(
+    let prefix = format!("control-supervision-{}", support::unique_suffix());
+    let storage = support::cluster::s3_storage_toml(test, &dir.join("data"), &prefix, "")?;
+    Some(format!(
         r#"[node]
 id = "ctl-sup"
 listen = "127.0.0.1:0"
 shutdown_grace = "2s"
 
-[storage]
-data_dir = "{data}"
-fsync = false
-backend = "fs"
-shared_mount = true
+{storage}
 
 [cluster]
 enabled = true
@@ -40,12 +40,11 @@ internal_listen = "127.0.0.1:{internal}"
 control_listen = "127.0.0.1:{control}"
 internal_token = "{token}"
 "#,
-        data = dir.join("data").display(),
         internal = port(),
         control = port(),
         token = support::cluster::TOKEN,
         timings = support::cluster::FAST_TIMINGS,
-    )
+    ))
 }
 
 /// The control plane's supervisor: the child of the node's root named for it.
@@ -69,7 +68,11 @@ async fn a_control_plane_that_keeps_crashing_fences_and_stops_the_node() {
     };
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("node.toml");
-    std::fs::write(&path, config_toml(dir.path(), db.url())).expect("config");
+    let test = "a_control_plane_that_keeps_crashing_fences_and_stops_the_node";
+    let Some(toml) = config_toml(test, dir.path(), db.url()) else {
+        return;
+    };
+    std::fs::write(&path, toml).expect("config");
     let config = graviton::config::Config::load(Some(&path)).expect("config");
     let node = graviton::node::start(config).await.expect("start node");
     let url = node.base_url();

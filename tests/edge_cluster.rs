@@ -1,5 +1,5 @@
-//! A two-node cluster of real `graviton serve` processes with mutual TLS on the internal
-//! listener: forwarding works with the node certificates; a client without a
+//! A two-node cluster of real `graviton serve` processes (blocks on the test S3 server)
+//! with mutual TLS on the internal listener: forwarding works with the node certificates; a client without a
 //! certificate, or with one from another CA, cannot even complete the handshake; a valid
 //! certificate without the internal token still gets 401 (second factor); a slowloris
 //! client is cut off the internal listener; the ractor_cluster control plane forms its
@@ -84,16 +84,17 @@ async fn uncertified_tls_is_refused(ca: &std::path::Path, port: u16) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mtls_cluster_forwards_refuses_uncertified_peers_and_drains_over_http() {
+    let test = "mtls_cluster_forwards_refuses_uncertified_peers_and_drains_over_http";
     let Some(db) = support::TestDatabase::create("mtls_cluster_forwards_and_drains").await else {
         return;
     };
     let pki = TestPki::new();
     let other_ca = TestPki::new();
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("shared-data");
+    let prefix = format!("edge-cluster-{}", support::unique_suffix());
     let names = ["node-a", "node-b"];
     let mut certs = Vec::new();
-    let nodes: Vec<NodeProcess> = names
+    let Some(nodes) = names
         .iter()
         .map(|id| {
             let (cert, key) = pki.issue(id);
@@ -105,9 +106,12 @@ async fn mtls_cluster_forwards_refuses_uncertified_peers_and_drains_over_http() 
                 key.display(),
                 pki.ca.display()
             );
-            NodeProcess::start_with_extra(dir.path(), id, db.url(), SHARDS, &data, "", &extra)
+            NodeProcess::start_on_s3(test, dir.path(), id, db.url(), SHARDS, &prefix, &extra)
         })
-        .collect();
+        .collect::<Option<Vec<NodeProcess>>>()
+    else {
+        return;
+    };
     let ready = support::wait_until(Duration::from_secs(60), || {
         let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
         let db_url = db.url().to_string();
@@ -281,6 +285,9 @@ async fn mtls_cluster_forwards_refuses_uncertified_peers_and_drains_over_http() 
     assert_eq!(response.status(), 201, "{}", nodes[1].log_text());
     let body: serde_json::Value = response.json().await.unwrap();
     assert_eq!(body["owner"], "node-a");
+
+    // Both uploads' blocks are in the bucket (a pack each), none on a node's disk.
+    support::cluster::assert_packs_in_bucket_only(dir.path(), &names, &prefix, 2).await;
 }
 
 #[tokio::test]

@@ -1,12 +1,16 @@
 //! The standalone manager (`graviton manager`) as a real process, with nodes that run no
-//! embedded manager: after its lock connection is killed it takes the lock again and keeps
-//! acting (issue 9, item 3), so a node killed afterwards is still evacuated. Checks LOC-3.
+//! embedded manager (blocks on the test S3 server): after its lock connection is killed it
+//! takes the lock again and keeps acting (issue 9, item 3), so a node killed afterwards is
+//! still evacuated, and a blob that node stored is still read from the other one. Checks
+//! LOC-3.
 
 mod support;
 
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use graviton::ids::{SessionId, SessionKey, TenantId};
+use graviton::placement::hash::shard_of;
 use support::cluster::{BIN, NodeProcess};
 
 const SHARDS: u32 = 16;
@@ -36,8 +40,32 @@ async fn status(url: &str) -> graviton::cli::ClusterStatus {
     }
 }
 
+/// Upload `data` through `url` in session `key`, retrying a documented retryable answer
+/// (503 with `Retry-After`, e.g. a shard in motion) a few times; the 201 answer's body.
+async fn upload(url: &str, key: &SessionKey, data: &[u8]) -> serde_json::Value {
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    for _ in 0..10 {
+        let response = client
+            .post(format!("{url}/v1/blobs"))
+            .header("x-graviton-tenant-id", key.tenant.to_string())
+            .header("x-graviton-upload-session-id", key.session.to_string())
+            .body(data.to_vec())
+            .send()
+            .await
+            .unwrap();
+        if response.status() == 503 && response.headers().contains_key("retry-after") {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
+        assert_eq!(response.status(), 201, "upload through {url}");
+        return response.json().await.unwrap();
+    }
+    panic!("upload through {url}: still 503 after 10 attempts");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standalone_manager_that_loses_its_lock_takes_it_again_and_keeps_acting() {
+    let test = "a_standalone_manager_that_loses_its_lock_takes_it_again_and_keeps_acting";
     let Some(db) =
         support::TestDatabase::create("a_standalone_manager_that_loses_its_lock_takes_it_again")
             .await
@@ -45,21 +73,27 @@ async fn a_standalone_manager_that_loses_its_lock_takes_it_again_and_keeps_actin
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("shared-data");
+    let prefix = format!("manager-processes-{}", support::unique_suffix());
     let url = db.url().to_string();
     let start = |id: &str| {
-        NodeProcess::start_with_extra(
+        let data = support::cluster::s3_node_data_dir(dir.path(), id);
+        let storage = support::cluster::s3_storage_toml(test, &data, &prefix, "")?;
+        Some(NodeProcess::start_config(
             dir.path(),
             id,
             &url,
             SHARDS,
-            &data,
+            &storage,
             "embedded_manager = false",
             "",
-        )
+        ))
     };
-    let a = start("node-a");
-    let mut b = start("node-b");
+    let Some(a) = start("node-a") else {
+        return;
+    };
+    let Some(mut b) = start("node-b") else {
+        return;
+    };
     // The manager's config: node-a's, under its own node id.
     let manager_config = dir.path().join("manager.toml");
     std::fs::write(
@@ -94,6 +128,36 @@ async fn a_standalone_manager_that_loses_its_lock_takes_it_again_and_keeps_actin
     .await;
     assert!(converged, "no convergence; manager log:\n{}", manager_log());
     let term = status(&url).await.manager_term;
+
+    // A blob stored by node-b (its session's owner), uploaded through node-a; a session
+    // whose shard moved meanwhile (a rebalance may still run) is tried again.
+    let mut stored = None;
+    for seed in 0..5 {
+        // New bytes each time: a retry must not deduplicate against the last attempt.
+        let blob = support::node::random_bytes(100_000, seed);
+        let table = status(&url).await;
+        let owned_by_b = |key: &SessionKey| {
+            let shard = shard_of(key, SHARDS);
+            table.shards.iter().any(|s| {
+                s.shard == shard && s.owner.as_ref().is_some_and(|o| o.as_str() == "node-b")
+            })
+        };
+        let session = (0..10_000)
+            .map(|_| SessionKey {
+                tenant: TenantId::new_random(),
+                session: SessionId::new_random(),
+            })
+            .find(owned_by_b);
+        let Some(session) = session else {
+            continue; // no table read (or node-b owns nothing right now)
+        };
+        let body = upload(&a.url, &session, &blob).await;
+        if body["owner"] == "node-b" {
+            stored = Some((body["key"].as_str().expect("blob key").to_string(), blob));
+            break;
+        }
+    }
+    let (blob_key, blob) = stored.expect("a blob stored by node-b");
 
     // Kill the manager's lock connection (the backend holding the advisory lock in this
     // test's database; other tests run their own managers on the same server).
@@ -144,6 +208,12 @@ async fn a_standalone_manager_that_loses_its_lock_takes_it_again_and_keeps_actin
         "node-b's shards were not moved; log:\n{}",
         manager_log()
     );
+    // node-b's blob is read from node-a: its blocks are in the bucket, on no node's disk.
+    let (code, got) = support::download(&a.url, &blob_key).await;
+    assert_eq!(code, 200, "read node-b's blob from node-a");
+    assert!(got == blob, "node-b's blob differs when read from node-a");
+    support::cluster::assert_packs_in_bucket_only(dir.path(), &["node-a", "node-b"], &prefix, 1)
+        .await;
     admin.close().await;
     drop(a);
 }

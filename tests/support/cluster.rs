@@ -66,7 +66,8 @@ impl NodeProcess {
 
     /// The one config writer and launcher: `storage` is the whole `[storage]` section,
     /// `cluster_extra` lines go into `[cluster]` (fast test timings), `extra` is appended.
-    fn start_config(
+    /// Public for a node on S3 with `cluster_extra` (e.g. `embedded_manager = false`).
+    pub fn start_config(
         dir: &Path,
         id: &str,
         database_url: &str,
@@ -324,7 +325,7 @@ impl NodeProcess {
         prefix: &str,
         extra: &str,
     ) -> Option<Self> {
-        let storage = s3_storage_toml(test, &dir.join(format!("{id}-data")), prefix, "")?;
+        let storage = s3_storage_toml(test, &s3_node_data_dir(dir, id), prefix, "")?;
         Some(Self::start_with_storage(
             dir,
             id,
@@ -347,5 +348,66 @@ impl NodeProcess {
         extra: &str,
     ) -> Self {
         Self::start_config(dir, id, database_url, shard_count, storage, "", extra)
+    }
+}
+
+/// The data directory of node `id` started by [`NodeProcess::start_on_s3`] in `dir`.
+pub fn s3_node_data_dir(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}-data"))
+}
+
+/// Pack objects under `prefix` in the test bucket (the server and credentials of
+/// [`test_s3_config`]).
+pub async fn s3_packs(prefix: &str) -> usize {
+    use graviton::storage::pack::medium::Medium;
+    let medium = graviton::storage::pack::s3::S3Medium::new(&test_s3_config(prefix), None)
+        .expect("S3 client");
+    // Medium calls block (the store runs them on the blocking pool).
+    tokio::task::spawn_blocking(move || medium.list().expect("list packs").len())
+        .await
+        .unwrap()
+}
+
+/// Pack files (`*.pack`) under `dir`, at any depth.
+pub fn pack_files(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .flat_map(|e| {
+            let path = e.path();
+            if path.is_dir() {
+                pack_files(&path)
+            } else if path.extension().is_some_and(|x| x == "pack") {
+                vec![path]
+            } else {
+                Vec::new()
+            }
+        })
+        .collect()
+}
+
+/// The blocks of nodes started by [`NodeProcess::start_on_s3`] in `dir` under `prefix`
+/// are in the bucket, not on a node's disk: at least `min_packs` pack objects under
+/// `prefix`, and in the data directory of every node of `ids` (which must exist) no pack
+/// file and no block file of the file-per-block layout (`blocks/`).
+pub async fn assert_packs_in_bucket_only(dir: &Path, ids: &[&str], prefix: &str, min_packs: usize) {
+    let packs = s3_packs(prefix).await;
+    assert!(
+        packs >= min_packs,
+        "{packs} pack objects under {prefix}, expected at least {min_packs}"
+    );
+    for id in ids {
+        let data = s3_node_data_dir(dir, id);
+        assert!(
+            data.is_dir(),
+            "{id} has no data directory {}",
+            data.display()
+        );
+        let local = pack_files(&data);
+        assert!(local.is_empty(), "{id} holds packs of its own: {local:?}");
+        let blocks = super::node::count_files(&data.join("blocks"));
+        assert_eq!(blocks, 0, "{id} holds block files of its own");
     }
 }
