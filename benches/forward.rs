@@ -13,6 +13,12 @@
 //! upload's writeback does not land in the next one's time), and the rounds alternate
 //! which path goes first.
 //!
+//! `GRAVITON_BENCH_PIN=1` pins the owner to CPU 1 and the forwarding node and the client
+//! to CPU 0 (`taskset`, every thread), in both paths: the relay's CPU is then not the
+//! owner's, as when the forwarding node is another machine, and the owner has one core
+//! whichever path is measured. Without it all three processes share every core, so the
+//! relay's kernel work (a second loopback hop) comes out of the owner's ingest.
+//!
 //! CPU: besides wall-clock throughput, the bench reads the CPU time (user + system, from
 //! `/proc/<pid>/stat`) that the owner, the forwarding node and the client (this process)
 //! spend on each upload. On a shared, loaded box the wall-clock ratio swings with other
@@ -169,6 +175,19 @@ fn main() {
             front.pid().expect("front pid").to_string(),
             "self".to_string(),
         ];
+        let pinned = std::env::var("GRAVITON_BENCH_PIN").is_ok_and(|v| v == "1");
+        if pinned {
+            let own = std::process::id().to_string();
+            for (cpu, pid) in [("1", &pids[0]), ("0", &pids[1]), ("0", &own)] {
+                let status = std::process::Command::new("taskset")
+                    .args(["-a", "-p", "-c", cpu, pid])
+                    .stdout(std::process::Stdio::null())
+                    .status()
+                    .expect("taskset");
+                assert!(status.success(), "taskset -a -p -c {cpu} {pid} failed");
+            }
+            println!("pinned: owner on CPU 1, forwarding node and client on CPU 0");
+        }
         let mut direct = Duration::MAX;
         let mut forwarded = Duration::MAX;
         let (mut direct_cpu, mut forwarded_cpu) = ([0.0f64; 3], [0.0f64; 3]);
