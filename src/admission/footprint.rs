@@ -121,8 +121,8 @@ mod tests {
         assert!(download >= crate::cas::read::memory_bound(chunk as usize) as u64);
         // The 256 KiB chunker: 6 x (256 + 416) KiB + 29 x 256 KiB + 1 MiB.
         assert_eq!(upload, (6 * (256 + 416) + 29 * 256 + 1024) * 1024);
-        // 8 x 256 KiB of blocks + 2 x 416 KiB response buffers of a remote medium's reads.
-        assert_eq!(download, (8 * 256 + 2 * 416) * 1024);
+        // 8 x 256 KiB of blocks + 3 x 416 KiB response buffers of a remote medium's reads.
+        assert_eq!(download, (8 * 256 + 3 * 416) * 1024);
     }
 
     #[test]
@@ -134,7 +134,7 @@ mod tests {
         );
         assert_eq!(
             Footprint::for_operation(Operation::Download, chunk).bytes(),
-            8 * chunk + 2 * 416 * 1024
+            8 * chunk + 3 * 416 * 1024
         );
         assert_eq!(
             Footprint::for_operation(Operation::ForwardedUpload, chunk).bytes(),
