@@ -51,15 +51,31 @@ pub struct StreamChunker {
     buffer: BytesMut,
 }
 
+/// Capacity of each buffer the chunker fills, in largest chunks. Chunks are views of it,
+/// so a buffer stays allocated (and the bytes written into it resident) until its last
+/// chunk is dropped; `cas::ingest::memory_bound` counts one such buffer.
+pub const BUFFER_CHUNKS: usize = 4;
+const BUFFER_CAPACITY: usize = BUFFER_CHUNKS * MAX_CHUNK;
+
 impl StreamChunker {
     pub fn new() -> Self {
         Self {
-            buffer: BytesMut::with_capacity(4 * MAX_CHUNK),
+            buffer: BytesMut::with_capacity(BUFFER_CAPACITY),
         }
     }
 
     /// Append the next piece of input.
     pub fn push(&mut self, data: &[u8]) {
+        if self.buffer.capacity() - self.buffer.len() < data.len() {
+            // A fresh buffer of `BUFFER_CAPACITY` (or more for a large piece), holding the
+            // bytes not cut yet. `BytesMut::reserve` would size a buffer that chunks still
+            // share to just the bytes needed, so every push would allocate and copy the
+            // uncut tail again (measured: about 5 % of a durable ingest in `memmove`).
+            let mut fresh =
+                BytesMut::with_capacity(BUFFER_CAPACITY.max(self.buffer.len() + data.len()));
+            fresh.extend_from_slice(&self.buffer);
+            self.buffer = fresh;
+        }
         self.buffer.extend_from_slice(data);
     }
 
@@ -128,6 +144,32 @@ mod tests {
         assert_eq!(chunker.next_chunk(false), None);
         assert_eq!(chunker.next_chunk(true).as_deref(), Some(&b"hello"[..]));
         assert_eq!(chunker.next_chunk(true), None);
+    }
+
+    #[test]
+    fn the_uncut_tail_is_copied_once_per_buffer_not_once_per_push() {
+        // Pushed in small pieces, consecutive chunks are views of one buffer until it is
+        // full; a new buffer (one copy of the uncut tail) starts at most once per
+        // `BUFFER_CAPACITY - MAX_CHUNK` bytes, not at every push.
+        let data = pseudo_random(3 * BUFFER_CAPACITY, 7);
+        let mut chunker = StreamChunker::new();
+        let mut chunks = Vec::new();
+        for piece in data.chunks(32 * 1024) {
+            chunker.push(piece);
+            while let Some(chunk) = chunker.next_chunk(false) {
+                chunks.push(chunk);
+            }
+        }
+        while let Some(chunk) = chunker.next_chunk(true) {
+            chunks.push(chunk);
+        }
+        let new_buffers = chunks
+            .windows(2)
+            .filter(|pair| pair[1].as_ptr() as usize != pair[0].as_ptr() as usize + pair[0].len())
+            .count();
+        assert!(chunks.len() > 30, "{} chunks", chunks.len());
+        assert!(new_buffers <= 3, "{new_buffers} buffers after the first");
+        assert_eq!(chunks.concat(), data);
     }
 
     proptest! {

@@ -57,12 +57,15 @@ pub const MAX_BODY_FRAME: usize = 416 * 1024;
 /// `BATCH_BYTES + MAX_BODY_FRAME`); the chunker's buffer (below `max_chunk`) and the chunk
 /// it is cutting; `CHUNK_QUEUE` queued chunks and one the chunker waits to send; and
 /// `STORE_IN_FLIGHT` blocks inside the write session (the batch being appended, queued for
-/// the pack writer, and being written).
+/// the pack writer, and being written); and the chunker buffer that the oldest block in
+/// flight is a view of (`chunker::BUFFER_CHUNKS` chunks), whose blocks already stored stay
+/// resident until that block is dropped.
 pub const fn memory_bound(max_chunk: usize) -> usize {
     (FRAME_QUEUE + 2) * (BATCH_BYTES + MAX_BODY_FRAME)
         + 2 * max_chunk
         + (CHUNK_QUEUE + 1) * max_chunk
         + STORE_IN_FLIGHT * max_chunk
+        + super::chunker::BUFFER_CHUNKS * max_chunk
 }
 
 /// Blocks a write session holds at once: the batch being appended (`APPEND_BATCH`), the
