@@ -53,8 +53,28 @@ pub fn missing_service(test: &str, what: &str) {
     eprintln!("SKIPPED {test}: {what}; set GRAVITON_REQUIRE_SERVICES=1 to make this a failure");
 }
 
-/// Pick a free TCP port on 127.0.0.1 by binding port 0 and releasing it.
+/// Pick a free TCP port on 127.0.0.1 for a server a test starts: a random port below the
+/// kernel's ephemeral range, checked by binding it. Port 0 would hand out an ephemeral
+/// port, which any process's next outgoing connection (a PostgreSQL pool, an HTTP client)
+/// may take before the server binds it; seen as a nemesis node whose control port was
+/// another process's HTTP listener. Random picks from a range of ten thousand or more make
+/// two tests choosing the same port rare, and the node harness restarts a node that lost
+/// such a race.
 pub fn free_port() -> u16 {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    // Redis Cluster nodes also bind their port + 10000 (the cluster bus).
+    let (first, last) = (10_000u16, low.min(55_000));
+    if last > first + 1_000 {
+        for _ in 0..1_000 {
+            let port = first + (uuid::Uuid::new_v4().as_u128() % u128::from(last - first)) as u16;
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return port;
+            }
+        }
+    }
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
     listener.local_addr().expect("local addr").port()
 }
