@@ -13,6 +13,9 @@
 //! upload's writeback does not land in the next one's time), and the rounds alternate
 //! which path goes first.
 //!
+//! `GRAVITON_BENCH_S3=1` puts the blocks on the test S3 server (the cluster's default
+//! medium; `source scripts/services.sh` first) instead of a shared mount with fsync off.
+//!
 //! `GRAVITON_BENCH_PIN=1` pins the owner to CPU 1 and the forwarding node and the client
 //! to CPU 0 (`taskset`, every thread), in both paths: the relay's CPU is then not the
 //! owner's, as when the forwarding node is another machine, and the owner has one core
@@ -138,8 +141,21 @@ fn main() {
         };
         let dir = tempfile::tempdir().expect("tempdir");
         let data = dir.path().join("data");
-        let owner = NodeProcess::start(dir.path(), "owner", db.url(), SHARDS, &data);
-        let front = NodeProcess::start(dir.path(), "front", db.url(), SHARDS, &data);
+        // `GRAVITON_BENCH_S3=1`: blocks on the test S3 server (a cluster's default medium),
+        // each node with a data directory of its own; else a shared mount with fsync off.
+        let on_s3 = std::env::var("GRAVITON_BENCH_S3").is_ok_and(|v| v == "1");
+        let prefix = format!("bench-forward-{}", support::unique_suffix());
+        let start = |id: &str| {
+            if on_s3 {
+                NodeProcess::start_on_s3("bench_forward", dir.path(), id, db.url(), SHARDS, &prefix, "")
+                    .expect("GRAVITON_BENCH_S3=1 needs the test S3 server (source scripts/services.sh)")
+            } else {
+                NodeProcess::start(dir.path(), id, db.url(), SHARDS, &data)
+            }
+        };
+        let owner = start("owner");
+        let front = start("front");
+        println!("blocks: {}", if on_s3 { "test S3 server (Garage)" } else { "shared mount, fsync off" });
         let client = reqwest::Client::builder().no_proxy().build().expect("client");
         // Ready, and the table settled (no shard in motion, balanced), so the session's
         // owner does not change under the measurement.
