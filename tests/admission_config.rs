@@ -119,7 +119,10 @@ async fn local_mode_admits_without_redis() {
         operation: Operation::Upload,
         tenant: Some(tenant),
         backend: "fs".into(),
-        footprint: Footprint::for_operation(Operation::Upload, 4 << 20),
+        footprint: Footprint::for_operation(
+            Operation::Upload,
+            graviton::cas::chunker::MAX_CHUNK as u64,
+        ),
     };
     let permit = admission.admit(request).await.unwrap();
     assert!(permit.lease().is_none());
@@ -133,7 +136,8 @@ async fn local_mode_admits_without_redis() {
     assert!(snap.cluster.is_none());
     assert_eq!(
         snap.local.process_bytes_capacity - snap.local.process_bytes_available,
-        Footprint::for_operation(Operation::Upload, 4 << 20).bytes()
+        Footprint::for_operation(Operation::Upload, graviton::cas::chunker::MAX_CHUNK as u64)
+            .bytes()
     );
     permit.finish(Outcome::Completed).await;
     let snap = admission.snapshot(None, None).await.unwrap();
