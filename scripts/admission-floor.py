@@ -40,18 +40,16 @@ above 128 the expiry set leaves Redis's listpack encoding), SKIP_CALLGRIND=1, SK
 FLOOR_COUNTERS=hincrby.
 """
 
-import glob
 import hashlib
 import os
 import re
 import selectors
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
+
+from redis_probe import Conn, Incomplete, RedisServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REAL_CODE = open(os.path.join(ROOT, "lua", "admission.lua")).read()
@@ -256,80 +254,6 @@ COUNTERS = os.environ.get("FLOOR_COUNTERS", "hset")
 EVENTS = {"floor": "item", "floor-batch": "batch", "floor-noevent": "none"}
 
 
-def encode(args):
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        a = a if isinstance(a, bytes) else str(a).encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
-    return b"".join(out)
-
-
-class Incomplete(Exception):
-    pass
-
-
-def parse(buf, pos=0):
-    """One RESP reply from buf at pos: (value, next pos); Incomplete if buf is short."""
-    end = buf.find(b"\r\n", pos)
-    if end < 0:
-        raise Incomplete
-    t, rest = buf[pos:pos + 1], buf[pos + 1:end]
-    pos = end + 2
-    if t in (b"+", b":"):
-        return rest.decode(), pos
-    if t == b"-":
-        raise RuntimeError(rest.decode())
-    if t == b"$":
-        n = int(rest)
-        if n < 0:
-            return None, pos
-        if len(buf) < pos + n + 2:
-            raise Incomplete
-        return buf[pos:pos + n].decode(), pos + n + 2
-    if t == b"*":
-        n = int(rest)
-        if n < 0:
-            return None, pos
-        out = []
-        for _ in range(n):
-            v, pos = parse(buf, pos)
-            out.append(v)
-        return out, pos
-    raise RuntimeError(f"bad reply {buf[pos:pos + 40]!r}")
-
-
-class Conn:
-    def __init__(self, port):
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = b""
-
-    def send(self, args):
-        self.sock.sendall(encode(args))
-
-    def try_reply(self):
-        try:
-            value, pos = parse(self.buf)
-        except Incomplete:
-            return Incomplete
-        self.buf = self.buf[pos:]
-        return value
-
-    def read(self):
-        while True:
-            value = self.try_reply()
-            if value is not Incomplete:
-                return value
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise RuntimeError("connection closed")
-            self.buf += data
-
-    def call(self, *args):
-        self.send(args)
-        return self.read()
-
-
 # One variant's protocol: the request of an acquire call and of the release call that
 # follows it (from the acquire's reply), and reply checks.
 def acquire_request(variant, ids, k):
@@ -371,33 +295,9 @@ def round_trip(conn, variant, b, k):
     check_release(variant, conn.call(*release_request(variant, ids, k, reply)), b)
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def start_server(work, valgrind=False):
-    port = free_port()
-    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-           "--appendonly", "no", "--dir", work]
-    if valgrind:
-        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/callgrind.out.%p"] + cmd
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            conn = Conn(port)
-            conn.call("PING")
-            break
-        except (OSError, RuntimeError):
-            time.sleep(0.1)
-    else:
-        raise RuntimeError("redis-server did not start")
-    conn.call("FUNCTION", "LOAD", "REPLACE", REAL_LIB)
-    conn.call("FUNCTION", "LOAD", "REPLACE", FLOOR_LIB)
-    return server, port, conn
+def floor_server(prefix, valgrind=False):
+    """A throwaway redis-server with the real script and the floor loaded."""
+    return RedisServer(prefix, valgrind=valgrind, nodelay=True, libraries=(REAL_LIB, FLOOR_LIB))
 
 
 def setup(conn, variant):
@@ -412,28 +312,13 @@ def setup(conn, variant):
 
 
 def callgrind(variant, b, rounds):
-    work = tempfile.mkdtemp(prefix="adm-floor-cg-")
-    server, _, conn = start_server(work, valgrind=True)
-    try:
-        setup(conn, variant)
-        subprocess.run(["callgrind_control", "-z", str(server.pid)], check=True, stdout=subprocess.DEVNULL)
+    with floor_server("adm-floor-cg-", valgrind=True) as redis:
+        setup(redis.conn, variant)
+        redis.zero_counts()
         for k in range(rounds):
-            round_trip(conn, variant, b, k)
-        subprocess.run(["callgrind_control", "-d", str(server.pid)], check=True, stdout=subprocess.DEVNULL)
-        time.sleep(0.5)
-        dumps = sorted(glob.glob(os.path.join(work, "callgrind.out.*")))
-        dump = [d for d in dumps if re.search(r"\.\d+\.\d+$", d)] or dumps
-        total = 0
-        with open(dump[-1]) as f:
-            for line in f:
-                if line.startswith("summary:") or line.startswith("totals:"):
-                    total = int(line.split()[1])
-                    break
+            round_trip(redis.conn, variant, b, k)
+        total, _ = redis.instructions()
         return total / (rounds * b)
-    finally:
-        server.terminate()
-        server.wait()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def cpu_seconds(conn):
@@ -456,7 +341,7 @@ def drive(port, conn, variant, b, admissions, conns):
     (admissions/s, Redis CPU µs per admission)."""
     setup(conn, variant)
     calls = max(1, admissions // b)
-    clients = [Conn(port) for _ in range(conns)]
+    clients = [Conn(port, nodelay=True) for _ in range(conns)]
     sel = selectors.DefaultSelector()
     state = {}
     started = 0
@@ -475,7 +360,8 @@ def drive(port, conn, variant, b, admissions, conns):
         sel.register(c.sock, selectors.EVENT_READ, c)
         start(c)
     done = 0
-    while done < calls:
+    # Until every call started has answered (the last ones' CPU is in the delta too).
+    while state:
         for key, _ in sel.select():
             c = key.data
             data = c.sock.recv(1 << 16)
@@ -489,30 +375,12 @@ def drive(port, conn, variant, b, admissions, conns):
             if phase == "A":
                 c.send(release_request(variant, ids, k, reply))
                 state[c] = ("R", ids, k)
-            else:
-                check_release(variant, reply, b)
-                done += 1
-                if started < calls:
-                    start(c)
-                else:
-                    del state[c]
-                    sel.unregister(c.sock)
-            if done >= calls:
-                break
-    # Drain the calls still in flight (counted: their CPU is in the delta).
-    while state:
-        for key, _ in sel.select():
-            c = key.data
-            c.buf += c.sock.recv(1 << 16)
-            reply = c.try_reply()
-            if reply is Incomplete:
                 continue
-            phase, ids, k = state[c]
-            if phase == "A":
-                c.send(release_request(variant, ids, k, reply))
-                state[c] = ("R", ids, k)
+            check_release(variant, reply, b)
+            done += 1
+            if started < calls:
+                start(c)
             else:
-                done += 1
                 del state[c]
                 sel.unregister(c.sock)
     elapsed = time.perf_counter() - t0
@@ -530,28 +398,15 @@ def rng(values, f="{:.1f}"):
 
 def trivial_callgrind(calls=2000):
     """Redis instructions per `EVALSHA <return 1> 0` (one client, one call at a time)."""
-    work = tempfile.mkdtemp(prefix="adm-floor-cg-")
-    server, _, conn = start_server(work, valgrind=True)
-    try:
-        sha = conn.call("SCRIPT", "LOAD", "return 1")
+    with floor_server("adm-floor-cg-", valgrind=True) as redis:
+        sha = redis.conn.call("SCRIPT", "LOAD", "return 1")
         for _ in range(100):
-            conn.call("EVALSHA", sha, "0")
-        subprocess.run(["callgrind_control", "-z", str(server.pid)], check=True, stdout=subprocess.DEVNULL)
+            redis.conn.call("EVALSHA", sha, "0")
+        redis.zero_counts()
         for _ in range(calls):
-            conn.call("EVALSHA", sha, "0")
-        subprocess.run(["callgrind_control", "-d", str(server.pid)], check=True, stdout=subprocess.DEVNULL)
-        time.sleep(0.5)
-        dumps = sorted(glob.glob(os.path.join(work, "callgrind.out.*")))
-        dump = [d for d in dumps if re.search(r"\.\d+\.\d+$", d)] or dumps
-        with open(dump[-1]) as f:
-            for line in f:
-                if line.startswith("summary:") or line.startswith("totals:"):
-                    return int(line.split()[1]) / calls
-        return 0
-    finally:
-        server.terminate()
-        server.wait()
-        shutil.rmtree(work, ignore_errors=True)
+            redis.conn.call("EVALSHA", sha, "0")
+        total, _ = redis.instructions()
+        return total / calls
 
 
 def load():
@@ -576,9 +431,8 @@ def main():
                 print(f"callgrind {v} B={b}: {instr[v, b]:,.0f} instructions per admission", flush=True)
         loads.append(load())
     if os.environ.get("SKIP_CPU") != "1":
-        work = tempfile.mkdtemp(prefix="adm-floor-cpu-")
-        server, port, conn = start_server(work)
-        try:
+        with floor_server("adm-floor-cpu-") as redis:
+            port, conn = redis.port, redis.conn
             sha = conn.call("SCRIPT", "LOAD", "return 1")
             for r in range(repeats):
                 first = baseline(port, conn, sha)
@@ -600,10 +454,6 @@ def main():
                 ops, cpu_op = max(first[0], last[0]), min(first[1], last[1])
                 for key, (a, c) in measured.items():
                     runs.setdefault(key, []).append((c, cpu_op / c, 1e6 / c / ops))
-        finally:
-            server.terminate()
-            server.wait()
-            shutil.rmtree(work, ignore_errors=True)
     loads.append(load())
     print(f"load average at end: {' '.join(open('/proc/loadavg').read().split()[:3])}"
           f" (1-min samples during the run: {', '.join(loads)})")
