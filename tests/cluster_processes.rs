@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use graviton::cas::BlobKey;
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
 use graviton::placement::hash::shard_of;
-use support::cluster::{BIN, NodeProcess, is_ready};
+use support::cluster::{BIN, NodeProcess, is_ready, upload_retrying};
 use support::node::random_bytes;
 
 const SHARDS: u32 = 32;
@@ -37,29 +37,6 @@ fn owner_of(status: &graviton::cli::ClusterStatus, key: &SessionKey) -> Option<N
         .iter()
         .find(|s| s.shard == shard)
         .and_then(|s| s.owner.clone())
-}
-
-/// Upload as a well-behaved client does: a documented retryable answer (503 with
-/// `Retry-After`, e.g. a shard in motion) is retried a few times.
-async fn upload(url: &str, key: &SessionKey, data: Vec<u8>) -> reqwest::Response {
-    let data = bytes::Bytes::from(data);
-    let mut attempts = 0;
-    loop {
-        let response = client()
-            .post(format!("{url}/v1/blobs"))
-            .header("x-graviton-tenant-id", key.tenant.to_string())
-            .header("x-graviton-upload-session-id", key.session.to_string())
-            .body(data.clone())
-            .send()
-            .await
-            .unwrap();
-        let retryable = response.status() == 503 && response.headers().contains_key("retry-after");
-        attempts += 1;
-        if !retryable || attempts == 10 {
-            return response;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 fn session() -> SessionKey {
@@ -150,7 +127,7 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
         .unwrap();
     let front = nodes.iter().find(|n| n.id != owner_id).unwrap();
     let big = random_bytes(64 << 20, 31);
-    let response = upload(&front.url, &key, big.clone()).await;
+    let response = upload_retrying(&front.url, &key, big.clone()).await;
     let status = response.status();
     let body: serde_json::Value = response.json().await.unwrap();
     assert_eq!(status, 201, "{body}");
@@ -184,7 +161,7 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
     // Sticky: the same session from every node goes to the same owner.
     for (owner, key) in &by_owner {
         for node in &nodes {
-            let response = upload(&node.url, key, random_bytes(10_000, 7)).await;
+            let response = upload_retrying(&node.url, key, random_bytes(10_000, 7)).await;
             let status = response.status();
             let body: serde_json::Value = response.json().await.unwrap();
             assert_eq!(status, 201, "from {}: {body}", node.id);
@@ -237,7 +214,7 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
         started.elapsed()
     );
     let b_session = by_owner["node-b"];
-    let response = upload(&nodes[0].url, &b_session, b"after drain".to_vec()).await;
+    let response = upload_retrying(&nodes[0].url, &b_session, b"after drain".to_vec()).await;
     assert_eq!(response.status(), 201);
     let body: serde_json::Value = response.json().await.unwrap();
     assert_ne!(body["owner"], "node-b");
@@ -282,7 +259,7 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
         .find(|n| n.id != manager && n.pid().is_some())
         .unwrap();
     let dead_session = by_owner[&manager];
-    let response = upload(&survivor.url, &dead_session, b"after kill".to_vec()).await;
+    let response = upload_retrying(&survivor.url, &dead_session, b"after kill".to_vec()).await;
     assert_eq!(response.status(), 201, "{:?}", response.text().await);
 
     // Every node restarts; placement and blobs survive.

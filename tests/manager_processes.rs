@@ -40,27 +40,12 @@ async fn status(url: &str) -> graviton::cli::ClusterStatus {
     }
 }
 
-/// Upload `data` through `url` in session `key`, retrying a documented retryable answer
-/// (503 with `Retry-After`, e.g. a shard in motion) a few times; the 201 answer's body.
+/// Upload `data` through `url` in session `key` (a documented retryable answer is retried,
+/// `support::cluster::upload_retrying`); the 201 answer's body.
 async fn upload(url: &str, key: &SessionKey, data: &[u8]) -> serde_json::Value {
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
-    for _ in 0..10 {
-        let response = client
-            .post(format!("{url}/v1/blobs"))
-            .header("x-graviton-tenant-id", key.tenant.to_string())
-            .header("x-graviton-upload-session-id", key.session.to_string())
-            .body(data.to_vec())
-            .send()
-            .await
-            .unwrap();
-        if response.status() == 503 && response.headers().contains_key("retry-after") {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            continue;
-        }
-        assert_eq!(response.status(), 201, "upload through {url}");
-        return response.json().await.unwrap();
-    }
-    panic!("upload through {url}: still 503 after 10 attempts");
+    let response = support::cluster::upload_retrying(url, key, data.to_vec()).await;
+    assert_eq!(response.status(), 201, "upload through {url}");
+    response.json().await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -368,26 +368,6 @@ pub async fn s3_packs(prefix: &str) -> usize {
         .unwrap()
 }
 
-/// Pack files (`*.pack`) under `dir`, at any depth.
-pub fn pack_files(dir: &Path) -> Vec<PathBuf> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .flat_map(|e| {
-            let path = e.path();
-            if path.is_dir() {
-                pack_files(&path)
-            } else if path.extension().is_some_and(|x| x == "pack") {
-                vec![path]
-            } else {
-                Vec::new()
-            }
-        })
-        .collect()
-}
-
 /// The blocks of nodes started by [`NodeProcess::start_on_s3`] in `dir` under `prefix`
 /// are in the bucket, not on a node's disk: at least `min_packs` pack objects under
 /// `prefix`, and in the data directory of every node of `ids` (which must exist) no pack
@@ -405,9 +385,38 @@ pub async fn assert_packs_in_bucket_only(dir: &Path, ids: &[&str], prefix: &str,
             "{id} has no data directory {}",
             data.display()
         );
-        let local = pack_files(&data);
+        let local = super::node::pack_files(&data);
         assert!(local.is_empty(), "{id} holds packs of its own: {local:?}");
         let blocks = super::node::count_files(&data.join("blocks"));
         assert_eq!(blocks, 0, "{id} holds block files of its own");
+    }
+}
+
+/// Upload `data` through `url` in session `key` as a well-behaved client does: a
+/// documented retryable answer (503 with `Retry-After`, e.g. a shard in motion) is tried
+/// again, 200 ms apart, up to 10 attempts in all; the last answer.
+pub async fn upload_retrying(
+    url: &str,
+    key: &graviton::ids::SessionKey,
+    data: Vec<u8>,
+) -> reqwest::Response {
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let data = bytes::Bytes::from(data);
+    let mut attempts = 0;
+    loop {
+        let response = client
+            .post(format!("{url}/v1/blobs"))
+            .header("x-graviton-tenant-id", key.tenant.to_string())
+            .header("x-graviton-upload-session-id", key.session.to_string())
+            .body(data.clone())
+            .send()
+            .await
+            .unwrap();
+        let retryable = response.status() == 503 && response.headers().contains_key("retry-after");
+        attempts += 1;
+        if !retryable || attempts == 10 {
+            return response;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }

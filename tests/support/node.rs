@@ -60,25 +60,35 @@ impl TestNode {
     }
 }
 
-/// Sum of the block counts in the trailers of the `.pack` files under `dir`.
-pub fn packed_blocks(dir: &std::path::Path) -> usize {
+/// Pack files (`*.pack`) under `dir`, at any depth.
+pub fn pack_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
+        return Vec::new();
     };
     entries
         .flatten()
-        .map(|e| {
+        .flat_map(|e| {
             let path = e.path();
             if path.is_dir() {
-                packed_blocks(&path)
+                pack_files(&path)
             } else if path.extension().is_some_and(|x| x == "pack") {
-                let bytes = std::fs::read(&path).expect("read pack");
-                let tail = &bytes[bytes.len() - 8..];
-                assert_eq!(&tail[4..], b"GVPK", "pack trailer of {}", path.display());
-                u32::from_le_bytes(tail[..4].try_into().unwrap()) as usize
+                vec![path]
             } else {
-                0
+                Vec::new()
             }
+        })
+        .collect()
+}
+
+/// Sum of the block counts in the trailers of the `.pack` files under `dir`.
+pub fn packed_blocks(dir: &std::path::Path) -> usize {
+    pack_files(dir)
+        .iter()
+        .map(|path| {
+            let bytes = std::fs::read(path).expect("read pack");
+            let tail = &bytes[bytes.len() - 8..];
+            assert_eq!(&tail[4..], b"GVPK", "pack trailer of {}", path.display());
+            u32::from_le_bytes(tail[..4].try_into().unwrap()) as usize
         })
         .sum()
 }
