@@ -15,7 +15,9 @@
 //!
 //! Run: `cargo bench --bench ingest` (add `-- --quick` for a shorter run,
 //! `GRAVITON_BENCH_LARGE_GIB=2` to set the large upload's size,
-//! `GRAVITON_BENCH_PACKS_ONLY=1` for raw, discard, disk and durable packs only).
+//! `GRAVITON_BENCH_PACKS_ONLY=1` for raw, discard, disk and durable packs only,
+//! `GRAVITON_BENCH_PROFILE=durable` (or `discard`) for raw and that one step five times,
+//! to run under `perf record`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -106,6 +108,20 @@ fn limits_for(data: &Bytes) -> IngestLimits {
 }
 
 /// Ingest into a store opened in a fresh directory; returns the time and the directory.
+/// Under `GRAVITON_BENCH_PROFILE`, print `CLOCK_MONOTONIC` at the edges of each timed
+/// ingest (`perf record -k CLOCK_MONOTONIC` timestamps match them).
+fn profile_mark(what: &str) {
+    if std::env::var_os("GRAVITON_BENCH_PROFILE").is_some() {
+        let mut now = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: a valid out pointer for the call.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+        eprintln!("profile {what} {}.{:09}", now.tv_sec, now.tv_nsec);
+    }
+}
+
 async fn in_process_into(
     data: &Bytes,
     open: impl FnOnce(&std::path::Path) -> Arc<dyn BlockStore>,
@@ -123,6 +139,7 @@ async fn in_process_into(
     let body = futures_util::stream::iter(frames(data));
     flush_dirty_pages();
     let started = Instant::now();
+    profile_mark("start");
     let report = ingest(
         body,
         limits_for(data),
@@ -133,6 +150,7 @@ async fn in_process_into(
     .await
     .expect("ingest");
     let elapsed = started.elapsed();
+    profile_mark("end");
     assert_eq!(report.key.size, data.len() as u64);
     (elapsed, dir, blocks, manifests)
 }
@@ -365,6 +383,17 @@ fn main() {
         raw,
         None,
     );
+    // One step only, five times (under `perf record`): `durable` or `discard`.
+    if let Ok(step) = std::env::var("GRAVITON_BENCH_PROFILE") {
+        for _ in 0..5 {
+            let took = match step.as_str() {
+                "discard" => runtime.block_on(in_process_discard(&data)),
+                _ => runtime.block_on(in_process_packs(&data, true)),
+            };
+            row(&format!("profile: {step}"), size, took, Some(("raw", raw)));
+        }
+        return;
+    }
     let ingest_discard = best(runs, || runtime.block_on(in_process_discard(&data)));
     row(
         "in-process ingest, blocks discarded",

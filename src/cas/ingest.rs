@@ -56,8 +56,10 @@ pub const MAX_BODY_FRAME: usize = 416 * 1024;
 /// the batch being gathered and the batch the chunker works on (each below
 /// `BATCH_BYTES + MAX_BODY_FRAME`); the chunker's buffer (below `max_chunk`) and the chunk
 /// it is cutting; `CHUNK_QUEUE` queued chunks and one the chunker waits to send; and
-/// `STORE_IN_FLIGHT` blocks inside the write session (the batch being appended, queued for
-/// the pack writer, and being written); and the chunker buffer that the oldest block in
+/// `STORE_IN_FLIGHT` blocks inside the write session (the batch being appended and those
+/// queued for the pack writer) and what the pack writer holds while writing
+/// (`pack::spool::held_bytes`: the blocks of one vectored write, or two direct-write
+/// stages); and the chunker buffer that the oldest block in
 /// flight is a view of (`chunker::BUFFER_CHUNKS` chunks), whose blocks already stored stay
 /// resident until that block is dropped.
 pub const fn memory_bound(max_chunk: usize) -> usize {
@@ -65,14 +67,13 @@ pub const fn memory_bound(max_chunk: usize) -> usize {
         + 2 * max_chunk
         + (CHUNK_QUEUE + 1) * max_chunk
         + STORE_IN_FLIGHT * max_chunk
+        + crate::storage::pack::spool::held_bytes(max_chunk)
         + super::chunker::BUFFER_CHUNKS * max_chunk
 }
 
-/// Blocks a write session holds at once: the batch being appended (`APPEND_BATCH`), the
-/// pack writer's queue and the blocks it gathers for one vectored write (the block just
-/// received among them).
-const STORE_IN_FLIGHT: usize =
-    crate::storage::pack::WRITER_QUEUE + APPEND_BATCH + crate::storage::pack::WRITE_BATCH;
+/// Blocks a write session holds before its pack writer takes them: the batch being
+/// appended (`APPEND_BATCH`) and the pack writer's queue.
+const STORE_IN_FLIGHT: usize = crate::storage::pack::WRITER_QUEUE + APPEND_BATCH;
 
 /// [`memory_bound`] of the chunker in use.
 pub const MEMORY_BOUND: usize = memory_bound(super::chunker::MAX_CHUNK);

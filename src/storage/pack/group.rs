@@ -120,8 +120,8 @@ fn run(context: &GroupContext, rx: &Receiver<Tail>) {
         let Some(first) = queue.pop_front() else {
             continue;
         };
-        let lens: Vec<u64> = queue.iter().map(|t| t.pack.len).collect();
-        let taken = take_group(first.pack.len, &lens, context.pack_size);
+        let lens: Vec<u64> = queue.iter().map(|t| t.pack.len()).collect();
+        let taken = take_group(first.pack.len(), &lens, context.pack_size);
         let mut group = vec![first];
         group.extend(queue.drain(..taken));
         let result = write_group(context, &mut group);
@@ -148,7 +148,8 @@ fn write_group(
     context: &GroupContext,
     group: &mut [Tail],
 ) -> Result<(PackRecord, HashMap<BlockKey, Location>), StoreError> {
-    let mut out = OpenPack::create_in(&context.spool, &context.live_spools)?;
+    // Buffered, no write-back hints: the group pack is read back for one PUT.
+    let mut out = OpenPack::create_in(&context.spool, &context.live_spools, false, false)?;
     if let Err(err) = copy_records(group, &mut out) {
         out.discard();
         return Err(err);
@@ -174,9 +175,7 @@ fn copy_records(group: &mut [Tail], out: &mut OpenPack) -> Result<(), StoreError
             source
                 .read_exact_at(&mut data, entry.offset)
                 .map_err(|e| StoreError::io("read a spool file to group", e))?;
-            // The group pack is published by one PUT of the whole spool: no write-back
-            // hints (those serve the local medium's fdatasync).
-            out.append(entry.key, Bytes::from(data), false)?;
+            out.append(entry.key, Bytes::from(data))?;
         }
     }
     Ok(())

@@ -54,6 +54,12 @@ pub trait Medium: Send + Sync + std::fmt::Debug + 'static {
     fn publish_behind(&self) -> bool {
         false
     }
+    /// Whether spool files should be written past the page cache ([`super::spool`]): the
+    /// spool file becomes the pack in place and must reach the disk anyway (local, fsync
+    /// on). Default no (S3 reads the spool back for its PUT and deletes it).
+    fn direct_spool(&self) -> bool {
+        false
+    }
     /// Whether every pack published is a request priced on its own (S3), so the small
     /// last packs of concurrent uploads are published together ([`super::group`]).
     /// Local: no (a small pack costs one file sync, and grouping would add a copy).
@@ -245,5 +251,9 @@ impl Medium for LocalMedium {
 
     fn publish_behind(&self) -> bool {
         true
+    }
+
+    fn direct_spool(&self) -> bool {
+        self.fsync
     }
 }

@@ -35,10 +35,10 @@ pub mod pause;
 pub mod runs;
 pub mod s3;
 pub mod shared;
+pub mod spool;
 
 use std::collections::{HashSet, VecDeque};
 use std::fs::File;
-use std::io::{IoSlice, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,6 +53,7 @@ use self::format::{Entry, RECORD_HEADER};
 use self::index::{CommitBatch, Location, PackRecord, RedbIndex};
 use self::medium::{Medium, SyncTrace};
 use self::shared::PgIndex;
+use self::spool::SpoolWriter;
 use super::block::{BlockStream, READ_RESPONSES, read_each};
 use super::fs::FsBlockStore;
 use super::manifest::CommitFence;
@@ -64,9 +65,6 @@ use crate::cas::{BlockKey, Manifest};
 
 /// Blocks queued between an upload and its pack writer.
 pub const WRITER_QUEUE: usize = 9;
-/// With fsync on, start write-back of a spool file every this many bytes, so the seal's
-/// fdatasync has little left to do.
-const WRITEBACK_EVERY: u64 = 8 << 20;
 
 /// How a pack store is built.
 #[derive(Clone)]
@@ -668,19 +666,10 @@ impl Drop for SpoolGuard {
 
 struct OpenPack {
     _guard: SpoolGuard,
-    file: File,
+    out: SpoolWriter,
     path: PathBuf,
-    len: u64,
-    written_back: u64,
     entries: Vec<Entry>,
-    /// Records appended but not written yet (header, block): written with one
-    /// `write_vectored` per [`WRITE_BATCH`] blocks, so a block is never copied in user
-    /// space and a pack costs a few hundred syscalls, not one per block.
-    pending: Vec<([u8; RECORD_HEADER as usize], Bytes)>,
 }
-
-/// Blocks a pack writer gathers before one vectored write (see `OpenPack::pending`).
-pub const WRITE_BATCH: usize = 8;
 
 /// A full pack whose bytes are written and whose medium publish (local: fdatasync,
 /// rename, directory fsync) has not run yet.
@@ -695,11 +684,22 @@ struct SealedSpool {
 
 impl OpenPack {
     fn create(store: &PackStore) -> Result<Self, StoreError> {
-        Self::create_in(&store.inner.spool, &store.inner.live_spools)
+        Self::create_in(
+            &store.inner.spool,
+            &store.inner.live_spools,
+            store.inner.medium.direct_spool(),
+            store.inner.options.fsync,
+        )
     }
 
-    /// A new spool file in `spool`, kept in `live` while the pack is open.
-    fn create_in(spool: &Path, live: &LiveSpools) -> Result<Self, StoreError> {
+    /// A new spool file in `spool`, kept in `live` while the pack is open; `direct` and
+    /// `writeback` choose how its bytes are written ([`spool`]).
+    fn create_in(
+        spool: &Path,
+        live: &LiveSpools,
+        direct: bool,
+        writeback: bool,
+    ) -> Result<Self, StoreError> {
         let path = spool.join(format!("{}.spool", uuid::Uuid::new_v4().simple()));
         let live = live.clone();
         if let Ok(mut set) = live.lock() {
@@ -709,81 +709,50 @@ impl OpenPack {
             path: path.clone(),
             live,
         };
-        let file = File::create(&path).map_err(|e| StoreError::io("create spool file", e))?;
+        let out = SpoolWriter::create(&path, direct, writeback)?;
         Ok(Self {
             _guard: guard,
-            file,
+            out,
             path,
-            len: 0,
-            written_back: 0,
             entries: Vec::new(),
-            pending: Vec::with_capacity(WRITE_BATCH),
         })
     }
 
-    fn append(&mut self, key: BlockKey, data: Bytes, fsync: bool) -> Result<(), StoreError> {
-        let header = format::record_header(&key, data.len() as u32);
+    /// Bytes of the pack so far.
+    fn len(&self) -> u64 {
+        self.out.len()
+    }
+
+    fn append(&mut self, key: BlockKey, data: Bytes) -> Result<(), StoreError> {
         self.entries.push(Entry {
             key,
-            offset: self.len + RECORD_HEADER,
+            offset: self.out.len() + RECORD_HEADER,
             len: data.len() as u32,
         });
-        self.len += RECORD_HEADER + data.len() as u64;
-        self.pending.push((header, data));
-        if self.pending.len() >= WRITE_BATCH {
-            self.write_pending()?;
-            if fsync && self.len - self.written_back >= WRITEBACK_EVERY {
-                start_writeback(&self.file, self.written_back, self.len - self.written_back);
-                self.written_back = self.len;
-            }
-        }
-        Ok(())
+        let header = format::record_header(&key, data.len() as u32);
+        self.out.append(header, data)
     }
 
-    /// Write the pending records (and `tail`) with vectored writes.
-    fn write_pending_with(&mut self, tail: &[u8]) -> Result<(), StoreError> {
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * self.pending.len() + 1);
-        for (header, data) in &self.pending {
-            slices.push(IoSlice::new(header));
-            slices.push(IoSlice::new(data));
-        }
-        if !tail.is_empty() {
-            slices.push(IoSlice::new(tail));
-        }
-        let mut rest = &mut slices[..];
-        while !rest.is_empty() {
-            match self.file.write_vectored(rest) {
-                Ok(0) => {
-                    return Err(StoreError::io(
-                        "write spool file",
-                        std::io::ErrorKind::WriteZero.into(),
-                    ));
-                }
-                Ok(n) => IoSlice::advance_slices(&mut rest, n),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(StoreError::io("write spool file", e)),
-            }
-        }
-        drop(slices);
-        self.pending.clear();
-        Ok(())
-    }
-
+    /// Write every record appended so far to the spool file.
     fn write_pending(&mut self) -> Result<(), StoreError> {
-        self.write_pending_with(&[])
+        self.out.flush()
     }
 
     /// Write the footer: the pack's bytes are complete, its publish still to run.
-    fn finish(mut self) -> Result<SealedSpool, StoreError> {
+    fn finish(self) -> Result<SealedSpool, StoreError> {
         let (footer, id) = format::footer(&self.entries);
-        if let Err(err) = self.write_pending_with(&footer) {
-            self.discard();
-            return Err(err);
-        }
+        let size = self.out.len() + footer.len() as u64;
+        let file = match self.out.finish(&footer) {
+            Ok(file) => file,
+            Err(err) => {
+                let _ = std::fs::remove_file(&self.path);
+                return Err(err);
+            }
+        };
         Ok(SealedSpool {
-            size: self.len + footer.len() as u64,
+            size,
             _guard: self._guard,
-            file: self.file,
+            file,
             path: self.path,
             id,
             entries: self.entries,
@@ -834,25 +803,6 @@ impl SealedSpool {
     }
 }
 
-/// Ask the kernel to start writing a range back now (no wait): Linux only, best effort.
-fn start_writeback(file: &File, offset: u64, len: u64) {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::fd::AsRawFd;
-        // SAFETY: a valid open descriptor and a plain range; the call only schedules I/O.
-        unsafe {
-            libc::sync_file_range(
-                file.as_raw_fd(),
-                offset as libc::off64_t,
-                len as libc::off64_t,
-                libc::SYNC_FILE_RANGE_WRITE,
-            );
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (file, offset, len);
-}
-
 /// A pack being published on its own thread while the writer fills the next one.
 type Publishing =
     std::thread::JoinHandle<Result<(PackRecord, Vec<(BlockKey, Location)>), StoreError>>;
@@ -889,7 +839,6 @@ fn write_packs(
     let mut written = Written::default();
     let mut open: Option<OpenPack> = None;
     let mut publishing: Option<Publishing> = None;
-    let fsync = store.inner.options.fsync;
     let mut seal = |pack: OpenPack, written: &mut Written| -> Result<(), StoreError> {
         let sealed = pack.finish()?;
         if let Some(previous) = publishing.take() {
@@ -910,8 +859,8 @@ fn write_packs(
                 Some(pack) => pack,
                 None => open.insert(OpenPack::create(&store)?),
             };
-            pack.append(key, data, fsync)?;
-            if pack.len >= store.inner.options.pack_size {
+            pack.append(key, data)?;
+            if pack.len() >= store.inner.options.pack_size {
                 seal(open.take().expect("open pack"), &mut written)?;
             }
         }
@@ -921,7 +870,7 @@ fn write_packs(
         if let Some(pack) = open.take() {
             match &store.inner.group {
                 // A small last pack on S3: published with those of concurrent uploads.
-                Some(group) if pack.len < store.inner.options.pack_size / group::GROUP_BELOW => {
+                Some(group) if pack.len() < store.inner.options.pack_size / group::GROUP_BELOW => {
                     let (record, locations) = group.submit(pack)?;
                     written.packs.push(record);
                     written.new.extend(locations);
