@@ -463,6 +463,7 @@ mod tests {
         (expected, std::fs::read(&path).unwrap(), was_direct)
     }
 
+    // Checks STO-22.
     #[test]
     fn direct_writes_hold_exactly_the_bytes_appended_across_many_stages() {
         let dir = disk_dir();
@@ -478,6 +479,7 @@ mod tests {
         assert!(written == expected, "direct spool bytes differ");
     }
 
+    // Checks STO-22.
     #[test]
     fn a_flush_in_the_middle_switches_to_buffered_and_keeps_every_byte() {
         let dir = disk_dir();
@@ -486,6 +488,7 @@ mod tests {
         assert!(written == expected);
     }
 
+    // Checks STO-22.
     #[test]
     fn a_small_direct_spool_is_written_by_the_unaligned_tail_alone() {
         let dir = disk_dir();
@@ -494,6 +497,7 @@ mod tests {
         assert!(written == expected);
     }
 
+    // Checks STO-22.
     #[test]
     fn the_memory_held_matches_the_buffered_batch_it_replaces() {
         // Two stages cost what WRITE_BATCH largest blocks cost, so the upload footprint
@@ -507,6 +511,7 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
+        // Checks STO-22.
         #[test]
         fn both_paths_write_the_same_bytes(
             sizes in proptest::collection::vec(0usize..300_000, 0..24),
