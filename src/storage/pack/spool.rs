@@ -177,8 +177,9 @@ impl SpoolWriter {
                 written_back: 0,
             })
         };
-        let (file, mode) = if direct {
-            match create(libc::O_DIRECT) {
+        let direct_flag = if direct { DIRECT_FLAG } else { None };
+        let (file, mode) = if let Some(flag) = direct_flag {
+            match create(flag) {
                 Ok(file) => (
                     file,
                     Mode::Direct(Direct {
@@ -369,7 +370,15 @@ impl Direct {
     }
 }
 
+/// The open flag of direct I/O where the crate uses it (Linux); elsewhere every spool is
+/// written buffered.
+#[cfg(target_os = "linux")]
+const DIRECT_FLAG: Option<i32> = Some(libc::O_DIRECT);
+#[cfg(not(target_os = "linux"))]
+const DIRECT_FLAG: Option<i32> = None;
+
 /// Turn `O_DIRECT` on or off for an open file.
+#[cfg(target_os = "linux")]
 fn set_direct(file: &File, on: bool) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let fd = file.as_raw_fd();
@@ -391,22 +400,32 @@ fn set_direct(file: &File, on: bool) -> std::io::Result<()> {
     Ok(())
 }
 
+#[cfg(not(target_os = "linux"))]
+fn set_direct(_file: &File, _on: bool) -> std::io::Result<()> {
+    Ok(())
+}
+
 fn create_error(e: std::io::Error) -> StoreError {
     StoreError::io("create spool file", e)
 }
 
 /// Ask the kernel to start writing a range back now (no wait): Linux only, best effort.
 fn start_writeback(file: &File, offset: u64, len: u64) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: a valid open descriptor and a plain range; the call only schedules I/O.
-    unsafe {
-        libc::sync_file_range(
-            file.as_raw_fd(),
-            offset as libc::off64_t,
-            len as libc::off64_t,
-            libc::SYNC_FILE_RANGE_WRITE,
-        );
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a valid open descriptor and a plain range; the call only schedules I/O.
+        unsafe {
+            libc::sync_file_range(
+                file.as_raw_fd(),
+                offset as libc::off64_t,
+                len as libc::off64_t,
+                libc::SYNC_FILE_RANGE_WRITE,
+            );
+        }
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (file, offset, len);
 }
 
 #[cfg(test)]
