@@ -107,7 +107,6 @@ fn limits_for(data: &Bytes) -> IngestLimits {
     }
 }
 
-/// Ingest into a store opened in a fresh directory; returns the time and the directory.
 /// Under `GRAVITON_BENCH_PROFILE`, print `CLOCK_MONOTONIC` at the edges of each timed
 /// ingest (`perf record -k CLOCK_MONOTONIC` timestamps match them).
 fn profile_mark(what: &str) {
@@ -122,6 +121,7 @@ fn profile_mark(what: &str) {
     }
 }
 
+/// Ingest into a store opened in a fresh directory; returns the time and the directory.
 async fn in_process_into(
     data: &Bytes,
     open: impl FnOnce(&std::path::Path) -> Arc<dyn BlockStore>,

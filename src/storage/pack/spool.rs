@@ -52,10 +52,10 @@ pub const fn held_bytes(max_chunk: usize) -> usize {
 }
 
 /// The record header written before a block.
-pub type Header = [u8; RECORD_HEADER as usize];
+pub(crate) type Header = [u8; RECORD_HEADER as usize];
 
 /// Writes the bytes of one spool file (see the module docs).
-pub struct SpoolWriter {
+pub(crate) struct SpoolWriter {
     file: Arc<File>,
     /// Bytes appended so far.
     len: u64,
@@ -207,7 +207,8 @@ impl SpoolWriter {
         })
     }
 
-    /// Whether the bytes go to the disk directly (tests).
+    /// Whether the bytes go to the disk directly.
+    #[cfg(test)]
     pub fn is_direct(&self) -> bool {
         matches!(self.mode, Mode::Direct(_))
     }
@@ -215,10 +216,6 @@ impl SpoolWriter {
     /// Bytes appended so far.
     pub fn len(&self) -> u64 {
         self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 
     /// Append one record (its header, then the block).
@@ -363,7 +360,7 @@ impl Direct {
         let aligned = bytes.len() / ALIGN * ALIGN;
         file.write_all_at(&bytes[..aligned], self.offset)
             .map_err(write_error)?;
-        set_direct(file, false).map_err(write_error)?;
+        clear_direct(file).map_err(write_error)?;
         file.write_all_at(&bytes[aligned..], self.offset + aligned as u64)
             .map_err(write_error)?;
         Ok(self.offset + bytes.len() as u64)
@@ -377,9 +374,9 @@ const DIRECT_FLAG: Option<i32> = Some(libc::O_DIRECT);
 #[cfg(not(target_os = "linux"))]
 const DIRECT_FLAG: Option<i32> = None;
 
-/// Turn `O_DIRECT` on or off for an open file.
+/// Turn `O_DIRECT` off for an open file (its last bytes are not aligned).
 #[cfg(target_os = "linux")]
-fn set_direct(file: &File, on: bool) -> std::io::Result<()> {
+fn clear_direct(file: &File) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let fd = file.as_raw_fd();
     // SAFETY: fcntl on a descriptor this process owns; F_GETFL/F_SETFL only read and set
@@ -388,20 +385,15 @@ fn set_direct(file: &File, on: bool) -> std::io::Result<()> {
     if flags < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let flags = if on {
-        flags | libc::O_DIRECT
-    } else {
-        flags & !libc::O_DIRECT
-    };
     // SAFETY: as above.
-    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags) } < 0 {
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_DIRECT) } < 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }
 
 #[cfg(not(target_os = "linux"))]
-fn set_direct(_file: &File, _on: bool) -> std::io::Result<()> {
+fn clear_direct(_file: &File) -> std::io::Result<()> {
     Ok(())
 }
 
