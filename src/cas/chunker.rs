@@ -1,5 +1,6 @@
 //! Content-defined chunking: FastCDC (the 2020 algorithm of `fastcdc = "=5.0.0"`,
-//! normalization level 1, seed 0) with fixed sizes.
+//! normalization level 1, seed 0) with fixed sizes. The cut-point search itself is
+//! [`super::cut`] (the crate's tables and masks, a faster scan with the same result).
 //!
 //! | parameter | value |
 //! |---|---|
@@ -18,7 +19,8 @@
 //! zero-copy [`Bytes`] views of the buffer.
 
 use bytes::{Bytes, BytesMut};
-use fastcdc::v2020::FastCDC;
+
+use super::cut::first_cut;
 
 /// Smallest chunk (except the last chunk of a blob).
 pub const MIN_CHUNK: usize = 16 * 1024;
@@ -27,22 +29,16 @@ pub const AVG_CHUNK: usize = 64 * 1024;
 /// Largest chunk.
 pub const MAX_CHUNK: usize = 256 * 1024;
 
-/// Length of the first chunk of `data`, given that `data` is all there is (`eof`) or holds
-/// at least `MAX_CHUNK` bytes.
-fn first_cut(data: &[u8]) -> usize {
-    let window = &data[..data.len().min(MAX_CHUNK)];
-    FastCDC::new(window, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK)
-        .next()
-        .map(|chunk| chunk.length)
-        .unwrap_or(window.len())
-}
-
-/// Chunk lengths of a complete in-memory input (reference implementation for tests and
-/// the benchmark baseline).
+/// Chunk lengths of a complete in-memory input (for tests and the benchmark baseline).
 pub fn chunk_lengths(data: &[u8]) -> Vec<usize> {
-    FastCDC::new(data, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK)
-        .map(|chunk| chunk.length)
-        .collect()
+    let mut lengths = Vec::new();
+    let mut at = 0;
+    while at < data.len() {
+        let length = first_cut(&data[at..]);
+        lengths.push(length);
+        at += length;
+    }
+    lengths
 }
 
 /// Incremental chunker fed with pieces of a stream.
@@ -102,7 +98,7 @@ impl StreamChunker {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
@@ -122,6 +118,7 @@ mod tests {
 
     #[test]
     fn golden_cut_points_are_stable() {
+        // Checks CAS-5.
         // Recorded with fastcdc =5.0.0 and the sizes above. A failure here means chunk
         // boundaries changed: deduplication against existing blocks would break.
         let data = pseudo_random(1 << 20, 42);
@@ -175,6 +172,7 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
         #[test]
+        // Checks CAS-5.
         fn streaming_cuts_match_whole_input_cuts(
             seed in any::<u64>(),
             len in 0usize..(2 << 20),

@@ -2,7 +2,9 @@
 //!
 //! - [`keys`]: [`BlockKey`] (BLAKE3 of a block) and [`BlobKey`] (`blake3:<hex>:<size>`,
 //!   BLAKE3 of the whole content plus its length).
-//! - [`chunker`]: the pinned FastCDC parameters that decide block boundaries.
+//! - [`chunker`]: the pinned FastCDC parameters that decide block boundaries, and the
+//!   streaming chunker.
+//! - [`cut`]: FastCDC's cut-point search (the crate's result, four hash chains at once).
 //! - [`manifest`]: the ordered block list that makes a blob, and its validation.
 //! - [`range`]: HTTP single-range parsing and the block slices a range needs.
 //! - [`digest`]: client-declared SHA-256 digests (`Content-Digest`, `X-Content-Hash`).
@@ -13,6 +15,7 @@
 //! the [`crate::storage`] traits and keep memory bounded whatever the blob size.
 
 pub mod chunker;
+pub mod cut;
 pub mod digest;
 pub mod ingest;
 pub mod keys;
