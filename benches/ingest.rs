@@ -1,7 +1,6 @@
 //! Ingest benchmarks, printed as ratios against baselines measured in the same run.
 //!
-//! 1. raw: FastCDC cut points (`cas::cut`, the product's scan) + BLAKE3 of every chunk over
-//!    an in-memory buffer (one thread); also with the `fastcdc` crate's own scan.
+//! 1. raw: FastCDC cut points + BLAKE3 of every chunk over an in-memory buffer (one thread).
 //! 2. in-process ingest: the real pipeline with blocks discarded, into the legacy
 //!    file-per-block store (fsync on), and into the pack store (fsync off and on); in the
 //!    full run also 1 GiB into the pack store with fsync on.
@@ -50,24 +49,7 @@ fn best<F: FnMut() -> Duration>(runs: usize, mut f: F) -> Duration {
     (0..runs).map(|_| f()).min().expect("at least one run")
 }
 
-/// The raw baseline: the product's cut-point search (`cas::cut`) and BLAKE3 of each
-/// chunk, one after the other on one thread.
 fn raw_cdc_blake3(data: &[u8]) -> Duration {
-    let started = Instant::now();
-    let mut blocks = 0usize;
-    let mut at = 0;
-    while at < data.len() {
-        let length = graviton::cas::cut::first_cut(&data[at..]);
-        let hash = blake3::hash(&data[at..at + length]);
-        blocks += hash.as_bytes()[0] as usize & 1;
-        at += length;
-    }
-    std::hint::black_box(blocks);
-    started.elapsed()
-}
-
-/// The same with the `fastcdc` crate's own scan (the baseline of stops before 22).
-fn raw_crate_cdc_blake3(data: &[u8]) -> Duration {
     let started = Instant::now();
     let mut blocks = 0usize;
     for chunk in fastcdc::v2020::FastCDC::new(data, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK) {
@@ -400,13 +382,6 @@ fn main() {
         size,
         raw,
         None,
-    );
-    let raw_crate = best(runs, || raw_crate_cdc_blake3(&data));
-    row(
-        "raw, with the fastcdc crate's scan",
-        size,
-        raw_crate,
-        Some(("raw", raw)),
     );
     // One step only, five times (under `perf record`): `durable` or `discard`.
     if let Ok(step) = std::env::var("GRAVITON_BENCH_PROFILE") {

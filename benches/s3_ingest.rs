@@ -26,6 +26,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use graviton::cas::ingest::{IngestLimits, ingest};
 use graviton::cas::read::read_blob;
+use graviton::cas::{AVG_CHUNK, MAX_CHUNK, MIN_CHUNK};
 use graviton::config::{HumanDuration, Secret};
 use graviton::storage::config::S3Config;
 use graviton::storage::fs::FsManifestStore;
@@ -259,13 +260,8 @@ async fn packs_shared_index(data: &Bytes, db: &support::TestDatabase) -> (Durati
 async fn put_per_block(data: &Bytes) -> (Duration, usize) {
     let medium = medium(&format!("bench-blocks-{}", support::unique_suffix())).await;
     let started = Instant::now();
-    let mut at = 0;
-    let blocks: Vec<Bytes> = graviton::cas::chunker::chunk_lengths(data)
-        .into_iter()
-        .map(|length| {
-            at += length;
-            data.slice(at - length..at)
-        })
+    let blocks: Vec<Bytes> = fastcdc::v2020::FastCDC::new(data, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK)
+        .map(|c| data.slice(c.offset..c.offset + c.length))
         .collect();
     let m = medium.clone();
     futures_util::stream::iter(blocks)

@@ -1,6 +1,5 @@
 //! Content-defined chunking: FastCDC (the 2020 algorithm of `fastcdc = "=5.0.0"`,
-//! normalization level 1, seed 0) with fixed sizes. The cut-point search itself is
-//! [`super::cut`] (the crate's tables and masks, a faster scan with the same result).
+//! normalization level 1, seed 0) with fixed sizes.
 //!
 //! | parameter | value |
 //! |---|---|
@@ -19,8 +18,7 @@
 //! zero-copy [`Bytes`] views of the buffer.
 
 use bytes::{Bytes, BytesMut};
-
-use super::cut::first_cut;
+use fastcdc::v2020::FastCDC;
 
 /// Smallest chunk (except the last chunk of a blob).
 pub const MIN_CHUNK: usize = 16 * 1024;
@@ -29,16 +27,22 @@ pub const AVG_CHUNK: usize = 64 * 1024;
 /// Largest chunk.
 pub const MAX_CHUNK: usize = 256 * 1024;
 
-/// Chunk lengths of a complete in-memory input (for tests and the benchmark baseline).
+/// Length of the first chunk of `data`, given that `data` is all there is (`eof`) or holds
+/// at least `MAX_CHUNK` bytes.
+fn first_cut(data: &[u8]) -> usize {
+    let window = &data[..data.len().min(MAX_CHUNK)];
+    FastCDC::new(window, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK)
+        .next()
+        .map(|chunk| chunk.length)
+        .unwrap_or(window.len())
+}
+
+/// Chunk lengths of a complete in-memory input (reference implementation for tests and
+/// the benchmark baseline).
 pub fn chunk_lengths(data: &[u8]) -> Vec<usize> {
-    let mut lengths = Vec::new();
-    let mut at = 0;
-    while at < data.len() {
-        let length = first_cut(&data[at..]);
-        lengths.push(length);
-        at += length;
-    }
-    lengths
+    FastCDC::new(data, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK)
+        .map(|chunk| chunk.length)
+        .collect()
 }
 
 /// Incremental chunker fed with pieces of a stream.
@@ -98,7 +102,7 @@ impl StreamChunker {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
     use proptest::prelude::*;
 
@@ -118,7 +122,6 @@ pub(crate) mod tests {
 
     #[test]
     fn golden_cut_points_are_stable() {
-        // Checks CAS-5.
         // Recorded with fastcdc =5.0.0 and the sizes above. A failure here means chunk
         // boundaries changed: deduplication against existing blocks would break.
         let data = pseudo_random(1 << 20, 42);
@@ -172,7 +175,6 @@ pub(crate) mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
         #[test]
-        // Checks CAS-5.
         fn streaming_cuts_match_whole_input_cuts(
             seed in any::<u64>(),
             len in 0usize..(2 << 20),

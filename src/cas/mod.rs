@@ -2,9 +2,7 @@
 //!
 //! - [`keys`]: [`BlockKey`] (BLAKE3 of a block) and [`BlobKey`] (`blake3:<hex>:<size>`,
 //!   BLAKE3 of the whole content plus its length).
-//! - [`chunker`]: the pinned FastCDC parameters that decide block boundaries, and the
-//!   streaming chunker.
-//! - [`cut`]: FastCDC's cut-point search (the crate's result, four hash chains at once).
+//! - [`chunker`]: the pinned FastCDC parameters that decide block boundaries.
 //! - [`manifest`]: the ordered block list that makes a blob, and its validation.
 //! - [`range`]: HTTP single-range parsing and the block slices a range needs.
 //! - [`digest`]: client-declared SHA-256 digests (`Content-Digest`, `X-Content-Hash`).
@@ -15,7 +13,6 @@
 //! the [`crate::storage`] traits and keep memory bounded whatever the blob size.
 
 pub mod chunker;
-pub mod cut;
 pub mod digest;
 pub mod ingest;
 pub mod keys;
