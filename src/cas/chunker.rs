@@ -122,6 +122,7 @@ mod tests {
 
     #[test]
     fn golden_cut_points_are_stable() {
+        // Checks CAS-5.
         // Recorded with fastcdc =5.0.0 and the sizes above. A failure here means chunk
         // boundaries changed: deduplication against existing blocks would break.
         let data = pseudo_random(1 << 20, 42);
@@ -175,6 +176,7 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(24))]
         #[test]
+        // Checks CAS-5.
         fn streaming_cuts_match_whole_input_cuts(
             seed in any::<u64>(),
             len in 0usize..(2 << 20),
