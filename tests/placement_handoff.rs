@@ -423,6 +423,66 @@ async fn a_node_declared_dead_rejoins_fenced_until_it_rereads_the_table() {
     admin.pool().close().await;
 }
 
+/// A node's re-registration can commit after its client-side deadline fired (seen under
+/// load in the nemesis suite): the row then holds a newer incarnation, made by this same
+/// process, that the process never learned. Its next heartbeat (at the old incarnation)
+/// must not read that as another process taking the node id over, which used to end the
+/// heartbeat loop for good and leave the node declared dead while it ran. The row is put
+/// in exactly that state (incarnation bumped, process token unchanged); the node must
+/// register again and rejoin. Checks LOC-3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_committed_after_its_deadline_registers_again_and_rejoins() {
+    let Some(db) = TestDatabase::create(
+        "a_registration_committed_after_its_deadline_registers_again_and_rejoins",
+    )
+    .await
+    else {
+        return;
+    };
+    let a = start_node(db.url(), "a", |_| {}).await;
+    let b = start_node(db.url(), "b", |c| c.embedded_manager = false).await;
+    eventually(GENEROUS, "balanced", || settled(&[&a, &b], &["a", "b"])).await;
+    let admin = support::placement::store(db.url()).await;
+
+    let before = b.view().counters.snapshot().reregistrations;
+    // The unlearned re-registration: what `reregister_node` writes, minus the answer.
+    let bumped = sqlx::query(
+        "UPDATE placement_nodes SET incarnation = incarnation + 1, state = 'joining',
+                registered_at = now(), heartbeat_at = now()
+         WHERE id = 'b'",
+    )
+    .execute(admin.pool())
+    .await
+    .unwrap()
+    .rows_affected();
+    assert_eq!(bumped, 1);
+
+    eventually(GENEROUS, "b registered again", || {
+        b.view().counters.snapshot().reregistrations > before
+    })
+    .await;
+    // Registered again, b heartbeats on (the loop did not end) and rejoins with shards.
+    let beats = b.view().counters.snapshot().heartbeats;
+    eventually(GENEROUS, "b heartbeats at its new incarnation", || {
+        b.view().counters.snapshot().heartbeats > beats + 3
+    })
+    .await;
+    eventually(GENEROUS, "b rejoined and balanced", || {
+        settled(&[&a, &b], &["a", "b"])
+    })
+    .await;
+    let nodes = admin.nodes().await.unwrap();
+    let b_id = NodeId::parse("b").unwrap();
+    assert_ne!(
+        nodes[&b_id].state,
+        graviton::placement::NodeState::Dead,
+        "b is not left declared dead"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+    admin.pool().close().await;
+}
+
 /// The checker itself is not vacuous: overlapping ingests on two nodes are caught.
 #[test]
 #[should_panic(expected = "overlapping")]

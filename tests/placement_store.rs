@@ -19,6 +19,8 @@ fn registration(id: &str) -> NodeRegistration {
         internal_addr: format!("{id}:2"),
         control_addr: format!("{id}:3"),
         version: "test".into(),
+        // Each call stands for a new process.
+        process: NodeRegistration::new_process_token(),
     }
 }
 
@@ -163,13 +165,14 @@ async fn heartbeats_use_the_database_clock_and_dead_nodes_must_reregister() {
     let store = support::placement::store(db.url()).await;
     store.bootstrap(8).await.unwrap();
     let a = NodeId::parse("a").unwrap();
-    let inc = store.register_node(&registration("a")).await.unwrap();
+    let first = registration("a");
+    let inc = store.register_node(&first).await.unwrap();
     assert_eq!(
-        store.heartbeat(&a, inc).await.unwrap(),
+        store.heartbeat(&first, inc).await.unwrap(),
         Some(NodeState::Joining)
     );
     assert_eq!(
-        store.heartbeat(&a, inc + 7).await.unwrap(),
+        store.heartbeat(&first, inc + 7).await.unwrap(),
         None,
         "other incarnation"
     );
@@ -183,14 +186,15 @@ async fn heartbeats_use_the_database_clock_and_dead_nodes_must_reregister() {
     assert!(tx.mark_dead_if_silent(&a, 5_000).await.unwrap());
     tx.commit("nodes").await.unwrap();
     assert_eq!(
-        store.heartbeat(&a, inc).await.unwrap(),
+        store.heartbeat(&first, inc).await.unwrap(),
         None,
         "a dead node's heartbeat is refused"
     );
-    let inc2 = store.register_node(&registration("a")).await.unwrap();
+    let second = registration("a");
+    let inc2 = store.register_node(&second).await.unwrap();
     assert_eq!(inc2, inc + 1);
     assert_eq!(
-        store.heartbeat(&a, inc2).await.unwrap(),
+        store.heartbeat(&second, inc2).await.unwrap(),
         Some(NodeState::Joining)
     );
     let nodes = store.nodes().await.unwrap();
@@ -324,7 +328,8 @@ async fn batched_acknowledgements_skip_stale_entries() {
 }
 
 /// Issue 9, item 9: re-registering from a running node keeps a drain that was requested,
-/// and a heartbeat says why it was refused (dead versus taken over by another process).
+/// and a heartbeat says why it was refused (dead, taken over by another process, or
+/// re-registered by this same process without the process learning the incarnation).
 #[tokio::test]
 async fn reregistration_keeps_a_drain_and_refusals_say_why() {
     let Some(db) = TestDatabase::create("reregistration_keeps_a_drain_and_refusals_say_why").await
@@ -335,12 +340,14 @@ async fn reregistration_keeps_a_drain_and_refusals_say_why() {
     let store = support::placement::store(db.url()).await;
     store.bootstrap(8).await.unwrap();
     let a = NodeId::parse("a").unwrap();
-    let inc = store.register_node(&registration("a")).await.unwrap();
+    let first = registration("a");
+    let inc = store.register_node(&first).await.unwrap();
     assert!(store.request_drain(&a).await.unwrap());
     // Another process registers the same id: the first one's heartbeat is superseded.
-    let newer = store.register_node(&registration("a")).await.unwrap();
+    let other = registration("a");
+    let newer = store.register_node(&other).await.unwrap();
     assert_eq!(
-        store.heartbeat_reply(&a, inc).await.unwrap(),
+        store.heartbeat_reply(&first, inc).await.unwrap(),
         HeartbeatReply::Superseded { incarnation: newer }
     );
     assert!(store.request_drain(&a).await.unwrap());
@@ -350,23 +357,40 @@ async fn reregistration_keeps_a_drain_and_refusals_say_why() {
         .await
         .unwrap();
     assert_eq!(
-        store.heartbeat_reply(&a, newer).await.unwrap(),
+        store.heartbeat_reply(&other, newer).await.unwrap(),
         HeartbeatReply::Dead
     );
-    let back = store.reregister_node(&registration("a")).await.unwrap();
+    let back = store.reregister_node(&other).await.unwrap();
     assert_eq!(
-        store.heartbeat_reply(&a, back).await.unwrap(),
+        store.heartbeat_reply(&other, back).await.unwrap(),
         HeartbeatReply::Alive(NodeState::Draining)
     );
-    // A process start registers as joining.
-    let fresh = store.register_node(&registration("a")).await.unwrap();
+    // The same process re-registers again but never learns the answer (its deadline
+    // fired after the commit): its heartbeats at the old incarnation say so, not
+    // "superseded", so it registers again instead of fencing itself for good.
+    let unlearned = store.reregister_node(&other).await.unwrap();
     assert_eq!(
-        store.heartbeat_reply(&a, fresh).await.unwrap(),
+        store.heartbeat_reply(&other, back).await.unwrap(),
+        HeartbeatReply::Unconfirmed {
+            incarnation: unlearned
+        }
+    );
+    // A process start registers as joining.
+    let fresh = registration("a");
+    let fresh_inc = store.register_node(&fresh).await.unwrap();
+    assert_eq!(
+        store.heartbeat_reply(&fresh, fresh_inc).await.unwrap(),
         HeartbeatReply::Alive(NodeState::Joining)
     );
     assert_eq!(
+        store.heartbeat_reply(&other, unlearned).await.unwrap(),
+        HeartbeatReply::Superseded {
+            incarnation: fresh_inc
+        }
+    );
+    assert_eq!(
         store
-            .heartbeat_reply(&NodeId::parse("nobody").unwrap(), 1)
+            .heartbeat_reply(&registration("nobody"), 1)
             .await
             .unwrap(),
         HeartbeatReply::Missing

@@ -12,7 +12,10 @@
 //!   fences at once ([`LocalView::registration_lost`]) and queues `Reregister`. The node
 //!   ingests again only after it re-registered *and* published a table whose read started
 //!   after that (LOC-1): a successful heartbeat alone never lifts the fence. A refusal
-//!   because another process registered the same node id fences this process for good.
+//!   because another process registered the same node id fences this process for good;
+//!   a newer registration made by this process itself (a re-registration that committed
+//!   after its deadline fired, so its incarnation was never learned) is told apart by the
+//!   registration's process token and registers again.
 //! - Acks: after each refresh, and whenever the last permit on a shard is dropped, the
 //!   node acknowledges revocations of its shards that have no ingest in flight.
 //!
@@ -123,6 +126,7 @@ impl Actor for PlacementActor {
         ));
         tasks.push(AbortOnDropHandle::new(spawn_heartbeats(Heartbeats {
             store: args.heartbeat_store.clone(),
+            registration: args.registration.clone(),
             view: args.view.clone(),
             actor: myself.clone(),
             incarnation: incarnation.clone(),
@@ -250,6 +254,7 @@ async fn reregister(state: &mut PlacementState) {
 
 struct Heartbeats {
     store: PlacementStore,
+    registration: NodeRegistration,
     view: Arc<LocalView>,
     actor: ActorRef<PlacementMsg>,
     incarnation: Arc<AtomicI64>,
@@ -269,7 +274,12 @@ fn spawn_heartbeats(hb: Heartbeats) -> JoinHandle<()> {
             ticker.tick().await;
             let started = Instant::now();
             let incarnation = hb.incarnation.load(Ordering::SeqCst);
-            match within(hb.timeout, hb.store.heartbeat_reply(&node, incarnation)).await {
+            match within(
+                hb.timeout,
+                hb.store.heartbeat_reply(&hb.registration, incarnation),
+            )
+            .await
+            {
                 Ok(HeartbeatReply::Alive(node_state)) => {
                     PlacementCounters::bump(&hb.view.counters.heartbeats, 1);
                     hb.view.heartbeat_ok(started);
@@ -288,14 +298,25 @@ fn spawn_heartbeats(hb: Heartbeats) -> JoinHandle<()> {
                         }
                     }
                 }
-                Ok(HeartbeatReply::Superseded { incarnation: row }) => {
-                    // Our own re-registration may have committed after this heartbeat read
-                    // its incarnation: not a takeover.
+                Ok(HeartbeatReply::Unconfirmed { incarnation: row }) => {
+                    // This process's own re-registration committed, but its answer was
+                    // lost (its deadline fired first), or it committed after this heartbeat
+                    // read its incarnation. Only the first case needs another registration.
                     if hb.reregister_queued.load(Ordering::SeqCst)
                         || row == hb.incarnation.load(Ordering::SeqCst)
                     {
                         continue;
                     }
+                    hb.view.registration_lost();
+                    last_state = None;
+                    if !hb.reregister_queued.swap(true, Ordering::SeqCst) {
+                        tracing::warn!(component = "placement", node_id = %node, incarnation, newer = row, "a re-registration of this process committed unconfirmed; fenced, registering again");
+                        if hb.actor.cast(PlacementMsg::Reregister).is_err() {
+                            return;
+                        }
+                    }
+                }
+                Ok(HeartbeatReply::Superseded { incarnation: row }) => {
                     hb.view.registration_lost();
                     tracing::error!(component = "placement", node_id = %node, incarnation, newer = row, "another process registered this node id; this process stays fenced");
                     return;

@@ -151,6 +151,7 @@ impl Cluster {
             } else {
                 version.to_string()
             },
+            process: NodeRegistration::new_process_token(),
         };
         let election = config.embedded_manager.then(|| ElectionSpec {
             node: node.clone(),

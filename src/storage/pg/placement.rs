@@ -57,6 +57,16 @@ pub struct NodeRegistration {
     pub internal_addr: String,
     pub control_addr: String,
     pub version: String,
+    /// A random token chosen once per process ([`NodeRegistration::new_process_token`]):
+    /// tells this process's own registrations from another process's with the same id.
+    pub process: String,
+}
+
+impl NodeRegistration {
+    /// A fresh process token (not secret; it only has to differ between processes).
+    pub fn new_process_token() -> String {
+        uuid::Uuid::new_v4().simple().to_string()
+    }
 }
 
 /// The answer to a heartbeat.
@@ -68,6 +78,10 @@ pub enum HeartbeatReply {
     Dead,
     /// A live row with another incarnation: another process registered this node id.
     Superseded { incarnation: i64 },
+    /// A live row with another incarnation registered by this same process: a
+    /// re-registration whose answer was lost (its deadline fired after the commit).
+    /// Register again; the newer incarnation was never learned.
+    Unconfirmed { incarnation: i64 },
     /// No row (deleted by an operator): register again.
     Missing,
 }
@@ -187,11 +201,12 @@ impl PlacementStore {
     ) -> Result<i64, PlacementStoreError> {
         let mut tx = self.pool.begin().await?;
         let incarnation: i64 = sqlx::query_scalar(
-            "INSERT INTO placement_nodes (id, public_addr, internal_addr, control_addr, version, state)
-             VALUES ($1, $2, $3, $4, $5, 'joining')
+            "INSERT INTO placement_nodes (id, public_addr, internal_addr, control_addr, version, state, process)
+             VALUES ($1, $2, $3, $4, $5, 'joining', $7)
              ON CONFLICT (id) DO UPDATE SET
                 public_addr = EXCLUDED.public_addr, internal_addr = EXCLUDED.internal_addr,
                 control_addr = EXCLUDED.control_addr, version = EXCLUDED.version,
+                process = EXCLUDED.process,
                 state = CASE WHEN $6 AND (placement_nodes.state = 'draining' OR placement_nodes.drain_requested)
                              THEN 'draining' ELSE 'joining' END,
                 drain_requested = $6 AND (placement_nodes.state = 'draining' OR placement_nodes.drain_requested),
@@ -205,6 +220,7 @@ impl PlacementStore {
         .bind(&node.control_addr)
         .bind(&node.version)
         .bind(keep_drain)
+        .bind(&node.process)
         .fetch_one(&mut *tx)
         .await?;
         notify(&mut tx, "nodes").await?;
@@ -212,20 +228,21 @@ impl PlacementStore {
         Ok(incarnation)
     }
 
-    /// Refresh this node's heartbeat (database clock), and say why if it was refused.
+    /// Refresh the heartbeat of `node`'s registration at `incarnation` (database clock),
+    /// and say why if it was refused.
     pub async fn heartbeat_reply(
         &self,
-        node: &NodeId,
+        node: &NodeRegistration,
         incarnation: i64,
     ) -> Result<HeartbeatReply, PlacementStoreError> {
         let row = sqlx::query(
             "WITH beat AS (
                 UPDATE placement_nodes SET heartbeat_at = now()
                 WHERE id = $1 AND incarnation = $2 AND state <> 'dead' RETURNING state)
-             SELECT (SELECT state FROM beat) AS beat_state, n.state, n.incarnation
+             SELECT (SELECT state FROM beat) AS beat_state, n.state, n.incarnation, n.process
              FROM placement_nodes n WHERE n.id = $1",
         )
-        .bind(node.as_str())
+        .bind(node.id.as_str())
         .bind(incarnation)
         .fetch_optional(&self.pool)
         .await?;
@@ -239,22 +256,27 @@ impl PlacementStore {
         }
         let row_incarnation: i64 = row.try_get("incarnation")?;
         let state = parse(row.try_get("state")?)?;
+        let process: String = row.try_get("process")?;
         Ok(
-            if row_incarnation != incarnation && state != NodeState::Dead {
-                HeartbeatReply::Superseded {
+            if row_incarnation == incarnation || state == NodeState::Dead {
+                HeartbeatReply::Dead
+            } else if process == node.process {
+                HeartbeatReply::Unconfirmed {
                     incarnation: row_incarnation,
                 }
             } else {
-                HeartbeatReply::Dead
+                HeartbeatReply::Superseded {
+                    incarnation: row_incarnation,
+                }
             },
         )
     }
 
-    /// Refresh this node's heartbeat (database clock). `None`: the row is gone, belongs to
-    /// another incarnation, or was declared dead.
+    /// Refresh the heartbeat of `node`'s registration at `incarnation` (database clock).
+    /// `None`: the row is gone, belongs to another incarnation, or was declared dead.
     pub async fn heartbeat(
         &self,
-        node: &NodeId,
+        node: &NodeRegistration,
         incarnation: i64,
     ) -> Result<Option<NodeState>, PlacementStoreError> {
         Ok(match self.heartbeat_reply(node, incarnation).await? {
