@@ -416,10 +416,12 @@ impl Cluster {
         self.check_reads().await;
         let attempts = self.history.snapshot();
         let samples = self.samples.lock().unwrap().clone();
-        let mut violations = history::check(&attempts, &samples);
         let logs: Vec<&std::path::Path> = self.nodes.iter().map(|n| n.log_path()).collect();
         let records = records::read_logs(&logs);
-        violations.extend(records::check(&attempts, &records, self.history.t0_unix_us));
+        let t0_us = self.history.t0_unix_us;
+        let windows = records::commit_windows(&records, t0_us);
+        let mut violations = history::check(&attempts, &samples, &windows);
+        violations.extend(records::check(&attempts, &records, t0_us));
         violations.append(&mut self.violations);
         let ops = attempts.iter().map(|a| a.op).collect::<HashSet<_>>().len();
         eprintln!(

@@ -16,8 +16,9 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::time::Duration;
 
-use super::history::{Attempt, Violation};
+use super::history::{Attempt, CommitWindows, Violation};
 
 /// One `ingest begin` or `ingest commit` event.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -210,6 +211,21 @@ pub fn unrecorded_acks(attempts: &[Attempt], records: &[OwnerRecord]) -> Vec<Vio
     out
 }
 
+/// Every commit's window `[begun, committed]` in run time, by `(node, session tag)`, for
+/// the double-ownership check of the client history (LOC-1).
+pub fn commit_windows(records: &[OwnerRecord], t0_us: u64) -> CommitWindows {
+    let run_time = |us: u64| Duration::from_micros(us.saturating_sub(t0_us));
+    let mut out = CommitWindows::new();
+    for r in records {
+        if let Some((_, committed)) = r.commit {
+            out.entry((r.node.clone(), r.session.clone()))
+                .or_default()
+                .push((run_time(r.begun), run_time(committed)));
+        }
+    }
+    out
+}
+
 /// Every check on the owner-side records.
 pub fn check(attempts: &[Attempt], records: &[OwnerRecord], t0_us: u64) -> Vec<Violation> {
     let mut out = overlapping_commits(records, t0_us);
@@ -265,6 +281,27 @@ mod tests {
                 owner: owner.into(),
             },
         }
+    }
+
+    #[test]
+    fn commit_windows_are_in_run_time_and_skip_begins() {
+        let t0 = 1_000_000;
+        let records = vec![
+            begin("node-a", 1, 2, "s", t0 + 10),
+            commit("node-a", 1, 2, "s", t0 + 2_000, t0 + 3_000),
+            commit("node-b", 1, 3, "s", t0 + 9_000, t0 + 9_500),
+        ];
+        let windows = commit_windows(&records, t0);
+        let us = Duration::from_micros;
+        assert_eq!(
+            windows[&("node-a".to_string(), "s".to_string())],
+            vec![(us(2_000), us(3_005))]
+        );
+        assert_eq!(
+            windows[&("node-b".to_string(), "s".to_string())],
+            vec![(us(9_000), us(9_505))]
+        );
+        assert_eq!(windows.len(), 2);
     }
 
     #[test]
