@@ -178,12 +178,17 @@ impl Cluster {
             _roles: roles,
             server,
         };
-        let converged = cluster.converged(Duration::from_secs(60)).await;
-        assert!(
-            converged,
-            "{scenario}: cluster did not converge; node-a log:\n{}",
-            cluster.nodes[0].log_tail(40)
-        );
+        if !cluster.converged(Duration::from_secs(60)).await {
+            let logs: String = cluster
+                .nodes
+                .iter()
+                .map(|n| format!("---- {} log tail ----\n{}\n", n.id, n.log_tail(25)))
+                .collect();
+            panic!(
+                "{scenario}: cluster did not converge within 60 s: {}\n{logs}",
+                cluster.convergence_report().await
+            );
+        }
         Some(cluster)
     }
 
@@ -308,8 +313,7 @@ impl Cluster {
     /// LOC-3: the cluster regains an acting manager and converges after the faults.
     pub async fn check_manager(&mut self, within: Duration, when: &str) {
         if !self.converged(within).await {
-            let status = self.status().await;
-            let lock = self.pg.manager_lock_held().await;
+            let report = self.convergence_report().await;
             let tail = self
                 .manager
                 .as_ref()
@@ -318,19 +322,29 @@ impl Cluster {
             self.violations.push(Violation::new(
                 "LOC-3",
                 format!(
-                    "{when}: no acting manager / no convergence within {within:?}: lock held={lock}, \
-                     term={:?}, manager={:?}, unassigned={:?}, nodes={:?}\nmanager log tail:\n{tail}",
-                    status.as_ref().map(|s| s.manager_term),
-                    status.as_ref().and_then(|s| s.manager_node.clone()),
-                    status.as_ref().map(|s| s.unassigned_shards),
-                    status.as_ref().map(|s| s
-                        .nodes
-                        .iter()
-                        .map(|n| format!("{}:{:?}:{}", n.id, n.state, n.shards))
-                        .collect::<Vec<_>>()),
+                    "{when}: no acting manager / no convergence within {within:?}: {report}\n\
+                     manager log tail:\n{tail}"
                 ),
             ));
         }
+    }
+
+    /// What convergence waits for, as the cluster shows it now: the manager lock, the
+    /// term and manager, unassigned shards, and every node's state and shard count.
+    async fn convergence_report(&self) -> String {
+        let status = self.status().await;
+        let lock = self.pg.manager_lock_held().await;
+        format!(
+            "lock held={lock}, term={:?}, manager={:?}, unassigned={:?}, nodes={:?}",
+            status.as_ref().map(|s| s.manager_term),
+            status.as_ref().and_then(|s| s.manager_node.clone()),
+            status.as_ref().map(|s| s.unassigned_shards),
+            status.as_ref().map(|s| s
+                .nodes
+                .iter()
+                .map(|n| format!("{}:{:?}:{}", n.id, n.state, n.shards))
+                .collect::<Vec<_>>()),
+        )
     }
 
     /// LOC-7: no logical upload failed after the client's bounded retries of documented
