@@ -483,6 +483,166 @@ async fn a_registration_committed_after_its_deadline_registers_again_and_rejoins
     admin.pool().close().await;
 }
 
+/// A TCP proxy in front of PostgreSQL for one node. It can pause every byte from the
+/// server to the node (a node cut off from its database), and, once armed, hold the
+/// server's answer to the next `COMMIT` of a transaction whose bytes carried `marker`
+/// (the node's registration binds its public address) for `hold`: the commit lands, the
+/// node learns of it only after its client-side deadline.
+struct PgProxy {
+    addr: std::net::SocketAddr,
+    paused: Arc<AtomicBool>,
+    armed: Arc<AtomicBool>,
+    held: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl PgProxy {
+    async fn start(upstream: String, marker: &'static [u8], hold: Duration) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let proxy = Self {
+            addr: listener.local_addr().unwrap(),
+            paused: Arc::default(),
+            armed: Arc::default(),
+            held: Arc::default(),
+        };
+        let (paused, armed, held) = (
+            proxy.paused.clone(),
+            proxy.armed.clone(),
+            proxy.held.clone(),
+        );
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let (mut client_rx, mut client_tx) = client.into_split();
+                let (mut server_rx, mut server_tx) = server.into_split();
+                let hold_until: Arc<Mutex<Option<tokio::time::Instant>>> = Arc::default();
+                let (armed, held, hold_from_client) =
+                    (armed.clone(), held.clone(), hold_until.clone());
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buf = vec![0u8; 64 << 10];
+                    let mut saw_marker = false;
+                    loop {
+                        let Ok(n) = client_rx.read(&mut buf).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        let chunk = &buf[..n];
+                        saw_marker |= chunk.windows(marker.len()).any(|w| w == marker);
+                        if saw_marker
+                            && chunk.windows(6).any(|w| w == b"COMMIT")
+                            && armed.swap(false, Ordering::SeqCst)
+                        {
+                            *hold_from_client.lock().unwrap() =
+                                Some(tokio::time::Instant::now() + hold);
+                            held.fetch_add(1, Ordering::SeqCst);
+                        }
+                        if server_tx.write_all(chunk).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+                let paused = paused.clone();
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        let Ok(n) = server_rx.read(&mut buf).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        while paused.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                        let until = *hold_until.lock().unwrap();
+                        if let Some(until) = until {
+                            tokio::time::sleep_until(until).await;
+                        }
+                        if client_tx.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        proxy
+    }
+}
+
+/// The same lost answer as above, made on the connection: node b reaches PostgreSQL
+/// through a proxy; b is cut off until it is declared dead, and the answer to the COMMIT
+/// of its re-registration is then held past b's client-side deadline (the commit lands).
+/// b must register again and rejoin. Checks LOC-3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reregistration_whose_commit_answer_is_held_past_its_deadline_registers_again() {
+    let Some(db) = TestDatabase::create(
+        "a_reregistration_whose_commit_answer_is_held_past_its_deadline_registers_again",
+    )
+    .await
+    else {
+        return;
+    };
+    const MARKER: &[u8] = b"b-registration-marker.public";
+    let mut url = reqwest::Url::parse(db.url()).unwrap();
+    let upstream = format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5432));
+    // Longer than b's client-side deadline (statement_timeout 2 s + 500 ms).
+    let proxy = PgProxy::start(upstream, MARKER, Duration::from_millis(3_500)).await;
+    url.set_host(Some("127.0.0.1")).unwrap();
+    url.set_port(Some(proxy.addr.port())).unwrap();
+
+    let a = start_node(db.url(), "a", |_| {}).await;
+    let b = start_node(url.as_str(), "b", |c| {
+        c.embedded_manager = false;
+        c.public_addr = format!("{}:7070", std::str::from_utf8(MARKER).unwrap());
+    })
+    .await;
+    eventually(GENEROUS, "balanced", || settled(&[&a, &b], &["a", "b"])).await;
+    let admin = support::placement::store(db.url()).await;
+    let b_id = NodeId::parse("b").unwrap();
+
+    // Cut b off until a declares it dead, then arm the hold and let b back in.
+    proxy.paused.store(true, Ordering::SeqCst);
+    let mut dead = false;
+    let deadline = Instant::now() + GENEROUS;
+    while !dead && Instant::now() < deadline {
+        dead = admin.nodes().await.unwrap()[&b_id].state == graviton::placement::NodeState::Dead;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(dead, "b is declared dead while cut off");
+    proxy.armed.store(true, Ordering::SeqCst);
+    let before = b.view().counters.snapshot().reregistrations;
+    proxy.paused.store(false, Ordering::SeqCst);
+
+    eventually(
+        GENEROUS,
+        "the answer to b's re-registration was held",
+        || proxy.held.load(Ordering::SeqCst) == 1,
+    )
+    .await;
+    // The held re-registration timed out although it committed; b must not read its own
+    // newer incarnation as a takeover, but register again.
+    eventually(
+        GENEROUS,
+        "b registered again after the unconfirmed one",
+        || b.view().counters.snapshot().reregistrations >= before + 2,
+    )
+    .await;
+    eventually(GENEROUS, "b rejoined and balanced", || {
+        settled(&[&a, &b], &["a", "b"])
+    })
+    .await;
+    let nodes = admin.nodes().await.unwrap();
+    assert_ne!(nodes[&b_id].state, graviton::placement::NodeState::Dead);
+    a.shutdown().await;
+    b.shutdown().await;
+    admin.pool().close().await;
+}
+
 /// The checker itself is not vacuous: overlapping ingests on two nodes are caught.
 #[test]
 #[should_panic(expected = "overlapping")]
