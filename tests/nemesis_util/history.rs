@@ -457,9 +457,9 @@ mod tests {
     }
 
     // Checks LOC-1: overlapping requests are explained only by commits one after the other
-    // inside them (a node paused between its commit and its 201 while the shard moved on,
-    // as seen under load with a SIGSTOP); overlapping commits, or commit windows outside
-    // the requests, are still double ownership.
+    // inside them (the request times are those of the report seen under load, with
+    // node-b paused by SIGSTOP from 1.983 s to 5.118 s); overlapping commits, or commit
+    // windows outside the requests, are still double ownership.
     #[test]
     fn overlapping_acks_are_explained_only_by_sequential_commits_inside_them() {
         let history = vec![
