@@ -607,12 +607,10 @@ async fn a_reregistration_whose_commit_answer_is_held_past_its_deadline_register
 
     // Cut b off until a declares it dead, then arm the hold and let b back in.
     proxy.paused.store(true, Ordering::SeqCst);
-    let mut dead = false;
-    let deadline = Instant::now() + GENEROUS;
-    while !dead && Instant::now() < deadline {
-        dead = admin.nodes().await.unwrap()[&b_id].state == graviton::placement::NodeState::Dead;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let dead = support::wait_until(GENEROUS, || async {
+        admin.nodes().await.unwrap()[&b_id].state == graviton::placement::NodeState::Dead
+    })
+    .await;
     assert!(dead, "b is declared dead while cut off");
     proxy.armed.store(true, Ordering::SeqCst);
     let before = b.view().counters.snapshot().reregistrations;

@@ -263,6 +263,19 @@ struct Heartbeats {
     timeout: Duration,
 }
 
+impl Heartbeats {
+    /// The registration is lost: fence at once and queue one `Reregister` (`log` says why;
+    /// nothing more while one is queued). False when the placement actor is gone.
+    fn fence_and_reregister(&self, log: impl FnOnce()) -> bool {
+        self.view.registration_lost();
+        if !self.reregister_queued.swap(true, Ordering::SeqCst) {
+            log();
+            return self.actor.cast(PlacementMsg::Reregister).is_ok();
+        }
+        true
+    }
+}
+
 /// The heartbeat loop. Stops for good when another process registered the same node id.
 fn spawn_heartbeats(hb: Heartbeats) -> JoinHandle<()> {
     tokio::spawn(async move {
@@ -289,13 +302,9 @@ fn spawn_heartbeats(hb: Heartbeats) -> JoinHandle<()> {
                     }
                 }
                 Ok(HeartbeatReply::Dead | HeartbeatReply::Missing) => {
-                    hb.view.registration_lost();
                     last_state = None;
-                    if !hb.reregister_queued.swap(true, Ordering::SeqCst) {
-                        tracing::warn!(component = "placement", node_id = %node, "heartbeat refused (declared dead); fenced, re-registering");
-                        if hb.actor.cast(PlacementMsg::Reregister).is_err() {
-                            return;
-                        }
+                    if !hb.fence_and_reregister(|| tracing::warn!(component = "placement", node_id = %node, "heartbeat refused (declared dead); fenced, re-registering")) {
+                        return;
                     }
                 }
                 Ok(HeartbeatReply::Unconfirmed { incarnation: row }) => {
@@ -307,13 +316,9 @@ fn spawn_heartbeats(hb: Heartbeats) -> JoinHandle<()> {
                     {
                         continue;
                     }
-                    hb.view.registration_lost();
                     last_state = None;
-                    if !hb.reregister_queued.swap(true, Ordering::SeqCst) {
-                        tracing::warn!(component = "placement", node_id = %node, incarnation, newer = row, "a re-registration of this process committed unconfirmed; fenced, registering again");
-                        if hb.actor.cast(PlacementMsg::Reregister).is_err() {
-                            return;
-                        }
+                    if !hb.fence_and_reregister(|| tracing::warn!(component = "placement", node_id = %node, incarnation, newer = row, "a re-registration of this process committed unconfirmed; fenced, registering again")) {
+                        return;
                     }
                 }
                 Ok(HeartbeatReply::Superseded { incarnation: row }) => {
