@@ -241,6 +241,7 @@ impl WriteSession for DiscardSession {
     fn append(&mut self, _key: BlockKey, _data: Bytes) -> StoreFuture<'_, PutOutcome> {
         Box::pin(async { Ok(PutOutcome::Fresh) })
     }
+    fn confirm(&mut self, _keys: Vec<BlockKey>) {}
     fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport> {
         Box::pin(async { Ok(CommitReport::default()) })
     }

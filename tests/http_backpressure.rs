@@ -40,6 +40,9 @@ impl WriteSession for GatedSession {
             self.inner.append(key, data).await
         })
     }
+    fn confirm(&mut self, keys: Vec<BlockKey>) {
+        self.inner.confirm(keys)
+    }
     fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport> {
         self.inner.commit()
     }

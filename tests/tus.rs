@@ -1073,7 +1073,7 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
     use bytes::Bytes;
     use graviton::cas::{BlockKey, BlockRef};
     use graviton::tus::UploadId;
-    use graviton::upload::ledger::{Advance, PgLedger, UploadLedger, UploadRow};
+    use graviton::upload::ledger::{Advance, PgLedger, RowVersion, UploadLedger, UploadRow};
     let Some(db) = support::TestDatabase::create("tus_pg_ledger").await else {
         return;
     };
@@ -1097,6 +1097,11 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
         metadata: Some("k dg==".into()),
         block_count: 0,
         blob_key: None,
+        generation: 41,
+    };
+    let at = |offset| RowVersion {
+        generation: 41,
+        offset,
     };
     let block = |n: u8, size| BlockRef {
         key: BlockKey([n; 32]),
@@ -1113,19 +1118,19 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
     assert!(!ledger.create(id(1), &row(1000), 10).await.unwrap());
     assert!(
         ledger
-            .advance(id(1), 0, step(40, b"xy", vec![block(1, 38)]))
+            .advance(id(1), at(0), step(40, b"xy", vec![block(1, 38)]))
             .await
             .unwrap()
     );
     assert!(
         !ledger
-            .advance(id(1), 0, step(40, b"zz", vec![block(9, 38)]))
+            .advance(id(1), at(0), step(40, b"zz", vec![block(9, 38)]))
             .await
             .unwrap()
     );
     assert!(
         ledger
-            .advance(id(1), 40, step(90, b"abc", vec![block(2, 47), block(3, 1)]))
+            .advance(id(1), at(40), step(90, b"abc", vec![block(2, 47), block(3, 1)]))
             .await
             .unwrap()
     );
@@ -1134,9 +1139,10 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
     assert_eq!(got.metadata.as_deref(), Some("k dg=="));
     assert_eq!(&tail[..], b"abc");
     assert_eq!(
-        ledger.blocks(id(1)).await.unwrap(),
-        vec![block(1, 38), block(2, 47), block(3, 1)]
+        ledger.blocks(id(1), at(90)).await.unwrap(),
+        Some(vec![block(1, 38), block(2, 47), block(3, 1)])
     );
+    assert_eq!(ledger.blocks(id(1), at(40)).await.unwrap(), None);
     let mut marked = Vec::new();
     ledger
         .for_each_block(&mut |k| marked.push(k))
@@ -1151,17 +1157,17 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
         blob_key: Some(key),
         ..step(100, b"", vec![])
     };
-    assert!(ledger.advance(id(1), 90, done).await.unwrap());
+    assert!(ledger.advance(id(1), at(90), done).await.unwrap());
     let (got, tail) = ledger.get(id(1)).await.unwrap().unwrap();
     assert_eq!(got.blob_key, Some(key.to_string()));
-    assert!(tail.is_empty() && ledger.blocks(id(1)).await.unwrap().is_empty());
+    assert!(tail.is_empty() && ledger.blocks(id(1), at(100)).await.unwrap().is_none());
     // Expiry: swept with its blocks; an expired id may be created again.
     assert!(ledger.create(id(2), &row(100), 0).await.unwrap());
     assert!(
         ledger
             .advance(
                 id(2),
-                0,
+                at(0),
                 Advance {
                     expires_ms: 100,
                     ..step(5, b"12345", vec![block(4, 1)])
@@ -1172,9 +1178,37 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
     );
     assert_eq!(ledger.sweep(4000).await.unwrap(), 1, "only the expired one");
     assert!(ledger.get(id(2)).await.unwrap().is_none());
-    assert!(ledger.blocks(id(2)).await.unwrap().is_empty());
+    assert!(ledger.blocks(id(2), at(5)).await.unwrap().is_none());
     assert!(ledger.create(id(3), &row(100), 0).await.unwrap());
     assert!(ledger.create(id(3), &row(9000), 200).await.unwrap());
     assert!(ledger.delete(id(3)).await.unwrap());
     assert!(!ledger.delete(id(3)).await.unwrap());
+    // Checks CAS-7: terminated and created again under the same id, the upload is another
+    // generation; a PATCH that read the old one (same offset) gets neither its blocks nor
+    // an advance.
+    let old = |offset| RowVersion {
+        generation: 7,
+        offset,
+    };
+    let new = |offset| RowVersion {
+        generation: 8,
+        offset,
+    };
+    let open_row = |generation| UploadRow {
+        generation,
+        ..row(u64::MAX >> 2)
+    };
+    assert!(ledger.create(id(5), &open_row(7), 0).await.unwrap());
+    assert!(ledger.advance(id(5), old(0), step(40, b"t", vec![block(1, 39)])).await.unwrap());
+    assert!(ledger.delete(id(5)).await.unwrap());
+    assert!(ledger.create(id(5), &open_row(8), 0).await.unwrap());
+    assert!(ledger.advance(id(5), new(0), step(40, b"t", vec![block(2, 39)])).await.unwrap());
+    assert_eq!(ledger.blocks(id(5), old(40)).await.unwrap(), None);
+    assert!(!ledger.advance(id(5), old(40), step(50, b"u", vec![block(3, 10)])).await.unwrap());
+    assert_eq!(
+        ledger.blocks(id(5), new(40)).await.unwrap(),
+        Some(vec![block(2, 39)])
+    );
+    assert_eq!(ledger.get(id(5)).await.unwrap().unwrap().0.generation, 8);
+
 }

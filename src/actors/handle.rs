@@ -53,15 +53,12 @@ impl SessionRegionHandle {
 
     /// Start an upload of `key`: spawns or reuses its owner. At most one upload of a
     /// session runs at a time on this node.
+    ///
+    /// The region answers with the ticket itself, so an answer that never reaches a
+    /// caller (its call timed out, or its future was dropped while the answer was in
+    /// flight) is dropped with the ticket, and the drop ends the upload (SES-3).
     pub async fn begin(&self, key: SessionKey) -> Result<IngestTicket, SessionError> {
-        let region = self.actor()?;
-        let owner = self.call(|reply| RegionMsg::Begin(key, reply)).await??;
-        Ok(IngestTicket {
-            region,
-            owner,
-            key,
-            finished: false,
-        })
+        self.call(|reply| RegionMsg::Begin(key, reply)).await?
     }
 
     pub async fn stats(&self) -> Result<RegionStats, SessionError> {
@@ -93,6 +90,17 @@ pub struct IngestTicket {
 }
 
 impl IngestTicket {
+    /// The ticket of an upload the region has just marked active (built only by the
+    /// region, inside its `Begin`).
+    pub(super) fn new(region: ActorRef<RegionMsg>, owner: ActorRef<OwnerMsg>, key: SessionKey) -> Self {
+        Self {
+            region,
+            owner,
+            key,
+            finished: false,
+        }
+    }
+
     /// Body bytes arrived (counters only).
     pub fn progress(&self, bytes: u64, frames: u64) {
         let _ = self.owner.cast(OwnerMsg::Progress { bytes, frames });

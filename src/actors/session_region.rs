@@ -20,6 +20,7 @@ use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, Supervi
 use serde::Serialize;
 use tokio::time::Instant;
 
+use super::handle::IngestTicket;
 use super::session_owner::{OwnerMsg, SessionOwner};
 use crate::ids::SessionKey;
 use crate::metrics::{Metrics, ReasonLabels};
@@ -46,11 +47,8 @@ pub struct RegionStats {
 pub type SessionFilter = Box<dyn Fn(&SessionKey) -> bool + Send + Sync>;
 
 pub enum RegionMsg {
-    /// Start an upload of a session; replies with its owner.
-    Begin(
-        SessionKey,
-        RpcReplyPort<Result<ActorRef<OwnerMsg>, SessionError>>,
-    ),
+    /// Start an upload of a session; replies with its ticket (whose drop ends it).
+    Begin(SessionKey, RpcReplyPort<Result<IngestTicket, SessionError>>),
     /// The upload of a session ended.
     End {
         key: SessionKey,
@@ -207,7 +205,11 @@ impl Actor for SessionRegion {
                     let _ = owner.cast(OwnerMsg::Begin);
                 }
                 state.publish_gauges();
-                let _ = reply.send(result);
+                // The session is active from here: the ticket in the answer ends it when
+                // dropped, also when the caller is gone and the answer is never read
+                // (`send` hands it back, or the channel drops it with its contents).
+                let answer = result.map(|owner| IngestTicket::new(myself.clone(), owner, key));
+                let _ = reply.send(answer);
             }
             RegionMsg::End { key, succeeded } => {
                 state.index.end(&key, now);

@@ -176,3 +176,32 @@ async fn stopping_lost_sessions_never_drops_an_uploading_one() {
     );
     sup.shutdown().await;
 }
+
+/// Checks SES-3: a `begin` whose caller is gone before it reads the answer (its future
+/// dropped after the region received the message) leaves the session neither busy nor
+/// counted as active. Before the fix the region marked it active and the lost answer
+/// left it so until restart.
+#[tokio::test]
+async fn a_begin_whose_caller_is_gone_leaves_the_session_free() {
+    let (sup, _) = start(8, Duration::from_secs(60)).await;
+    let sessions = sup.sessions();
+    let k = key();
+    // Hold the region inside a call so `begin` below is queued, then poll `begin` once
+    // (it sends its message) and drop it before the region answers.
+    let stats_before = sessions.stats().await.unwrap();
+    assert_eq!(stats_before.active_sessions, 0);
+    {
+        let mut begin = Box::pin(sessions.begin(k));
+        assert!(futures_util::poll!(begin.as_mut()).is_pending(), "the region answered at once");
+    }
+    // The region received the message: the session was marked active and then released
+    // by the dropped answer. Observable: begin succeeds again and nothing stays active.
+    assert!(
+        eventually(async || sessions.stats().await.unwrap().active_sessions == 0).await,
+        "the abandoned begin left the session active"
+    );
+    let ticket = sessions.begin(k).await.expect("the session is free again");
+    assert_eq!(sessions.stats().await.unwrap().active_sessions, 1);
+    ticket.finish(true);
+    sup.shutdown().await;
+}

@@ -109,6 +109,12 @@ pub trait WriteSession: Send + 'static {
         })
     }
 
+    /// Blocks that an earlier session stored and the caller's manifest names (the
+    /// earlier parts of a resumable upload): the commit confirms them still stored,
+    /// against the collector, exactly as it confirms this session's dedup hits (STO-3),
+    /// and fails if one is gone.
+    fn confirm(&mut self, keys: Vec<BlockKey>);
+
     /// Make every appended block durable and visible (see the module docs).
     fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport>;
 

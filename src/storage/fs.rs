@@ -176,6 +176,8 @@ impl FsBlockStore {
 struct FsSession {
     store: FsBlockStore,
     fresh_bytes: u64,
+    /// Blocks of earlier sessions the caller's manifest names, checked at commit.
+    confirm: Vec<BlockKey>,
 }
 
 impl WriteSession for FsSession {
@@ -190,8 +192,20 @@ impl WriteSession for FsSession {
         })
     }
 
+    fn confirm(&mut self, keys: Vec<BlockKey>) {
+        self.confirm.extend(keys);
+    }
+
     fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport> {
         Box::pin(async move {
+            for key in &self.confirm {
+                if !self.store.contains(*key).await? {
+                    return Err(StoreError::Unavailable(format!(
+                        "block {} was collected while the upload ran",
+                        key.to_hex()
+                    )));
+                }
+            }
             Ok(CommitReport {
                 packs: 0,
                 fresh_bytes: self.fresh_bytes,
@@ -207,6 +221,7 @@ impl WriteSession for FsSession {
 impl BlockStore for FsBlockStore {
     fn begin(&self) -> Result<Box<dyn WriteSession>, StoreError> {
         Ok(Box::new(FsSession {
+            confirm: Vec::new(),
             store: self.clone(),
             fresh_bytes: 0,
         }))
@@ -249,8 +264,14 @@ impl ManifestStore for FsManifestStore {
     fn create(&self, manifest: &Manifest) -> StoreFuture<'_, CreateOutcome> {
         let path = self.path_of(&manifest.key);
         let dirs = self.dirs.clone();
+        // CAS-6: a manifest whose blocks do not add up to its key is never written (it
+        // would make the key unreadable, and first-writer-wins would keep it so).
+        let valid = manifest.validate().map_err(|e| {
+            StoreError::Corrupt(format!("refusing the manifest of {}: {e}", manifest.key))
+        });
         let encoded = serde_json::to_vec(manifest);
         Box::pin(blocking(move || {
+            valid?;
             let data = encoded.map_err(|e| StoreError::Corrupt(format!("encode manifest: {e}")))?;
             Ok(if dirs.publish(&path, &data, false)? {
                 CreateOutcome::Created

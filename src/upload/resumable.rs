@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::Stream;
@@ -26,7 +26,7 @@ use crate::placement::LocalRoute;
 use crate::storage::StoreError;
 use crate::tus::{UploadId, now_ms, part_footprint};
 
-pub use super::ledger::{Advance, UploadLedger, UploadRow};
+pub use super::ledger::{Advance, RowVersion, UploadLedger, UploadRow, new_generation};
 
 /// Limits of resumable uploads (`[upload]`).
 #[derive(Debug, Clone, Copy)]
@@ -55,35 +55,46 @@ pub struct PartReceipt {
     pub blob_key: Option<String>,
 }
 
-/// Whole-content hashers of the uploads this node is ingesting, each with the offset it
-/// has hashed to (`blake3::Hasher` cannot be stored; see docs/resumable.md).
+/// How many whole-content hashers a node keeps (about 2 KiB each). Past it the oldest
+/// goes; a PATCH that finds none rebuilds its hasher from the committed blocks.
+const HASHERS_KEPT: usize = 4096;
+
+/// Whole-content hashers of the uploads this node is ingesting, each bound to the
+/// [`RowVersion`] (generation and offset) it has hashed to (`blake3::Hasher` cannot be
+/// stored; see docs/resumable.md). A hasher is taken only for exactly that version of
+/// that upload, so it never outlives the row it was made from (CAS-7): an upload created
+/// again under the same id, elsewhere in the cluster, has another generation.
 #[derive(Default)]
 pub(super) struct Hashers {
-    map: Mutex<HashMap<UploadId, (u64, blake3::Hasher)>>,
+    map: Mutex<HashMap<UploadId, (RowVersion, Instant, blake3::Hasher)>>,
 }
 
 impl Hashers {
-    fn take(&self, id: &UploadId, offset: u64) -> Option<blake3::Hasher> {
+    fn take(&self, id: &UploadId, at: RowVersion) -> Option<blake3::Hasher> {
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
         match map.remove(id) {
-            Some((at, hasher)) if at == offset => Some(hasher),
+            Some((version, _, hasher)) if version == at => Some(hasher),
             _ => None,
         }
     }
 
-    fn put(&self, id: UploadId, offset: u64, hasher: blake3::Hasher) {
+    fn put(&self, id: UploadId, at: RowVersion, hasher: blake3::Hasher, max_age: Duration) {
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
-        map.insert(id, (offset, hasher));
+        let now = Instant::now();
+        // Uploads that moved to another owner, or were abandoned, are never taken here
+        // again: drop what outlived the upload expiry, and keep the map bounded.
+        map.retain(|_, (_, at, _)| now.duration_since(*at) < max_age);
+        if map.len() >= HASHERS_KEPT
+            && let Some(oldest) = map.iter().min_by_key(|(_, (_, at, _))| *at).map(|(id, _)| *id)
+        {
+            map.remove(&oldest);
+        }
+        map.insert(id, (at, now, hasher));
     }
 
     fn forget(&self, id: &UploadId) {
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
         map.remove(id);
-    }
-
-    fn retain(&self, keep: impl Fn(&UploadId) -> bool) {
-        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
-        map.retain(|id, _| keep(id));
     }
 }
 
@@ -128,6 +139,7 @@ impl UploadService {
             metadata,
             block_count: 0,
             blob_key: None,
+            generation: new_generation(),
         };
         if !self
             .ledger()
@@ -161,24 +173,10 @@ impl UploadService {
         }
     }
 
-    /// Remove expired uploads (the background sweep); returns how many.
+    /// Remove expired uploads (the background sweep); returns how many. Hashers of
+    /// uploads that are gone are never taken again (their version is gone) and age out.
     pub async fn sweep_expired(&self) -> Result<u64, StoreError> {
-        let removed = self.ledger().sweep(now_ms()).await?;
-        if removed > 0 {
-            // Hashers of uploads that are gone are never taken again; drop them.
-            let mut live = std::collections::HashSet::new();
-            let ids: Vec<UploadId> = {
-                let map = self.hashers.map.lock().unwrap_or_else(|e| e.into_inner());
-                map.keys().copied().collect()
-            };
-            for id in ids {
-                if matches!(self.ledger().get(id).await, Ok(Some(_))) {
-                    live.insert(id);
-                }
-            }
-            self.hashers.retain(|id| live.contains(id));
-        }
-        Ok(removed)
+        self.ledger().sweep(now_ms()).await
     }
 
     /// The footprint a PATCH at `offset` would reserve, after the checks that need no
@@ -261,9 +259,10 @@ impl UploadService {
         // Read again under the session ticket: no other PATCH of this upload runs now.
         let (row, tail) = self.live_row(id).await?;
         check_row(&row, offset, &declared)?;
-        let whole = match self.hashers.take(&id, row.offset) {
+        let at = row.version();
+        let whole = match self.hashers.take(&id, at) {
             Some(hasher) => hasher,
-            None => self.rebuild_hasher(id, &tail).await?,
+            None => self.rebuild_hasher(id, at, &tail).await?,
         };
         let limits = IngestLimits {
             max_size: self.parts.limits.max_blob_size,
@@ -298,9 +297,29 @@ impl UploadService {
                 hash: *whole.finalize().as_bytes(),
                 size: row.length,
             };
-            let mut blocks = self.ledger().blocks(id).await.map_err(IngestError::from)?;
+            // The blocks of the earlier PATCHes, of exactly the version this PATCH read:
+            // the hasher above covers those bytes and no others (CAS-7). A row that was
+            // terminated, swept or created again meanwhile ends the PATCH here, with
+            // nothing written under the key.
+            let Some(earlier) = self
+                .ledger()
+                .blocks(id, at)
+                .await
+                .map_err(IngestError::from)?
+            else {
+                return Err(self.row_changed(id).await);
+            };
+            let mut blocks = Vec::with_capacity(earlier.len() + refs.len());
+            blocks.extend_from_slice(&earlier);
             blocks.extend_from_slice(&refs);
             let manifest = Manifest::new(key, blocks, now_ms());
+            // CAS-6: checked here too, before any store sees it.
+            manifest
+                .validate()
+                .map_err(|e| IngestError::Store(StoreError::Corrupt(format!("{e}"))))?;
+            // Blocks committed by earlier PATCHes are confirmed against the collector in
+            // this commit, like the dedup hits of this one (STO-3).
+            session.confirm(earlier.iter().map(|b| b.key).collect());
             session
                 .commit_manifest(manifest, self.parts.manifests.clone(), claim.fence())
                 .await
@@ -321,25 +340,25 @@ impl UploadService {
             };
             if !self
                 .ledger()
-                .advance(id, row.offset, step)
+                .advance(id, at, step)
                 .await
                 .map_err(IngestError::from)?
             {
-                // Terminated or swept while the PATCH ran, or another writer (a previous
-                // owner of the shard) advanced it first: this PATCH's bytes are not
-                // counted (its blocks are unreferenced and left to the collector).
-                return Err(match self.live_row(id).await {
-                    Ok((row, _)) => UploadError::OffsetMismatch {
-                        current: row.offset,
-                    },
-                    Err(err) => err,
-                });
+                // Terminated, swept or created again while the PATCH ran, or another
+                // writer (a previous owner of the shard) advanced it first: this PATCH's
+                // bytes are not counted (its blocks are unreferenced and left to the
+                // collector).
+                return Err(self.row_changed(id).await);
             }
         }
         if complete {
             self.hashers.forget(&id);
         } else {
-            self.hashers.put(id, new_offset, whole);
+            let next = RowVersion {
+                generation: at.generation,
+                offset: new_offset,
+            };
+            self.hashers.put(id, next, whole, self.parts.resumable.expiry);
         }
         if let Some(err) = interrupted {
             return Err(err.into());
@@ -356,14 +375,34 @@ impl UploadService {
         })
     }
 
+    /// What a PATCH answers when its row is no longer the version it read: the offset
+    /// now recorded, or why there is none (not found, expired).
+    async fn row_changed(&self, id: UploadId) -> UploadError {
+        match self.live_row(id).await {
+            Ok((row, _)) => UploadError::OffsetMismatch {
+                current: row.offset,
+            },
+            Err(err) => err,
+        }
+    }
+
     /// The whole-content hasher of an upload rebuilt from its committed blocks (each
-    /// checked against its key) and its staged tail: after a restart or an owner move.
+    /// checked against its key) and its staged tail, both of version `at`: after a
+    /// restart or an owner move.
     async fn rebuild_hasher(
         &self,
         id: UploadId,
+        at: RowVersion,
         tail: &Bytes,
     ) -> Result<blake3::Hasher, UploadError> {
-        let blocks = self.ledger().blocks(id).await.map_err(IngestError::from)?;
+        let Some(blocks) = self
+            .ledger()
+            .blocks(id, at)
+            .await
+            .map_err(IngestError::from)?
+        else {
+            return Err(self.row_changed(id).await);
+        };
         let mut hasher = blake3::Hasher::new();
         for block in blocks {
             let data = self

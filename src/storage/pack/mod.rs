@@ -614,6 +614,16 @@ impl WriteSession for PackSession {
         })
     }
 
+    fn confirm(&mut self, keys: Vec<BlockKey>) {
+        // Confirmed in the index commit with the dedup hits (refreshing `last_ref`, or
+        // restoring a quarantined block while its pack exists), each key once.
+        for key in keys {
+            if self.seen.insert(key) {
+                self.reused.push(key);
+            }
+        }
+    }
+
     fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport> {
         Box::pin(async move { self.finish(None).await.map(|(report, _)| report) })
     }

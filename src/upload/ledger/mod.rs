@@ -8,8 +8,13 @@
 //! node that becomes the session's owner finds the upload. [`LiveUploads`] makes the
 //! collector treat every block of a live upload as referenced.
 //!
-//! Every write of a PATCH is conditional on the offset it started from
-//! ([`UploadLedger::advance`]): the row moves only from the state the PATCH read.
+//! Every row carries a *generation*, a random number chosen when the upload is created, so
+//! an upload terminated (or swept) and created again under the same id is told apart from
+//! the one before it. A PATCH names the [`RowVersion`] (generation and offset) it read:
+//! [`UploadLedger::blocks`] answers only for that version, read in one snapshot, and
+//! [`UploadLedger::advance`] moves the row only from it. Everything a PATCH derives from
+//! the row (the block list of its manifest, the whole-content hasher it resumes) is thus
+//! bound to one version of one upload (CAS-7).
 
 mod pg;
 mod redb;
@@ -42,9 +47,33 @@ pub struct UploadRow {
     pub block_count: u64,
     /// The blob's key once the upload is complete.
     pub blob_key: Option<String>,
+    /// Chosen at random when the upload is created (see the module docs); rows written
+    /// before generations existed read as 0.
+    #[serde(default)]
+    pub generation: u64,
+}
+
+/// The version of an upload a PATCH read: which creation of the id, at which offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RowVersion {
+    pub generation: u64,
+    pub offset: u64,
+}
+
+/// A new generation: random, non-zero, and representable as a PostgreSQL `bigint`.
+pub fn new_generation() -> u64 {
+    let random = uuid::Uuid::new_v4().as_u128() as u64;
+    (random & i64::MAX as u64).max(1)
 }
 
 impl UploadRow {
+    pub fn version(&self) -> RowVersion {
+        RowVersion {
+            generation: self.generation,
+            offset: self.offset,
+        }
+    }
+
     pub fn is_expired(&self, now_ms: u64) -> bool {
         now_ms >= self.expires_ms
     }
@@ -76,12 +105,13 @@ pub trait UploadLedger: Send + Sync + 'static {
     /// The row and the staged tail.
     fn get(&self, id: UploadId) -> StoreFuture<'_, Option<(UploadRow, Bytes)>>;
 
-    /// The recorded blocks, in order.
-    fn blocks(&self, id: UploadId) -> StoreFuture<'_, Vec<BlockRef>>;
+    /// The recorded blocks, in order, read in one snapshot with the row: `None` unless the
+    /// row is still at version `at` and not complete.
+    fn blocks(&self, id: UploadId, at: RowVersion) -> StoreFuture<'_, Option<Vec<BlockRef>>>;
 
-    /// Apply `step` if the row's offset is still `from` (and it is not complete).
-    /// `Ok(false)` when the row is gone or moved on.
-    fn advance(&self, id: UploadId, from: u64, step: Advance) -> StoreFuture<'_, bool>;
+    /// Apply `step` if the row is still at version `from` (and it is not complete).
+    /// `Ok(false)` when the row is gone, was created again or moved on.
+    fn advance(&self, id: UploadId, from: RowVersion, step: Advance) -> StoreFuture<'_, bool>;
 
     /// Remove an upload (termination). `Ok(false)` if there was none.
     fn delete(&self, id: UploadId) -> StoreFuture<'_, bool>;

@@ -6,7 +6,7 @@
 use bytes::Bytes;
 use sqlx::{PgPool, Row};
 
-use super::{Advance, UploadLedger, UploadRow};
+use super::{Advance, RowVersion, UploadLedger, UploadRow};
 use crate::cas::{BlockKey, BlockRef};
 use crate::storage::{StoreError, StoreFuture};
 use crate::tus::UploadId;
@@ -62,8 +62,8 @@ impl UploadLedger for PgLedger {
                 .map_err(err("create"))?;
             let inserted = sqlx::query(
                 "INSERT INTO tus_uploads (upload_id, length, upload_offset, expires_ms,
-                    created_ms, metadata)
-                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (upload_id) DO NOTHING",
+                    created_ms, metadata, generation)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (upload_id) DO NOTHING",
             )
             .bind(&id)
             .bind(to_i64(row.length)?)
@@ -71,6 +71,7 @@ impl UploadLedger for PgLedger {
             .bind(to_i64(row.expires_ms)?)
             .bind(to_i64(row.created_ms)?)
             .bind(&row.metadata)
+            .bind(to_i64(row.generation)?)
             .execute(&mut *txn)
             .await
             .map_err(err("create"))?
@@ -85,7 +86,7 @@ impl UploadLedger for PgLedger {
         Box::pin(async move {
             let row = sqlx::query(
                 "SELECT length, upload_offset, expires_ms, created_ms, metadata, tail,
-                    block_count, blob_key
+                    block_count, blob_key, generation
                  FROM tus_uploads WHERE upload_id = $1",
             )
             .bind(id.to_string())
@@ -104,32 +105,49 @@ impl UploadLedger for PgLedger {
                     metadata: row.try_get("metadata").map_err(get)?,
                     block_count: to_u64(row.try_get("block_count").map_err(get)?)?,
                     blob_key: row.try_get("blob_key").map_err(get)?,
+                    generation: to_u64(row.try_get("generation").map_err(get)?)?,
                 },
                 Bytes::from(tail),
             )))
         })
     }
 
-    fn blocks(&self, id: UploadId) -> StoreFuture<'_, Vec<BlockRef>> {
+    fn blocks(&self, id: UploadId, at: RowVersion) -> StoreFuture<'_, Option<Vec<BlockRef>>> {
         Box::pin(async move {
-            let rows = sqlx::query(
-                "SELECT block_hash, len FROM tus_upload_blocks WHERE upload_id = $1 ORDER BY seq",
+            // One statement, so one snapshot: the row's version and its blocks together.
+            let row = sqlx::query(
+                "SELECT EXISTS (SELECT 1 FROM tus_uploads WHERE upload_id = $1
+                        AND generation = $2 AND upload_offset = $3 AND blob_key IS NULL) AS live,
+                    COALESCE((SELECT array_agg(block_hash ORDER BY seq) FROM tus_upload_blocks
+                        WHERE upload_id = $1), '{}') AS hashes,
+                    COALESCE((SELECT array_agg(len ORDER BY seq) FROM tus_upload_blocks
+                        WHERE upload_id = $1), '{}') AS lens",
             )
             .bind(id.to_string())
-            .fetch_all(&self.pool)
+            .bind(to_i64(at.generation)?)
+            .bind(to_i64(at.offset)?)
+            .fetch_one(&self.pool)
             .await
             .map_err(err("blocks"))?;
-            rows.into_iter()
-                .map(|row| {
-                    let hash: Vec<u8> = row.try_get("block_hash").map_err(err("blocks"))?;
-                    let len: i32 = row.try_get("len").map_err(err("blocks"))?;
-                    block_of(hash, len)
-                })
-                .collect()
+            let live: bool = row.try_get("live").map_err(err("blocks"))?;
+            if !live {
+                return Ok(None);
+            }
+            let hashes: Vec<Vec<u8>> = row.try_get("hashes").map_err(err("blocks"))?;
+            let lens: Vec<i32> = row.try_get("lens").map_err(err("blocks"))?;
+            if hashes.len() != lens.len() {
+                return Err(StoreError::Corrupt("upload ledger block list damaged".into()));
+            }
+            hashes
+                .into_iter()
+                .zip(lens)
+                .map(|(hash, len)| block_of(hash, len))
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some)
         })
     }
 
-    fn advance(&self, id: UploadId, from: u64, step: Advance) -> StoreFuture<'_, bool> {
+    fn advance(&self, id: UploadId, from: RowVersion, step: Advance) -> StoreFuture<'_, bool> {
         Box::pin(async move {
             let id = id.to_string();
             let mut txn = self.pool.begin().await.map_err(err("begin"))?;
@@ -143,10 +161,11 @@ impl UploadLedger for PgLedger {
                     tail = $5, blob_key = $6,
                     block_count = CASE WHEN $6::text IS NULL THEN block_count + $7 ELSE 0 END
                  WHERE upload_id = $1 AND upload_offset = $2 AND blob_key IS NULL
+                    AND generation = $8
                  RETURNING block_count - $7 AS first_seq",
             )
             .bind(&id)
-            .bind(to_i64(from)?)
+            .bind(to_i64(from.offset)?)
             .bind(to_i64(step.offset)?)
             .bind(to_i64(step.expires_ms)?)
             .bind(if step.blob_key.is_some() {
@@ -156,6 +175,7 @@ impl UploadLedger for PgLedger {
             })
             .bind(step.blob_key.map(|k| k.to_string()))
             .bind(added)
+            .bind(to_i64(from.generation)?)
             .fetch_optional(&mut *txn)
             .await
             .map_err(err("advance"))?;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 
-use super::{Advance, UploadLedger, UploadRow, decode_block, encode_block};
+use super::{Advance, RowVersion, UploadLedger, UploadRow, decode_block, encode_block};
 use crate::cas::{BlockKey, BlockRef};
 use crate::storage::{StoreError, StoreFuture};
 use crate::tus::UploadId;
@@ -141,10 +141,19 @@ impl UploadLedger for RedbLedger {
         }))
     }
 
-    fn blocks(&self, id: UploadId) -> StoreFuture<'_, Vec<BlockRef>> {
+    fn blocks(&self, id: UploadId, at: RowVersion) -> StoreFuture<'_, Option<Vec<BlockRef>>> {
         Box::pin(self.blocking(move |db| {
             let id = id.to_string();
+            // One read transaction: the row and its blocks from one snapshot.
             let txn = r!("read", db.begin_read())?;
+            let uploads = r!("read", txn.open_table(UPLOADS))?;
+            let Some(row) = r!("read", uploads.get(id.as_str()))? else {
+                return Ok(None);
+            };
+            let row = decode_row(row.value())?;
+            if row.version() != at || row.is_complete() {
+                return Ok(None);
+            }
             let table = r!("read", txn.open_table(BLOCKS))?;
             let mut out = Vec::new();
             for item in r!(
@@ -154,11 +163,11 @@ impl UploadLedger for RedbLedger {
                 let (_, v) = r!("scan", item)?;
                 out.push(decode_block(v.value())?);
             }
-            Ok(out)
+            Ok(Some(out))
         }))
     }
 
-    fn advance(&self, id: UploadId, from: u64, step: Advance) -> StoreFuture<'_, bool> {
+    fn advance(&self, id: UploadId, from: RowVersion, step: Advance) -> StoreFuture<'_, bool> {
         Box::pin(self.blocking(move |db| {
             let id = id.to_string();
             Self::write(db, |txn| {
@@ -167,7 +176,7 @@ impl UploadLedger for RedbLedger {
                     .map(|v| decode_row(v.value()))
                     .transpose()?;
                 let Some(mut row) = row else { return Ok(false) };
-                if row.offset != from || row.is_complete() {
+                if row.version() != from || row.is_complete() {
                     return Ok(false);
                 }
                 let mut tails = r!("open", txn.open_table(TAILS))?;

@@ -19,6 +19,16 @@ fn row(length: u64, expires_ms: u64) -> UploadRow {
         metadata: Some("name YQ==".into()),
         block_count: 0,
         blob_key: None,
+        generation: GEN,
+    }
+}
+
+const GEN: u64 = 41;
+
+fn at(offset: u64) -> RowVersion {
+    RowVersion {
+        generation: GEN,
+        offset,
     }
 }
 
@@ -47,20 +57,20 @@ async fn redb_ledger_advances_only_from_the_offset_it_read() {
     };
     assert!(
         ledger
-            .advance(id(1), 0, step(40, b"xy", vec![block(1, 38)]))
+            .advance(id(1), at(0), step(40, b"xy", vec![block(1, 38)]))
             .await
             .unwrap()
     );
     // A second writer that read offset 0 loses.
     assert!(
         !ledger
-            .advance(id(1), 0, step(40, b"zz", vec![block(9, 38)]))
+            .advance(id(1), at(0), step(40, b"zz", vec![block(9, 38)]))
             .await
             .unwrap()
     );
     assert!(
         ledger
-            .advance(id(1), 40, step(90, b"abc", vec![block(2, 47)]))
+            .advance(id(1), at(40), step(90, b"abc", vec![block(2, 47)]))
             .await
             .unwrap()
     );
@@ -68,8 +78,13 @@ async fn redb_ledger_advances_only_from_the_offset_it_read() {
     assert_eq!((got.offset, got.block_count, got.expires_ms), (90, 2, 2000));
     assert_eq!(&tail[..], b"abc");
     assert_eq!(
-        ledger.blocks(id(1)).await.unwrap(),
-        vec![block(1, 38), block(2, 47)]
+        ledger.blocks(id(1), at(90)).await.unwrap(),
+        Some(vec![block(1, 38), block(2, 47)])
+    );
+    assert_eq!(
+        ledger.blocks(id(1), at(40)).await.unwrap(),
+        None,
+        "only for the version the caller read"
     );
     let mut marked = Vec::new();
     ledger
@@ -86,17 +101,18 @@ async fn redb_ledger_advances_only_from_the_offset_it_read() {
         blob_key: Some(key),
         ..step(100, b"", vec![])
     };
-    assert!(ledger.advance(id(1), 90, done).await.unwrap());
+    assert!(ledger.advance(id(1), at(90), done).await.unwrap());
     let (got, tail) = ledger.get(id(1)).await.unwrap().unwrap();
     assert_eq!(got.blob_key, Some(key.to_string()));
     assert!(tail.is_empty());
-    assert!(
-        ledger.blocks(id(1)).await.unwrap().is_empty(),
-        "the manifest holds them now"
+    assert_eq!(
+        ledger.blocks(id(1), at(100)).await.unwrap(),
+        None,
+        "complete: the manifest holds them now"
     );
     assert!(
         !ledger
-            .advance(id(1), 100, step(100, b"", vec![]))
+            .advance(id(1), at(100), step(100, b"", vec![]))
             .await
             .unwrap(),
         "complete"
@@ -117,10 +133,10 @@ async fn redb_ledger_sweeps_expired_rows_with_their_tails_and_blocks() {
         expires_ms: 100,
         blob_key: None,
     };
-    assert!(ledger.advance(id(1), 0, step).await.unwrap());
+    assert!(ledger.advance(id(1), at(0), step).await.unwrap());
     assert_eq!(ledger.sweep(500).await.unwrap(), 1);
     assert!(ledger.get(id(1)).await.unwrap().is_none());
-    assert!(ledger.blocks(id(1)).await.unwrap().is_empty());
+    assert_eq!(ledger.blocks(id(1), at(5)).await.unwrap(), None);
     assert!(ledger.get(id(2)).await.unwrap().is_some());
     // An expired id may be created again.
     ledger.create(id(3), &row(10, 100), 0).await.unwrap();
@@ -131,4 +147,67 @@ async fn redb_ledger_sweeps_expired_rows_with_their_tails_and_blocks() {
     assert!(ledger.get(id(2)).await.unwrap().is_some());
     assert!(ledger.delete(id(2)).await.unwrap());
     assert!(!ledger.delete(id(2)).await.unwrap());
+}
+
+/// Checks CAS-7 at the ledger: an upload terminated and created again under the same id
+/// is another generation, so a PATCH that read the old one gets neither its block list
+/// nor an advance, even at the same offset.
+pub(super) async fn a_recreated_upload_is_another_version(ledger: &dyn UploadLedger) {
+    let first = UploadRow {
+        generation: 7,
+        ..row(100, u64::MAX)
+    };
+    assert!(ledger.create(id(5), &first, 0).await.unwrap());
+    let old = RowVersion {
+        generation: 7,
+        offset: 0,
+    };
+    let step = |blocks| Advance {
+        offset: 40,
+        tail: Bytes::from_static(b"t"),
+        blocks,
+        expires_ms: u64::MAX,
+        blob_key: None,
+    };
+    assert!(ledger.advance(id(5), old, step(vec![block(1, 39)])).await.unwrap());
+    let old_at_40 = RowVersion {
+        generation: 7,
+        offset: 40,
+    };
+    assert_eq!(
+        ledger.blocks(id(5), old_at_40).await.unwrap(),
+        Some(vec![block(1, 39)])
+    );
+    assert!(ledger.delete(id(5)).await.unwrap());
+    let second = UploadRow {
+        generation: 8,
+        ..row(100, u64::MAX)
+    };
+    assert!(ledger.create(id(5), &second, 0).await.unwrap());
+    let new = RowVersion {
+        generation: 8,
+        offset: 0,
+    };
+    assert!(ledger.advance(id(5), new, step(vec![block(2, 39)])).await.unwrap());
+    // The new upload is at offset 40 too, with other blocks.
+    assert_eq!(ledger.blocks(id(5), old_at_40).await.unwrap(), None);
+    assert!(
+        !ledger.advance(id(5), old_at_40, step(vec![block(3, 1)])).await.unwrap(),
+        "a writer of the old generation must not move the new row"
+    );
+    let new_at_40 = RowVersion {
+        generation: 8,
+        offset: 40,
+    };
+    assert_eq!(
+        ledger.blocks(id(5), new_at_40).await.unwrap(),
+        Some(vec![block(2, 39)])
+    );
+}
+
+#[tokio::test]
+async fn redb_ledger_tells_a_recreated_upload_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = RedbLedger::open(&dir.path().join("uploads.redb")).unwrap();
+    a_recreated_upload_is_another_version(&ledger).await;
 }
