@@ -131,7 +131,7 @@ async fn stopped_block_store_back_pressures_the_client() {
         |_| {},
         NodeOptions {
             blocks: Some(store.clone()),
-            manifests: None,
+            ..Default::default()
         },
     )
     .await;

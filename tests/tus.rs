@@ -1212,3 +1212,149 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
     assert_eq!(ledger.get(id(5)).await.unwrap().unwrap().0.generation, 8);
 
 }
+
+/// POST a creation for a chosen session on `url`; returns the upload URL (absolute).
+async fn create_for_session(url: &str, length: u64, session: &str) -> String {
+    let response = client()
+        .post(format!("{url}/v1/uploads"))
+        .header("tus-resumable", "1.0.0")
+        .header("upload-length", length.to_string())
+        .header("x-graviton-tenant-id", TENANT)
+        .header("x-graviton-upload-session-id", session)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201, "{:?}", response.text().await);
+    let location = header(response.headers(), "location").unwrap();
+    format!("{url}{location}")
+}
+
+async fn terminate(upload: &str) -> u16 {
+    client()
+        .delete(upload)
+        .header("tus-resumable", "1.0.0")
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+/// Body bytes a node's ingest has read so far (`graviton_upload_bytes_total`).
+fn upload_bytes_read(node: &TestNode) -> u64 {
+    node.metrics_text()
+        .lines()
+        .find_map(|line| line.strip_prefix("graviton_upload_bytes_total "))
+        .map(|v| v.trim().parse().unwrap())
+        .unwrap_or(0)
+}
+
+/// One-shot upload; returns the key it answered.
+async fn one_shot(url: &str, data: &[u8]) -> String {
+    let response = client()
+        .post(format!("{url}/v1/blobs"))
+        .body(data.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert!(response.status().is_success(), "{}", response.status());
+    let body: serde_json::Value = response.json().await.unwrap();
+    body["key"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_patch_whose_upload_was_deleted_commits_nothing() {
+    // Checks CAS-7 and CAS-6: a tus DELETE that lands while the final PATCH streams its
+    // body (tus-js-client's `abort(true)`) leaves no manifest under the whole key, so a
+    // later one-shot upload of the same bytes stores them and they download byte-exact.
+    // (Before the row version was checked, the final PATCH built a manifest of its own
+    // blocks only under the real key: every later GET answered 500 corrupt.)
+    let node = TestNode::start().await;
+    let data = random_bytes(1_600_000, 31);
+    let upload = create(&node.url, data.len() as u64).await;
+    assert_eq!(patch(&upload, 0, data[..800_000].to_vec()).await.status(), 204);
+    let before = upload_bytes_read(&node);
+
+    let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(1);
+    let body = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|chunk| (Ok::<_, std::io::Error>(bytes::Bytes::from(chunk)), rx))
+    });
+    let final_patch = tokio::spawn(
+        client()
+            .patch(&upload)
+            .header("tus-resumable", "1.0.0")
+            .header("content-type", OCTETS)
+            .header("upload-offset", "800000")
+            .header("content-length", "800000")
+            .body(reqwest::Body::wrap_stream(body))
+            .send(),
+    );
+    tx.send(data[800_000..1_200_000].to_vec()).await.unwrap();
+    // The PATCH has read its row and is ingesting the body: the node counted its bytes.
+    let reading = support::wait_until(Duration::from_secs(30), || {
+        let read = upload_bytes_read(&node);
+        async move { read >= before + 300_000 }
+    })
+    .await;
+    assert!(reading, "the final PATCH never started reading its body");
+    assert_eq!(terminate(&upload).await, 204, "DELETE during the final PATCH");
+    tx.send(data[1_200_000..].to_vec()).await.unwrap();
+    drop(tx);
+    let answer = final_patch.await.unwrap().unwrap();
+    assert_eq!(answer.status(), 404, "{:?}", answer.text().await);
+    assert_eq!(node.manifest_count(), 0, "a manifest was written for a gone upload");
+
+    let key = one_shot(&node.url, &data).await;
+    assert_eq!(key, BlobKey::of(&data).to_string());
+    let got = download(&node.url, &key).await;
+    assert!(got == data, "downloaded bytes differ");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recreated_upload_on_another_node_never_uses_the_old_hasher() {
+    // Checks CAS-7 across nodes: two nodes share one ledger, one block store and one
+    // manifest store (as cluster nodes share PostgreSQL and S3) and each keeps its own
+    // hasher cache. Node A hashes part P1; the upload is terminated and created again
+    // under the same id through node B, which takes it to the same offset with other
+    // bytes Q1; the final part Q2 runs on A. The key must be BLAKE3(Q1‖Q2), the bytes
+    // the blob holds, never BLAKE3(P1‖Q2) (which would poison that key for every tenant).
+    let a = TestNode::start().await;
+    let state = a.node.as_ref().unwrap().state().clone();
+    let b = TestNode::start_with(
+        |_| {},
+        graviton::node::NodeOptions {
+            blocks: Some(state.blocks.clone()),
+            manifests: Some(state.manifests.clone()),
+            ledger: Some(state.uploads.ledger().clone()),
+        },
+    )
+    .await;
+    let p1 = random_bytes(700_000, 41);
+    let q1 = random_bytes(700_000, 42);
+    let q2 = random_bytes(300_000, 43);
+    let length = (p1.len() + q2.len()) as u64;
+    let session = graviton::ids::SessionId::new_random().to_string();
+
+    let on_a = create_for_session(&a.url, length, &session).await;
+    assert_eq!(patch(&on_a, 0, p1.clone()).await.status(), 204);
+    let on_b = on_a.replace(&a.url, &b.url);
+    assert_eq!(terminate(&on_b).await, 204);
+    let again = create_for_session(&b.url, length, &session).await;
+    assert_eq!(again, on_b, "the same session names the same upload");
+    assert_eq!(patch(&on_b, 0, q1.clone()).await.status(), 204);
+
+    let last = patch(&on_a, p1.len() as u64, q2.clone()).await;
+    assert_eq!(last.status(), 204, "{:?}", last.text().await);
+    let held = [q1.clone(), q2.clone()].concat();
+    let key = header(last.headers(), "graviton-blob-key").unwrap().to_string();
+    assert_eq!(key, BlobKey::of(&held).to_string(), "the key names other bytes");
+    assert!(download(&a.url, &key).await == held);
+
+    // The bytes of the first upload, uploaded in one shot anywhere, are their own blob.
+    let poisoned = [p1, q2].concat();
+    let other = one_shot(&b.url, &poisoned).await;
+    assert_eq!(other, BlobKey::of(&poisoned).to_string());
+    assert!(download(&b.url, &other).await == poisoned);
+}

@@ -41,6 +41,9 @@ use crate::storage::{BlockStore, ManifestStore};
 pub struct NodeOptions {
     pub blocks: Option<Arc<dyn BlockStore>>,
     pub manifests: Option<Arc<dyn ManifestStore>>,
+    /// The resumable-upload ledger (tests share one between two nodes to play a cluster's
+    /// shared ledger with node-local hasher caches).
+    pub ledger: Option<Arc<dyn crate::upload::ledger::UploadLedger>>,
 }
 
 /// Why a node could not start.
@@ -222,9 +225,10 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         }
     };
     // Opened before the listener binds: a node that accepts connections is fully started.
-    let ledger: Arc<dyn crate::upload::ledger::UploadLedger> = match ledger_pool {
-        Some(pool) => Arc::new(crate::upload::ledger::PgLedger::new(pool)),
-        None => Arc::new(
+    let ledger: Arc<dyn crate::upload::ledger::UploadLedger> = match (options.ledger, ledger_pool) {
+        (Some(ledger), _) => ledger,
+        (None, Some(pool)) => Arc::new(crate::upload::ledger::PgLedger::new(pool)),
+        (None, None) => Arc::new(
             crate::upload::ledger::RedbLedger::open(&data_dir.join("uploads.redb"))
                 .map_err(storage_err)?,
         ),
