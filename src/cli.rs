@@ -24,7 +24,7 @@ pub struct ClusterStatus {
 
 /// `graviton migrate`: apply the placement migrations.
 pub async fn migrate(url: &str) -> Result<(), ClusterError> {
-    let pool = pg::connect_pool(url, 2, Duration::from_secs(30)).await?;
+    let pool = pg::connect_pool(url, 2, Duration::from_secs(30), "graviton-cli").await?;
     pg::migrate(&pool).await?;
     pool.close().await;
     Ok(())
@@ -56,7 +56,7 @@ pub async fn drain(
     wait: Option<Duration>,
     mut progress: impl FnMut(usize),
 ) -> Result<DrainOutcome, ClusterError> {
-    let pool = pg::connect_pool(url, 1, Duration::from_secs(10)).await?;
+    let pool = pg::connect_pool(url, 1, Duration::from_secs(10), "graviton-cli").await?;
     let store = PlacementStore::new(pool.clone());
     let outcome = if !store.request_drain(node).await? {
         DrainOutcome::UnknownNode
@@ -86,7 +86,7 @@ pub async fn drain(
 
 /// `graviton cluster status`: meta, nodes and shard rows, straight from PostgreSQL.
 pub async fn cluster_status(url: &str) -> Result<ClusterStatus, ClusterError> {
-    let pool = pg::connect_pool(url, 2, Duration::from_secs(10)).await?;
+    let pool = pg::connect_pool(url, 2, Duration::from_secs(10), "graviton-cli").await?;
     let store = PlacementStore::new(pool.clone());
     let meta: ClusterMeta = store.meta().await?;
     let table = store.read_table().await?;

@@ -1130,7 +1130,11 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
     );
     assert!(
         ledger
-            .advance(id(1), at(40), step(90, b"abc", vec![block(2, 47), block(3, 1)]))
+            .advance(
+                id(1),
+                at(40),
+                step(90, b"abc", vec![block(2, 47), block(3, 1)])
+            )
             .await
             .unwrap()
     );
@@ -1199,18 +1203,32 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
         ..row(u64::MAX >> 2)
     };
     assert!(ledger.create(id(5), &open_row(7), 0).await.unwrap());
-    assert!(ledger.advance(id(5), old(0), step(40, b"t", vec![block(1, 39)])).await.unwrap());
+    assert!(
+        ledger
+            .advance(id(5), old(0), step(40, b"t", vec![block(1, 39)]))
+            .await
+            .unwrap()
+    );
     assert!(ledger.delete(id(5)).await.unwrap());
     assert!(ledger.create(id(5), &open_row(8), 0).await.unwrap());
-    assert!(ledger.advance(id(5), new(0), step(40, b"t", vec![block(2, 39)])).await.unwrap());
+    assert!(
+        ledger
+            .advance(id(5), new(0), step(40, b"t", vec![block(2, 39)]))
+            .await
+            .unwrap()
+    );
     assert_eq!(ledger.blocks(id(5), old(40)).await.unwrap(), None);
-    assert!(!ledger.advance(id(5), old(40), step(50, b"u", vec![block(3, 10)])).await.unwrap());
+    assert!(
+        !ledger
+            .advance(id(5), old(40), step(50, b"u", vec![block(3, 10)]))
+            .await
+            .unwrap()
+    );
     assert_eq!(
         ledger.blocks(id(5), new(40)).await.unwrap(),
         Some(vec![block(2, 39)])
     );
     assert_eq!(ledger.get(id(5)).await.unwrap().unwrap().0.generation, 8);
-
 }
 
 /// POST a creation for a chosen session on `url`; returns the upload URL (absolute).
@@ -1272,7 +1290,10 @@ async fn a_final_patch_whose_upload_was_deleted_commits_nothing() {
     let node = TestNode::start().await;
     let data = random_bytes(1_600_000, 31);
     let upload = create(&node.url, data.len() as u64).await;
-    assert_eq!(patch(&upload, 0, data[..800_000].to_vec()).await.status(), 204);
+    assert_eq!(
+        patch(&upload, 0, data[..800_000].to_vec()).await.status(),
+        204
+    );
     let before = upload_bytes_read(&node);
 
     let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(1);
@@ -1299,12 +1320,20 @@ async fn a_final_patch_whose_upload_was_deleted_commits_nothing() {
     })
     .await;
     assert!(reading, "the final PATCH never started reading its body");
-    assert_eq!(terminate(&upload).await, 204, "DELETE during the final PATCH");
+    assert_eq!(
+        terminate(&upload).await,
+        204,
+        "DELETE during the final PATCH"
+    );
     tx.send(data[1_200_000..].to_vec()).await.unwrap();
     drop(tx);
     let answer = final_patch.await.unwrap().unwrap();
     assert_eq!(answer.status(), 404, "{:?}", answer.text().await);
-    assert_eq!(node.manifest_count(), 0, "a manifest was written for a gone upload");
+    assert_eq!(
+        node.manifest_count(),
+        0,
+        "a manifest was written for a gone upload"
+    );
 
     let key = one_shot(&node.url, &data).await;
     assert_eq!(key, BlobKey::of(&data).to_string());
@@ -1348,8 +1377,14 @@ async fn a_recreated_upload_on_another_node_never_uses_the_old_hasher() {
     let last = patch(&on_a, p1.len() as u64, q2.clone()).await;
     assert_eq!(last.status(), 204, "{:?}", last.text().await);
     let held = [q1.clone(), q2.clone()].concat();
-    let key = header(last.headers(), "graviton-blob-key").unwrap().to_string();
-    assert_eq!(key, BlobKey::of(&held).to_string(), "the key names other bytes");
+    let key = header(last.headers(), "graviton-blob-key")
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        key,
+        BlobKey::of(&held).to_string(),
+        "the key names other bytes"
+    );
     assert!(download(&a.url, &key).await == held);
 
     // The bytes of the first upload, uploaded in one shot anywhere, are their own blob.

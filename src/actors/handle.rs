@@ -92,7 +92,11 @@ pub struct IngestTicket {
 impl IngestTicket {
     /// The ticket of an upload the region has just marked active (built only by the
     /// region, inside its `Begin`).
-    pub(super) fn new(region: ActorRef<RegionMsg>, owner: ActorRef<OwnerMsg>, key: SessionKey) -> Self {
+    pub(super) fn new(
+        region: ActorRef<RegionMsg>,
+        owner: ActorRef<OwnerMsg>,
+        key: SessionKey,
+    ) -> Self {
         Self {
             region,
             owner,

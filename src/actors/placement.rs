@@ -301,24 +301,18 @@ fn spawn_heartbeats(hb: Heartbeats) -> JoinHandle<()> {
                         last_state = Some(node_state);
                     }
                 }
-                Ok(HeartbeatReply::Dead | HeartbeatReply::Missing) => {
-                    last_state = None;
-                    if !hb.fence_and_reregister(|| tracing::warn!(component = "placement", node_id = %node, "heartbeat refused (declared dead); fenced, re-registering")) {
-                        return;
-                    }
-                }
-                Ok(HeartbeatReply::Unconfirmed { incarnation: row }) => {
-                    // This process's own re-registration committed, but its answer was
-                    // lost (its deadline fired first), or it committed after this heartbeat
-                    // read its incarnation. Only the first case needs another registration.
-                    if hb.reregister_queued.load(Ordering::SeqCst)
-                        || row == hb.incarnation.load(Ordering::SeqCst)
-                    {
-                        continue;
-                    }
-                    last_state = None;
-                    if !hb.fence_and_reregister(|| tracing::warn!(component = "placement", node_id = %node, incarnation, newer = row, "a re-registration of this process committed unconfirmed; fenced, registering again")) {
-                        return;
+                Ok(
+                    reply @ (HeartbeatReply::Dead
+                    | HeartbeatReply::Missing
+                    | HeartbeatReply::Unconfirmed { .. }),
+                ) => {
+                    let current = hb.incarnation.load(Ordering::SeqCst);
+                    let queued = hb.reregister_queued.load(Ordering::SeqCst);
+                    if lost_registration(reply, incarnation, current, queued) {
+                        last_state = None;
+                        if !hb.fence_and_reregister(|| tracing::warn!(component = "placement", node_id = %node, incarnation, reply = ?reply, "heartbeat refused (declared dead, missing or registered again unconfirmed); fenced, re-registering")) {
+                            return;
+                        }
                     }
                 }
                 Ok(HeartbeatReply::Superseded { incarnation: row }) => {
@@ -333,6 +327,27 @@ fn spawn_heartbeats(hb: Heartbeats) -> JoinHandle<()> {
             }
         }
     })
+}
+
+/// Whether a heartbeat's refusal means this process's registration is lost (fence and
+/// register again), given the incarnation the heartbeat was sent with (`sent`), the one
+/// the process holds now (`current`) and whether a re-registration is already queued.
+///
+/// A refusal answered for an older incarnation than the current one is stale: a
+/// re-registration committed while the heartbeat was in flight, and acting on it would
+/// fence the newly registered node, with nothing left to lift the fence once the queued
+/// re-registration had already finished (LOC-3). An `Unconfirmed` row at the current
+/// incarnation, or while a re-registration is queued, is this process's own registration
+/// committing; only an unconfirmed row newer than anything it learned needs another.
+fn lost_registration(reply: HeartbeatReply, sent: i64, current: i64, queued: bool) -> bool {
+    if sent != current {
+        return false;
+    }
+    match reply {
+        HeartbeatReply::Dead | HeartbeatReply::Missing => true,
+        HeartbeatReply::Unconfirmed { incarnation: row } => !queued && row != current,
+        HeartbeatReply::Alive(_) | HeartbeatReply::Superseded { .. } => false,
+    }
 }
 
 async fn check_acks(state: &mut PlacementState) {
@@ -406,4 +421,56 @@ fn spawn_listener(
             tokio::time::sleep(retry).await;
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_answered_for_an_older_incarnation_is_stale() {
+        // Checks LOC-3: the stale "dead" reply of a heartbeat sent before the
+        // re-registration committed never fences the re-registered node.
+        for reply in [
+            HeartbeatReply::Dead,
+            HeartbeatReply::Missing,
+            HeartbeatReply::Unconfirmed { incarnation: 8 },
+        ] {
+            for queued in [false, true] {
+                assert!(
+                    !lost_registration(reply, 7, 8, queued),
+                    "{reply:?} {queued}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_current_refusal_fences_and_an_own_commit_does_not() {
+        assert!(lost_registration(HeartbeatReply::Dead, 7, 7, false));
+        assert!(lost_registration(HeartbeatReply::Missing, 7, 7, false));
+        // Declared dead again while a re-registration is queued: still lost (the queued
+        // one registers; fencing again is harmless).
+        assert!(lost_registration(HeartbeatReply::Dead, 7, 7, true));
+        // A newer row by this process, never learned: register again…
+        assert!(lost_registration(
+            HeartbeatReply::Unconfirmed { incarnation: 9 },
+            7,
+            7,
+            false
+        ));
+        // …unless the queued re-registration is the one committing.
+        assert!(!lost_registration(
+            HeartbeatReply::Unconfirmed { incarnation: 9 },
+            7,
+            7,
+            true
+        ));
+        assert!(!lost_registration(
+            HeartbeatReply::Alive(NodeState::Active),
+            7,
+            7,
+            false
+        ));
+    }
 }

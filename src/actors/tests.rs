@@ -192,7 +192,10 @@ async fn a_begin_whose_caller_is_gone_leaves_the_session_free() {
     assert_eq!(stats_before.active_sessions, 0);
     {
         let mut begin = Box::pin(sessions.begin(k));
-        assert!(futures_util::poll!(begin.as_mut()).is_pending(), "the region answered at once");
+        assert!(
+            futures_util::poll!(begin.as_mut()).is_pending(),
+            "the region answered at once"
+        );
     }
     // The region received the message: the session was marked active and then released
     // by the dropped answer. Observable: begin succeeds again and nothing stays active.

@@ -152,11 +152,13 @@ fn meta_pool(url: &str) -> Option<sqlx::PgPool> {
     if let Some(pool) = pools.get(url) {
         return Some(pool.clone());
     }
-    let options = crate::storage::pg::connect_options(url, Duration::from_secs(2)).ok()?;
+    let options =
+        crate::storage::pg::connect_options(url, Duration::from_secs(2), "graviton-console")
+            .ok()?;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(Duration::from_secs(2))
-        .connect_lazy_with(options.application_name("graviton-console"));
+        .connect_lazy_with(options);
     pools.insert(url.to_string(), pool.clone());
     Some(pool)
 }

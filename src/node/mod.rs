@@ -184,7 +184,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         if cluster_config.public_addr.is_empty() {
             cluster_config.public_addr = config.node.listen.to_string();
         }
-        let pool = crate::placement::connect(&cluster_config)
+        let pool = crate::placement::connect(&cluster_config, &node_id)
             .await
             .map_err(|e| StartError::Cluster(e.to_string()))?;
         crate::storage::pg::migrate(&pool)

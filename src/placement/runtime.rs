@@ -93,7 +93,7 @@ impl Cluster {
         config: &ClusterConfig,
         version: &str,
     ) -> Result<ClusterHandle, ClusterError> {
-        let pool = connect(config).await?;
+        let pool = connect(config, &node).await?;
         pg::migrate(&pool).await?;
         Self::start(node, config, version, pool).await
     }
@@ -257,8 +257,9 @@ fn manager_args(store: &PlacementStore, config: &ClusterConfig) -> ShardManagerA
     }
 }
 
-/// A pool for the placement database from `[cluster]`.
-pub async fn connect(config: &ClusterConfig) -> Result<PgPool, ClusterError> {
+/// A pool for the placement database from `[cluster]`, its sessions named
+/// `graviton-data:<node>`.
+pub async fn connect(config: &ClusterConfig, node: &NodeId) -> Result<PgPool, ClusterError> {
     let url = config
         .database_url
         .as_ref()
@@ -267,6 +268,7 @@ pub async fn connect(config: &ClusterConfig) -> Result<PgPool, ClusterError> {
         url.expose(),
         config.pool_max_connections,
         config.statement_timeout.get(),
+        &format!("graviton-data:{}", node.as_str()),
     )
     .await?;
     pg::check_server_version(&pool).await?;
@@ -301,7 +303,7 @@ pub async fn run_standalone_manager(
     node: NodeId,
     config: &ClusterConfig,
 ) -> Result<StandaloneManager, ClusterError> {
-    let pool = connect(config).await?;
+    let pool = connect(config, &node).await?;
     pg::migrate(&pool).await?;
     let store = PlacementStore::new(pool.clone());
     store.bootstrap(config.shard_count).await?;

@@ -85,6 +85,7 @@ pub async fn open_shared_pack_store(config: &Config) -> Result<PackStore, StoreE
         url.expose(),
         config.cluster.pool_max_connections,
         config.cluster.statement_timeout.get(),
+        &format!("graviton-blocks:{}", config.node.id.as_str()),
     )
     .await
     .map_err(|e| StoreError::Unavailable(format!("connect the shared block index: {e}")))?;

@@ -85,7 +85,10 @@ impl Hashers {
         // again: drop what outlived the upload expiry, and keep the map bounded.
         map.retain(|_, (_, at, _)| now.duration_since(*at) < max_age);
         if map.len() >= HASHERS_KEPT
-            && let Some(oldest) = map.iter().min_by_key(|(_, (_, at, _))| *at).map(|(id, _)| *id)
+            && let Some(oldest) = map
+                .iter()
+                .min_by_key(|(_, (_, at, _))| *at)
+                .map(|(id, _)| *id)
         {
             map.remove(&oldest);
         }
@@ -358,7 +361,8 @@ impl UploadService {
                 generation: at.generation,
                 offset: new_offset,
             };
-            self.hashers.put(id, next, whole, self.parts.resumable.expiry);
+            self.hashers
+                .put(id, next, whole, self.parts.resumable.expiry);
         }
         if let Some(err) = interrupted {
             return Err(err.into());

@@ -46,7 +46,7 @@ pub async fn start_node(
 
 /// A store on its own small pool (for assertions straight from PostgreSQL).
 pub async fn store(url: &str) -> PlacementStore {
-    let pool = graviton::storage::pg::connect_pool(url, 4, Duration::from_secs(5))
+    let pool = graviton::storage::pg::connect_pool(url, 4, Duration::from_secs(5), "graviton-test")
         .await
         .expect("pool");
     graviton::storage::pg::migrate(&pool)

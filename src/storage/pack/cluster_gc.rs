@@ -55,6 +55,7 @@ impl GcLock {
         let options = (*index.pool().connect_options())
             .clone()
             .application_name("graviton-gc-lock");
+        // The lock connection never opens a transaction; its bounds come from the pool.
         let mut conn = PgConnection::connect_with(&options)
             .await
             .map_err(|e| db_error("connect for the collector lock", e))?;
@@ -419,11 +420,17 @@ async fn compact_pack(store: &PackStore, index: &PgIndex, id: PackId) -> Result<
     .execute(&mut *tx)
     .await
     .map_err(|e| db_error("record a compacted pack", e))?;
+    crate::storage::pg::allow_idle_for_medium(&mut tx)
+        .await
+        .map_err(|e| db_error("widen the idle bound", e))?;
     let present = {
         let medium = store.medium().clone();
         let new_id = record.id;
         blocking(move || medium.exists(&new_id)).await?
     };
+    crate::storage::pg::restore_idle(&mut tx)
+        .await
+        .map_err(|e| db_error("restore the idle bound", e))?;
     if !present {
         return Err(StoreError::Unavailable(format!(
             "compacted pack {} is not on the medium after its publish",
@@ -569,6 +576,9 @@ async fn delete_orphan(store: &PackStore, index: &PgIndex, id: PackId) -> Result
     if !claimed {
         return Ok(false);
     }
+    crate::storage::pg::allow_idle_for_medium(&mut tx)
+        .await
+        .map_err(|e| db_error("widen the idle bound", e))?;
     let medium = store.medium().clone();
     blocking(move || medium.delete(&id)).await?;
     sqlx::query("DELETE FROM pack_packs WHERE pack_id = $1")
@@ -618,6 +628,9 @@ async fn delete_retired(
     if referenced {
         return Ok(false);
     }
+    crate::storage::pg::allow_idle_for_medium(&mut tx)
+        .await
+        .map_err(|e| db_error("widen the idle bound", e))?;
     let medium = store.medium().clone();
     blocking(move || medium.delete(&id)).await?;
     sqlx::query("DELETE FROM pack_packs WHERE pack_id = $1")

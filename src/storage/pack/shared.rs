@@ -175,7 +175,11 @@ impl PgIndex {
             .await
             .map_err(|e| db_error("record packs", e))?;
             // The rows are ours until the commit: a collector can no longer delete these
-            // objects, so what is present now stays present (STO-10).
+            // objects, so what is present now stays present (STO-10). The checks wait on
+            // the object store with the rows held: the idle bound widens for them only.
+            crate::storage::pg::allow_idle_for_medium(&mut tx)
+                .await
+                .map_err(|e| db_error("widen the idle bound", e))?;
             let medium = medium.clone();
             let packs: Vec<PackId> = batch.packs.iter().map(|p| p.id).collect();
             let missing = tokio::task::spawn_blocking(move || {
@@ -194,6 +198,9 @@ impl PgIndex {
                      retry the upload"
                 )));
             }
+            crate::storage::pg::restore_idle(&mut tx)
+                .await
+                .map_err(|e| db_error("restore the idle bound", e))?;
         }
 
         if !batch.reused.is_empty() {

@@ -1,9 +1,15 @@
 //! PostgreSQL adapters: connection setup, migrations, the placement store and the manifest
 //! store.
 //!
-//! Failure model: every query runs under the pool's `statement_timeout`, so a hung server
-//! turns into an error within a bound instead of a stuck caller. Connection options carry
-//! the password: they are never logged.
+//! Failure model: every session carries server-side bounds ([`connect_options`]):
+//! `statement_timeout`, `lock_timeout`, `idle_in_transaction_session_timeout`, TCP
+//! keepalives and `tcp_user_timeout`. So a hung server turns into an error within a bound
+//! instead of a stuck caller, and a client that stops (SIGSTOP, a frozen VM, a cut
+//! network) inside a transaction loses that transaction and its row locks within a bound
+//! instead of blocking the manager and other nodes' commits until the kernel gives up on
+//! the connection (hours). A transaction that must wait on the object store while it
+//! holds rows widens its own bound for that wait only ([`allow_idle_for_medium`]).
+//! Connection options carry the password: they are never logged.
 
 pub mod manifest;
 pub mod placement;
@@ -21,25 +27,77 @@ pub use placement::{PlacementStore, PlacementStoreError};
 /// The embedded migrations of `sql/`.
 pub static MIGRATOR: Migrator = sqlx::migrate!("./sql");
 
-/// Connection options from a URL, with a statement timeout on every session.
+/// How long a transaction may stay idle while it waits on the object store (a HEAD or a
+/// DELETE of a pack, retried by the S3 client): see [`allow_idle_for_medium`].
+pub const MEDIUM_WAIT_IDLE: Duration = Duration::from_secs(60);
+
+/// The server-side bounds of every session, from the statement timeout `t`:
+/// `statement_timeout` = `t`; `lock_timeout` = ¾ `t` (a wait on a row lock fails as a
+/// lock timeout, SQLSTATE 55P03, which names the cause, before the statement timeout); `idle_in_transaction_session_
+/// timeout` = `t`, at least 1 s (no transaction of the product waits on anything but
+/// PostgreSQL between statements, except the pack commit's and the collector's object
+/// store calls, which widen it); server TCP keepalives after 5 s idle, every 2 s, 3
+/// probes; `tcp_user_timeout` 10 s (unacknowledged data).
+pub fn session_bounds(statement_timeout: Duration) -> Vec<(&'static str, String)> {
+    let ms = statement_timeout.as_millis().max(1);
+    let idle_ms = ms.max(1_000);
+    let lock_ms = (ms * 3 / 4).max(1);
+    vec![
+        ("statement_timeout", ms.to_string()),
+        ("lock_timeout", lock_ms.to_string()),
+        ("idle_in_transaction_session_timeout", idle_ms.to_string()),
+        ("tcp_keepalives_idle", "5".into()),
+        ("tcp_keepalives_interval", "2".into()),
+        ("tcp_keepalives_count", "3".into()),
+        ("tcp_user_timeout", "10000".into()),
+    ]
+}
+
+/// Connection options from a URL, with [`session_bounds`] on every session and
+/// `application_name` `name` (operators find a node's sessions, and who holds a lock, in
+/// `pg_stat_activity` by it: `graviton-<purpose>:<node>`).
 pub fn connect_options(
     url: &str,
     statement_timeout: Duration,
+    name: &str,
 ) -> Result<PgConnectOptions, PlacementStoreError> {
     let options = PgConnectOptions::from_str(url).map_err(|_| PlacementStoreError::InvalidUrl)?;
-    let ms = statement_timeout.as_millis().max(1).to_string();
+    let bounds = session_bounds(statement_timeout);
     Ok(options
-        .options([("statement_timeout", ms.as_str())])
-        .application_name("graviton-placement"))
+        .options(bounds.iter().map(|(k, v)| (*k, v.as_str())))
+        .application_name(name))
 }
 
-/// A pool for the placement store.
+/// Widen this transaction's idle bound to [`MEDIUM_WAIT_IDLE`] for a wait on the object
+/// store while it holds rows; [`restore_idle`] narrows it again after the wait.
+pub async fn allow_idle_for_medium(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+    set_idle(conn, MEDIUM_WAIT_IDLE).await
+}
+
+/// Narrow this transaction's idle bound back to the session's ([`session_bounds`]).
+pub async fn restore_idle(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("RESET idle_in_transaction_session_timeout")
+        .execute(conn)
+        .await
+        .map(|_| ())
+}
+
+async fn set_idle(conn: &mut sqlx::PgConnection, idle: Duration) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT set_config('idle_in_transaction_session_timeout', $1, true)")
+        .bind(idle.as_millis().to_string())
+        .execute(conn)
+        .await
+        .map(|_| ())
+}
+
+/// A pool with [`connect_options`] named `name`.
 pub async fn connect_pool(
     url: &str,
     max_connections: u32,
     statement_timeout: Duration,
+    name: &str,
 ) -> Result<PgPool, PlacementStoreError> {
-    let options = connect_options(url, statement_timeout)?;
+    let options = connect_options(url, statement_timeout, name)?;
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(statement_timeout.max(Duration::from_secs(1)) * 2)

@@ -136,7 +136,9 @@ impl UploadLedger for PgLedger {
             let hashes: Vec<Vec<u8>> = row.try_get("hashes").map_err(err("blocks"))?;
             let lens: Vec<i32> = row.try_get("lens").map_err(err("blocks"))?;
             if hashes.len() != lens.len() {
-                return Err(StoreError::Corrupt("upload ledger block list damaged".into()));
+                return Err(StoreError::Corrupt(
+                    "upload ledger block list damaged".into(),
+                ));
             }
             hashes
                 .into_iter()

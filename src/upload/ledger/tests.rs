@@ -169,7 +169,12 @@ pub(super) async fn a_recreated_upload_is_another_version(ledger: &dyn UploadLed
         expires_ms: u64::MAX,
         blob_key: None,
     };
-    assert!(ledger.advance(id(5), old, step(vec![block(1, 39)])).await.unwrap());
+    assert!(
+        ledger
+            .advance(id(5), old, step(vec![block(1, 39)]))
+            .await
+            .unwrap()
+    );
     let old_at_40 = RowVersion {
         generation: 7,
         offset: 40,
@@ -188,11 +193,19 @@ pub(super) async fn a_recreated_upload_is_another_version(ledger: &dyn UploadLed
         generation: 8,
         offset: 0,
     };
-    assert!(ledger.advance(id(5), new, step(vec![block(2, 39)])).await.unwrap());
+    assert!(
+        ledger
+            .advance(id(5), new, step(vec![block(2, 39)]))
+            .await
+            .unwrap()
+    );
     // The new upload is at offset 40 too, with other blocks.
     assert_eq!(ledger.blocks(id(5), old_at_40).await.unwrap(), None);
     assert!(
-        !ledger.advance(id(5), old_at_40, step(vec![block(3, 1)])).await.unwrap(),
+        !ledger
+            .advance(id(5), old_at_40, step(vec![block(3, 1)]))
+            .await
+            .unwrap(),
         "a writer of the old generation must not move the new row"
     );
     let new_at_40 = RowVersion {
