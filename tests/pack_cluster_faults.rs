@@ -16,8 +16,8 @@
 //!
 //! (On one node the collector runs inside the stopped process itself, and `graviton gc`
 //! refuses while the node holds the index, so the process case exists only in a
-//! cluster; the in-process single-node case is
-//! `storage::pack::gc_tests::a_paused_uploader_whose_dedup_block_was_collected_fails_its_commit`.)
+//! cluster; in one process the block is pinned instead, STO-23:
+//! `storage::pack::gc_tests::a_paused_uploaders_dedup_block_is_pinned_until_its_commit`.)
 //!
 //! **The cluster collector killed after each step (STO-16).** `graviton gc --purge`
 //! against the cluster is killed with SIGKILL after each step of its run

@@ -444,7 +444,13 @@ pub async fn collect(
                     .collect();
                 step.candidates = keys.len() as u64;
                 if !dry_run && !keys.is_empty() {
+                    // Decided and committed under the pins: a block a running upload of
+                    // this process deduplicated against stays (STO-23).
+                    let pins = store.pins().hold();
+                    let keys: Vec<BlockKey> =
+                        keys.into_iter().filter(|k| !pins.contains_key(k)).collect();
                     step.quarantined = store.index()?.quarantine(&keys, cutoff, now_ms())?;
+                    drop(pins);
                 }
                 Ok((state, step))
             })

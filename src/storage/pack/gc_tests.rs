@@ -297,11 +297,13 @@ async fn legacy_blocks_migrate_into_packs() {
     }
 }
 
-// Checks STO-3: an uploader paused (here: simply not committing) while the collector
-// removes a block it deduplicated against must fail its commit, not write a manifest
-// that names a deleted block.
+// Checks STO-23: a block an upload of this process deduplicated against is pinned while
+// the upload runs. The blob that held it is deleted and collected past min_age,
+// retention and purge, twice, while the upload is paused (here: simply not committing);
+// the block stays, and the commit succeeds with the block readable. (Before pins, the
+// block was quarantined and purged under the upload and its commit failed with 503.)
 #[tokio::test]
-async fn a_paused_uploader_whose_dedup_block_was_collected_fails_its_commit() {
+async fn a_paused_uploaders_dedup_block_is_pinned_until_its_commit() {
     let f = Fixture::new();
     let content = data(1 << 20, 9);
     let key = f.upload(&content).await;
@@ -312,13 +314,41 @@ async fn a_paused_uploader_whose_dedup_block_was_collected_fails_its_commit() {
     // the paused upload found the block stored
     let mut session = f.store.begin().unwrap();
     assert_eq!(
-        session.append(shared, bytes).await.unwrap(),
+        session.append(shared, bytes.clone()).await.unwrap(),
         PutOutcome::Duplicate
     );
 
     // meanwhile the blob is deleted and collected past min_age, retention, and purge
     assert!(f.manifests.delete(key).await.unwrap());
     tokio::time::sleep(Duration::from_millis(5)).await;
+    let mut quarantined = 0;
+    for _ in 0..2 {
+        let report = gc::collect(
+            &f.store,
+            f.manifests.as_ref(),
+            options(Duration::ZERO, false, true),
+            &mut Quiet,
+        )
+        .await
+        .unwrap();
+        quarantined += report.quarantined;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The collector did collect the blob's other blocks: the run was not a no-op.
+    assert_eq!(
+        quarantined as usize,
+        manifest.blocks.len() - 1,
+        "every block but the pinned one was collected"
+    );
+    assert!(
+        f.store.contains(shared).await.unwrap(),
+        "the pinned block stays"
+    );
+
+    session.commit().await.unwrap();
+    assert_eq!(f.store.get(shared).await.unwrap(), Some(bytes));
+
+    // Once the session ended its pin is gone: the block is collectable again.
     for _ in 0..2 {
         gc::collect(
             &f.store,
@@ -330,11 +360,10 @@ async fn a_paused_uploader_whose_dedup_block_was_collected_fails_its_commit() {
         .unwrap();
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert_eq!(f.pack_files(), 0, "the pack is gone");
-
-    let err = session.commit().await.unwrap_err();
-    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
-    assert!(!f.store.contains(shared).await.unwrap());
+    assert!(
+        !f.store.contains(shared).await.unwrap(),
+        "the pin outlived its session"
+    );
 }
 
 /// A local medium whose next `delete`, once armed, says so and waits for a go-ahead: it

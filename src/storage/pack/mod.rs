@@ -37,7 +37,7 @@ pub mod s3;
 pub mod shared;
 pub mod spool;
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -106,6 +106,46 @@ struct Inner {
     group: Option<group::GroupWriter>,
     /// The file-per-block directory of older versions, read as a fallback.
     legacy: Option<FsBlockStore>,
+    /// Dedup hits of this process's running sessions (STO-23).
+    pins: Pins,
+}
+
+/// The dedup hits of the sessions running in this process, counted per block. The local
+/// collector never quarantines a pinned block (STO-23): a session pins a key *before* its
+/// lookup and unpins it when the session ends (after its commit confirmed the block), and
+/// the collector decides and commits each quarantine batch while it holds this lock. So
+/// either the collector sees the pin and keeps the block, or its quarantine committed
+/// first and the lookup finds no block and the session stores the bytes again. A block a
+/// running upload deduplicated against is therefore never purged under it, however long
+/// the upload lasts. (The shared index of a cluster, whose collector may run on another
+/// node, refreshes `last_ref` at the hit instead: see [`shared::PgIndex::hit_many`].)
+#[derive(Default)]
+pub(super) struct Pins(std::sync::Mutex<HashMap<BlockKey, u32>>);
+
+impl Pins {
+    fn pin(&self, keys: &[BlockKey]) {
+        let mut pins = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        for key in keys {
+            *pins.entry(*key).or_default() += 1;
+        }
+    }
+
+    fn unpin(&self, keys: &[BlockKey]) {
+        let mut pins = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        for key in keys {
+            if let Some(count) = pins.get_mut(key) {
+                *count -= 1;
+                if *count == 0 {
+                    pins.remove(key);
+                }
+            }
+        }
+    }
+
+    /// The pins, held: the collector's quarantine decides and commits under this.
+    pub(super) fn hold(&self) -> std::sync::MutexGuard<'_, HashMap<BlockKey, u32>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// The set of spool files in use (see `Inner::live_spools`).
@@ -201,8 +241,14 @@ impl PackStore {
                 options,
                 legacy,
                 group,
+                pins: Pins::default(),
             }),
         })
+    }
+
+    /// The dedup hits of this process's running sessions (the local collector's view).
+    pub(super) fn pins(&self) -> &Pins {
+        &self.inner.pins
     }
 
     /// The node's own (redb) index; an error on a store with the shared index, whose
@@ -324,6 +370,7 @@ impl BlockStore for PackStore {
             store: self.clone(),
             seen: HashSet::new(),
             reused: Vec::new(),
+            pinned: Vec::new(),
             writer: None,
             aborted: Arc::new(AtomicBool::new(false)),
             fresh_bytes: 0,
@@ -472,6 +519,8 @@ struct PackSession {
     /// Blocks of this session already handled (written or found stored).
     seen: HashSet<BlockKey>,
     reused: Vec<BlockKey>,
+    /// Keys this session pinned in a local store ([`Pins`]), unpinned when it ends.
+    pinned: Vec<BlockKey>,
     writer: Option<Writer>,
     aborted: Arc<AtomicBool>,
     fresh_bytes: u64,
@@ -543,10 +592,43 @@ impl Drop for PackSession {
         // A session dropped before `commit` finished is an abort: the writer sees the flag
         // when its queue closes and removes its spool file instead of sealing it.
         self.aborted.store(true, Ordering::SeqCst);
+        // Committed (its hits confirmed) or abandoned: its hits need no pin any more.
+        self.store.inner.pins.unpin(&self.pinned);
     }
 }
 
 impl PackSession {
+    /// Which of `keys` are stored already (a hint, confirmed again inside the commit,
+    /// STO-3), each hit held against the collector until this session ends (STO-23): in
+    /// a local store pinned before the lookup; in the shared index `last_ref` refreshed
+    /// by the lookup itself.
+    async fn hits(&mut self, keys: &[BlockKey]) -> Result<HashSet<BlockKey>, StoreError> {
+        match &self.store.inner.index {
+            Index::Local(index) => {
+                self.store.inner.pins.pin(keys);
+                // One read transaction on a page-cached B-tree: microseconds, so it runs
+                // here.
+                let known = match index.lookup_many(keys) {
+                    Ok(known) => known,
+                    Err(err) => {
+                        self.store.inner.pins.unpin(keys);
+                        return Err(err);
+                    }
+                };
+                let missed: Vec<BlockKey> = keys
+                    .iter()
+                    .filter(|k| !known.contains(k))
+                    .copied()
+                    .collect();
+                self.store.inner.pins.unpin(&missed);
+                self.pinned
+                    .extend(keys.iter().filter(|k| known.contains(k)));
+                Ok(known)
+            }
+            Index::Shared(index) => index.hit_many(keys).await,
+        }
+    }
+
     /// Store a block not seen before in this session; `known` is the index's answer (a
     /// hint, confirmed again inside the commit, STO-3).
     async fn store_block(
@@ -579,12 +661,7 @@ impl WriteSession for PackSession {
             if !self.seen.insert(key) {
                 return Ok(PutOutcome::Duplicate);
             }
-            let known = match &self.store.inner.index {
-                // A read transaction on a page-cached B-tree: microseconds, so it runs here.
-                Index::Local(index) => index.lookup(&key)?.is_some(),
-                // One query; the answer is confirmed again inside the commit (STO-3).
-                Index::Shared(index) => index.lookup(&key).await?.is_some(),
-            };
+            let known = self.hits(&[key]).await?.contains(&key);
             self.store_block(key, data, known).await
         })
     }
@@ -598,11 +675,7 @@ impl WriteSession for PackSession {
                 .map(|(key, _)| *key)
                 .filter(|key| !self.seen.contains(key))
                 .collect();
-            let known = match &self.store.inner.index {
-                // One read transaction on a page-cached B-tree: microseconds, so it runs here.
-                Index::Local(index) => index.lookup_many(&unseen)?,
-                Index::Shared(index) => index.lookup_many(&unseen).await?,
-            };
+            let known = self.hits(&unseen).await?;
             for (key, data) in blocks {
                 if !self.seen.insert(key) {
                     outcomes.push(PutOutcome::Duplicate);

@@ -113,16 +113,20 @@ impl PgIndex {
         Ok(keys.iter().map(|key| found.get(key).copied()).collect())
     }
 
-    /// Which of `keys` are stored (not quarantined): one query for the whole batch. Like
-    /// [`Self::lookup`], the answer is only a hint that lets an upload skip writing bytes.
-    pub async fn lookup_many(&self, keys: &[BlockKey]) -> Result<HashSet<BlockKey>, StoreError> {
+    /// The dedup lookup of an upload: which of `keys` are stored, with `last_ref` of each
+    /// hit refreshed in the same statement (STO-23). A collector selects only blocks whose
+    /// last reference is older than `gc.min_age`, and its quarantine re-checks that, so a
+    /// block an upload found stands for `min_age` from the hit, not from the last commit
+    /// that named it (the commit refreshes it again, and fails cleanly if it is gone).
+    pub async fn hit_many(&self, keys: &[BlockKey]) -> Result<HashSet<BlockKey>, StoreError> {
         if keys.is_empty() {
             return Ok(HashSet::new());
         }
         let raw: Vec<&[u8]> = keys.iter().map(|k| k.0.as_slice()).collect();
         let rows: Vec<(Vec<u8>,)> = sqlx::query_as(
-            "SELECT block_hash FROM pack_blocks
-             WHERE block_hash = ANY($1) AND quarantined_at IS NULL",
+            "UPDATE pack_blocks SET last_ref = now()
+             WHERE block_hash = ANY($1) AND quarantined_at IS NULL
+             RETURNING block_hash",
         )
         .bind(&raw)
         .fetch_all(&self.pool)
