@@ -111,6 +111,8 @@ fn run_gc(dir: &Path) -> (Duration, u64, serde_json::Value) {
         .env("GRAVITON_STORAGE__GC__MIN_AGE", "0s")
         .env("GRAVITON_STORAGE__GC__RETENTION", "0s")
         .env("GRAVITON_TEST_STOP_AFTER", "gc done")
+        // A release build honours the hook only with the explicit switch.
+        .env("GRAVITON_ENABLE_TEST_HOOKS", "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()

@@ -125,6 +125,7 @@ pub async fn start(config: Config) -> Result<RunningNode, StartError> {
 }
 
 pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningNode, StartError> {
+    crate::storage::pack::pause::announce();
     let data_dir = config.storage.data_dir.clone();
     let storage_err = |source| StartError::Storage {
         path: data_dir.display().to_string(),
