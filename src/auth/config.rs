@@ -36,9 +36,13 @@ pub struct IssuerConfig {
     /// JWKS document on disk (read at start).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub jwks_file: Option<PathBuf>,
-    /// JWKS URL (`http://` or `https://`), fetched at start and every `refresh_interval`.
+    /// JWKS URL, fetched at start and every `refresh_interval`: `https://`, or `http://`
+    /// to a loopback host (or anywhere with `allow_insecure_jwks_url`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub jwks_url: Option<String>,
+    /// Accept an `http://` JWKS URL to a host that is not loopback. Off by default: anyone
+    /// on the path could install signing keys, and tokens they sign would be admitted.
+    pub allow_insecure_jwks_url: bool,
     /// How often a JWKS URL is fetched again.
     pub refresh_interval: HumanDuration,
     /// A token naming an unknown `kid` refetches the JWKS URL at most this often.
@@ -61,6 +65,7 @@ impl Default for IssuerConfig {
             audience: Vec::new(),
             jwks_file: None,
             jwks_url: None,
+            allow_insecure_jwks_url: false,
             refresh_interval: HumanDuration::secs(300),
             refetch_min_interval: HumanDuration::secs(30),
             algorithms: vec!["RS256".into(), "ES256".into(), "EdDSA".into()],
@@ -68,6 +73,21 @@ impl Default for IssuerConfig {
             leeway: HumanDuration::secs(30),
             org_claim: ORG_CLAIM_DEFAULT.to_string(),
         }
+    }
+}
+
+/// Whether an `http://` URL names a loopback host (`localhost`, `127.0.0.0/8`, `::1`).
+fn is_loopback_url(url: &str) -> bool {
+    let Ok(parsed) = reqwest::Url::parse(url) else {
+        return false;
+    };
+    let Some(host) = parsed.host_str() else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    match host.parse::<std::net::IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => host.eq_ignore_ascii_case("localhost"),
     }
 }
 
@@ -120,6 +140,17 @@ impl IssuerConfig {
                     "must be an http:// or https:// URL",
                 ))
             }
+            (None, Some(url))
+                if url.starts_with("http://")
+                    && !self.allow_insecure_jwks_url
+                    && !is_loopback_url(url) =>
+            {
+                problems.push(Problem::new(
+                    "auth.issuers.jwks_url",
+                    "plain http:// is accepted only to a loopback host: use https://, or set \
+                     allow_insecure_jwks_url = true if the path to this host is trusted",
+                ))
+            }
             _ => {}
         }
         if self.algorithms.is_empty() {
@@ -165,6 +196,32 @@ mod tests {
             audience: vec!["graviton".into()],
             jwks_file: Some("/etc/graviton/jwks.json".into()),
             ..IssuerConfig::default()
+        }
+    }
+
+    #[test]
+    fn plain_http_jwks_is_refused_unless_loopback_or_allowed() {
+        let with = |url: &str, allow: bool| IssuerConfig {
+            jwks_file: None,
+            jwks_url: Some(url.into()),
+            allow_insecure_jwks_url: allow,
+            ..issuer()
+        };
+        let refused = |c: &IssuerConfig| {
+            let mut problems = Vec::new();
+            c.problems(&mut problems);
+            problems.iter().any(|p| p.key == "auth.issuers.jwks_url")
+        };
+        assert!(refused(&with("http://idp.example/jwks", false)));
+        assert!(refused(&with("http://10.0.0.5:8080/jwks", false)));
+        assert!(!refused(&with("http://idp.example/jwks", true)));
+        assert!(!refused(&with("https://idp.example/jwks", false)));
+        for loopback in [
+            "http://127.0.0.1:9000/jwks",
+            "http://localhost/jwks",
+            "http://[::1]:80/jwks",
+        ] {
+            assert!(!refused(&with(loopback, false)), "{loopback}");
         }
     }
 

@@ -63,6 +63,12 @@ impl Dirs {
         let parent = path.parent().expect("store paths have a parent");
         if !parent.is_dir() {
             std::fs::create_dir_all(parent).map_err(|e| StoreError::io("create directory", e))?;
+            // The new directory's entry must be durable before the file's name in it is.
+            if self.fsync
+                && let Some(grandparent) = parent.parent()
+            {
+                sync_dir(grandparent)?;
+            }
         }
         let mut tmp = tempfile::NamedTempFile::new_in(&self.tmp)
             .map_err(|e| StoreError::io("create temporary file", e))?;

@@ -180,7 +180,20 @@ impl Medium for LocalMedium {
         drop(spool);
         let path = self.path_of(id);
         let parent = path.parent().expect("pack paths have a parent");
-        std::fs::create_dir_all(parent).map_err(|e| StoreError::io("create pack directory", e))?;
+        if !parent.is_dir() {
+            // A new two-hex directory: its entry in the root must be durable before the
+            // pack's name in it can be (STO-1).
+            match std::fs::create_dir(parent) {
+                Ok(()) => {
+                    if self.fsync {
+                        sync_dir(&self.root)?;
+                        self.note("new pack directory: root synced");
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(StoreError::io("create pack directory", e)),
+            }
+        }
         // Same name, same bytes (see `format`): replacing a racing copy is harmless.
         std::fs::rename(spool_path, &path).map_err(|e| StoreError::io("publish pack", e))?;
         self.note("pack renamed");

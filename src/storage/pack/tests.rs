@@ -104,7 +104,29 @@ async fn one_upload_syncs_packs_before_the_index_and_the_index_before_the_manife
     )
     .await
     .unwrap();
-    let steps = steps.lock().unwrap().clone();
+    let all = steps.lock().unwrap().clone();
+    // Every two-hex directory the upload created had its root entry synced, once.
+    let new_dirs = all
+        .iter()
+        .filter(|s| **s == "new pack directory: root synced")
+        .count();
+    let dirs = std::fs::read_dir(dir.path().join("packs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            p.is_dir() && name.len() == 2 && name.bytes().all(|b| b.is_ascii_hexdigit())
+        })
+        .count();
+    assert!(dirs >= 1);
+    assert_eq!(
+        new_dirs, dirs,
+        "a new pack directory's entry was not synced: {all:?}"
+    );
+    let steps: Vec<&str> = all
+        .into_iter()
+        .filter(|s| *s != "new pack directory: root synced")
+        .collect();
     let per_pack = ["pack data synced", "pack renamed", "pack directory synced"];
     let packs = steps.iter().filter(|s| **s == "pack data synced").count();
     assert!(packs >= 3, "3 MiB in 1 MiB packs: {steps:?}");
