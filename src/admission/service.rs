@@ -296,13 +296,40 @@ impl Admission {
             outcome: outcome.clone(),
         };
         let key = self.inner.next_lease.fetch_add(1, Ordering::Relaxed);
-        let held = match self.holder(cluster).await {
-            Some(holder) => holder
-                .send_message(LeaseHolderMsg::Hold(key, lease))
-                .is_ok()
-                .then_some(holder),
-            None => None,
-        };
+        // From here the lease is live in Redis. Handing it to the holder (which may have
+        // to be spawned first) runs in a task of its own, so a caller dropped meanwhile
+        // (its request cancelled) cannot leave the lease unheld until its TTL: the task
+        // finishes the hand-over and, finding nobody to take the permit, releases it.
+        let (answer, taken) = tokio::sync::oneshot::channel();
+        let this = self.clone();
+        let request = lease_request.clone();
+        tokio::spawn(async move {
+            let Some(cluster) = this.inner.cluster.as_ref() else {
+                return;
+            };
+            let held = match this.holder(cluster).await {
+                Some(holder) => holder
+                    .send_message(LeaseHolderMsg::Hold(key, lease))
+                    .is_ok()
+                    .then_some(holder),
+                None => None,
+            };
+            match held {
+                Some(holder) => {
+                    if answer.send(Some(holder.clone())).is_err() {
+                        // The caller is gone: nobody will drop the permit.
+                        let _ = holder.send_message(LeaseHolderMsg::Release(key, None));
+                    }
+                }
+                None => {
+                    // The token went down with the holder: drop the lease by id (abandon),
+                    // whether or not the caller still waits.
+                    let _ = cluster.coordinator.abandon(&request, None).await;
+                    let _ = answer.send(None);
+                }
+            }
+        });
+        let held = taken.await.unwrap_or(None);
         match held {
             Some(holder) => Ok(AdmissionPermit {
                 local: Some(local),
@@ -311,12 +338,8 @@ impl Admission {
                 cancel,
                 outcome,
             }),
-            None => {
-                // The token went down with the holder: drop the lease by id (abandon)
-                // and answer as a coordinator failure.
-                let _ = coordinator.abandon(&lease_request, None).await;
-                Err(Error::Unavailable("lease_holder_spawn".into()))
-            }
+            // The hand-over abandoned the lease: answer as a coordinator failure.
+            None => Err(Error::Unavailable("lease_holder_spawn".into())),
         }
     }
 
