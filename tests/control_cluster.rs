@@ -8,6 +8,9 @@
 //! id stops, and two NodeServers in one process can hand out equal remote ids. Each
 //! test also uses its own node names.
 
+#[allow(unused_imports)]
+mod support;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
@@ -29,9 +32,10 @@ const CHILD_ENV: &str = "GRAVITON_TEST_CONTROL_CHILD";
 const CHILD_PEERS_ENV: &str = "GRAVITON_TEST_CONTROL_CHILD_PEERS";
 const CALL: Duration = Duration::from_secs(2);
 
+/// A port outside the ephemeral range (an ephemeral one can be taken as another
+/// connection's source port between this pick and the bind).
 fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    listener.local_addr().expect("addr").port()
+    support::free_port()
 }
 
 fn node(id: &str) -> NodeId {
