@@ -202,3 +202,91 @@ async fn a_standalone_manager_that_loses_its_lock_takes_it_again_and_keeps_actin
     admin.close().await;
     drop(a);
 }
+
+/// PG-1 and LOC-3 on real processes: the acting manager is stopped (SIGSTOP, by its own
+/// test hook) inside its round's fenced transaction, which holds `FOR SHARE` on
+/// `placement_meta`. A standby must win the lock, bump the term (which waits on that
+/// share lock until the server ends the stopped session) and act: the stopped node is
+/// declared dead and every shard moves to the standby. Without the server-side bound the
+/// term bump waited for hours. Prints how long it took from the standby's start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manager_stopped_inside_its_round_transaction_is_replaced() {
+    let Some(db) =
+        support::TestDatabase::create("a_manager_stopped_inside_its_round_transaction").await
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let url = db.url().to_string();
+    let data = dir.path().join("shared");
+    let mut a = NodeProcess::start(dir.path(), "node-a", &url, SHARDS, &data);
+    // The first node wins the manager lock; its next round stops inside the transaction.
+    let admin = support::placement::store(&url).await;
+    let managing = support::wait_until(Duration::from_secs(60), || {
+        let url = url.clone();
+        async move { status(&url).await.manager_node.as_deref() == Some("node-a") }
+    })
+    .await;
+    assert!(managing, "node-a never managed; log:\n{}", a.log_text());
+    a.restart_with_env(&[("GRAVITON_TEST_STOP_AFTER", "manager round fenced")]);
+    let pid = a.pid().unwrap();
+    let stopped = support::wait_until(Duration::from_secs(60), || async move {
+        support::process_stopped(pid)
+    })
+    .await;
+    assert!(
+        stopped,
+        "node-a did not stop in a round; log:\n{}",
+        a.log_text()
+    );
+    assert!(
+        a.log_text().contains("stopping after manager round fenced"),
+        "node-a stopped elsewhere"
+    );
+    // The stopped session is idle inside its transaction, holding its locks.
+    let in_tx: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND state = 'idle in transaction'
+           AND application_name LIKE 'graviton-%:node-a'",
+    )
+    .fetch_one(admin.pool())
+    .await
+    .unwrap();
+    assert!(in_tx >= 1, "the stopped manager holds no open transaction");
+    let term = status(&url).await.manager_term;
+
+    let started = std::time::Instant::now();
+    let b = NodeProcess::start(dir.path(), "node-b", &url, SHARDS, &data);
+    let replaced = support::wait_until(Duration::from_secs(60), || {
+        let url = url.clone();
+        async move {
+            let s = status(&url).await;
+            s.manager_node.as_deref() == Some("node-b")
+                && s.manager_term > term
+                && s.unassigned_shards == 0
+                && s.moving_shards == 0
+                && s.nodes
+                    .iter()
+                    .any(|n| n.id.as_str() == "node-b" && n.shards == SHARDS as usize)
+        }
+    })
+    .await;
+    assert!(
+        replaced,
+        "the standby never acted while the old manager was stopped; log:\n{}",
+        b.log_text()
+    );
+    eprintln!(
+        "standby acting with every shard {:?} after it started (node_ttl 1 s, statement_timeout 2 s)",
+        started.elapsed()
+    );
+    // Resumed, the old manager finds its transaction gone and its term superseded.
+    if let Some(pid) = a.pid() {
+        unsafe {
+            libc::kill(pid as i32, libc::SIGCONT);
+        }
+    }
+    drop(b);
+    drop(a);
+    admin.pool().close().await;
+}

@@ -168,6 +168,8 @@ pub async fn run_round(
         });
     }
     let mut tx = store.fenced(term).await?;
+    // Fault tests stop a manager here, inside its fenced transaction (PG-1).
+    crate::storage::pack::pause::after("manager round fenced");
     let mut outcome = RoundOutcome::default();
     let mut changed = false;
     let mut states: BTreeMap<NodeId, NodeState> = table

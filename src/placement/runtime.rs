@@ -135,8 +135,7 @@ impl Cluster {
             PlacementStore::new(pg::purpose_pool(&pool, "heartbeat", node.as_str(), 1));
         let manager_store =
             PlacementStore::new(pg::purpose_pool(&pool, "manager", node.as_str(), 2));
-        store.bootstrap(config.shard_count).await?;
-        check_timings(&store, config, config.embedded_manager).await?;
+        join_checks(&store, config, config.embedded_manager).await?;
         let view = Arc::new(
             LocalView::new(node.clone(), config.shard_count, config.self_fence.get())
                 .with_handoff_grace(config.handoff_grace.get()),
@@ -226,6 +225,46 @@ impl Cluster {
     }
 }
 
+/// How long a starting node retries its join statements while a row lock blocks them.
+const JOIN_LOCK_WAIT: Duration = Duration::from_secs(60);
+
+/// Bootstrap the table and agree on timings, retrying (with the crate's back-off, for at
+/// most [`JOIN_LOCK_WAIT`]) while they fail on a lock or statement timeout: a manager
+/// stopped inside its round holds `placement_meta` `FOR SHARE` until the server ends its
+/// session (PG-1), and a node starting meanwhile waits for that instead of exiting.
+async fn join_checks(
+    store: &PlacementStore,
+    config: &ClusterConfig,
+    runs_manager: bool,
+) -> Result<(), ClusterError> {
+    let deadline = tokio::time::Instant::now() + JOIN_LOCK_WAIT;
+    let backoff = crate::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
+    let mut attempt = 0;
+    loop {
+        let result = match store.bootstrap(config.shard_count).await {
+            Ok(_) => check_timings(store, config, runs_manager).await,
+            Err(err) => Err(err.into()),
+        };
+        let waiting_on_a_lock = matches!(
+            &result,
+            Err(ClusterError::Store(PlacementStoreError::Database(err)))
+                if err.as_database_error().and_then(|e| e.code()).is_some_and(|c| c == "55P03" || c == "57014")
+        );
+        let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if !waiting_on_a_lock || remaining.is_zero() {
+            return result;
+        }
+        tracing::warn!(
+            component = "placement",
+            attempt,
+            "joining the cluster waits on a PostgreSQL lock (a manager stopped inside its round?); retrying"
+        );
+        let delay = backoff.delay_within(attempt, remaining, &mut rand::rng());
+        tokio::time::sleep(delay).await;
+        attempt += 1;
+    }
+}
+
 /// Refuse to run with timings that break the cluster's fencing argument (see
 /// [`ClusterConfig::timing_problems`]).
 async fn check_timings(
@@ -306,8 +345,7 @@ pub async fn run_standalone_manager(
     let pool = connect(config, &node).await?;
     pg::migrate(&pool).await?;
     let store = PlacementStore::new(pool.clone());
-    store.bootstrap(config.shard_count).await?;
-    check_timings(&store, config, true).await?;
+    join_checks(&store, config, true).await?;
     let lock_options = manager_election::lock_connection_options(
         (*pool.connect_options())
             .clone()
