@@ -67,6 +67,9 @@ pub struct ConsoleData {
     pub uptime_seconds: u64,
     /// The readiness snapshot `/readyz` answers with.
     pub health: crate::placement::HealthSnapshot,
+    /// The probed dependencies and those failing, as in `/readyz` (`health`).
+    pub dependencies: BTreeMap<crate::health::Dependency, crate::health::DependencyState>,
+    pub degraded: Vec<crate::health::Dependency>,
     pub fenced: bool,
     pub manager: Manager,
     pub nodes: Vec<ConsoleNode>,
@@ -301,6 +304,8 @@ pub async fn data(
         ready: app.readiness.is_ready() && placement.health.ready,
         uptime_seconds: app.started_at.elapsed().as_secs(),
         health: placement.health.clone(),
+        dependencies: app.dependencies.snapshot(),
+        degraded: app.dependencies.failing(),
         fenced: placement.fenced,
         manager,
         nodes,
