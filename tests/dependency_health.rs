@@ -8,7 +8,9 @@ mod support;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use graviton::config::{HumanDuration, Secret};
 use support::RedisServer;
+use support::node::TestNode;
 
 const BIN: &str = env!("CARGO_BIN_EXE_graviton");
 const PASSWORD: &str = "hunter2-never-in-the-log";
@@ -198,5 +200,78 @@ async fn readyz_reports_a_failing_dependency_as_degraded_and_logs_each_transitio
     assert!(
         !log.contains('\u{1b}'),
         "human logs into a file carry no ANSI colour codes:\n{log}"
+    );
+}
+
+// Checks OPS-4.
+#[tokio::test]
+async fn the_console_shows_a_failing_block_store_and_the_routing_failure_kinds() {
+    const ADMIN: &str = "admin-token-for-console-tests";
+    let node = TestNode::start_with(
+        |c| {
+            c.admin.token = Some(Secret::new(ADMIN));
+            c.health.probe_interval = HumanDuration::millis(50);
+            c.health.probe_timeout = HumanDuration::millis(50);
+        },
+        Default::default(),
+    )
+    .await;
+    let console = || async {
+        client()
+            .get(format!("{}/v1/admin/console", node.url))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap()
+            .json::<serde_json::Value>()
+            .await
+            .unwrap()
+    };
+    let data = console().await;
+    assert_eq!(data["degraded"], serde_json::json!([]), "{data}");
+    assert_eq!(data["dependencies"]["block_store"]["up"], true, "{data}");
+    // The counters are the metric's own kinds (there is no `permit` stage).
+    let counters = data["counters"].as_object().unwrap();
+    assert!(
+        counters.contains_key("routing_failures_owner_address"),
+        "{data}"
+    );
+    assert!(!counters.contains_key("routing_failures_permit"), "{data}");
+    let metrics = node.metrics_text();
+    assert!(!metrics.contains("kind=\"permit\""), "{metrics}");
+
+    let packs = node.dir.path().join("packs");
+    let moved = node.dir.path().join("packs-away");
+    std::fs::rename(&packs, &moved).unwrap();
+    let last = std::sync::Mutex::new(serde_json::Value::Null);
+    let seen = support::wait_until(Duration::from_secs(10), || async {
+        let data = console().await;
+        let down = data["degraded"] == serde_json::json!(["block_store"]);
+        *last.lock().unwrap() = data;
+        down
+    })
+    .await;
+    let last = last.into_inner().unwrap();
+    assert!(
+        seen,
+        "the console never showed the block store down: {last}"
+    );
+    assert_eq!(last["dependencies"]["block_store"]["up"], false, "{last}");
+    std::fs::rename(&moved, &packs).unwrap();
+
+    // Without admin.token the console's sign-in says which key to set.
+    let bare = TestNode::start().await;
+    let refused = client()
+        .get(format!("{}/v1/admin/console", bare.url))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
+    let body: serde_json::Value = refused.json().await.unwrap();
+    assert_eq!(body["error"], "admin_disabled");
+    assert!(
+        body["message"].as_str().unwrap().contains("admin.token"),
+        "{body}"
     );
 }

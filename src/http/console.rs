@@ -286,8 +286,8 @@ pub async fn data(
             kind(&m.routing_failures, "resolve"),
         ),
         (
-            "routing_failures_permit",
-            kind(&m.routing_failures, "permit"),
+            "routing_failures_owner_address",
+            kind(&m.routing_failures, "owner_address"),
         ),
         (
             "routing_failures_forward_config",
