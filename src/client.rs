@@ -86,19 +86,27 @@ fn http_client() -> anyhow::Result<reqwest::Client> {
         .context("build HTTP client")
 }
 
+/// The server's refusal as the error to print: its status, code, message and
+/// `Retry-After`, then what to change.
 async fn error_of(response: reqwest::Response) -> anyhow::Error {
     let status = response.status();
+    let retry = response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .map(|seconds| format!("; Retry-After: {seconds} s"))
+        .unwrap_or_default();
     let body = response.text().await.unwrap_or_default();
     match serde_json::from_str::<serde_json::Value>(&body) {
         Ok(json) => {
             let code = json["error"].as_str().unwrap_or("unknown");
             anyhow::anyhow!(
-                "server answered {status}: {} ({code}){}",
+                "server answered {status}: {} ({code}){retry}{}",
                 json["message"].as_str().unwrap_or("no message"),
                 fix_for(status, code)
             )
         }
-        Err(_) => anyhow::anyhow!("server answered {status}{}", fix_for(status, "")),
+        Err(_) => anyhow::anyhow!("server answered {status}{retry}{}", fix_for(status, "")),
     }
 }
 

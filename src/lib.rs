@@ -19,6 +19,7 @@
 //!   internal listener call, and the [`upload::UploadClaim`] that holds an upload's guards.
 //! - [`http`]: the axum/hyper server: public API, ops endpoints, error mapping.
 //! - [`metrics`]: the Prometheus registry and the metric handles.
+//! - [`health`]: the probes of the node's dependencies (block store, PostgreSQL, Redis).
 //! - [`node`]: assembles one running node and shuts it down.
 //! - [`client`]: the HTTP client used by `graviton put` and `graviton get`.
 //! - [`cli`]: CLI commands that act on a cluster's database directly.
@@ -34,6 +35,7 @@ pub mod client;
 pub mod config;
 pub mod control;
 pub mod grpc;
+pub mod health;
 pub mod http;
 pub mod ids;
 pub mod metrics;

@@ -79,11 +79,12 @@ enum Command {
         /// Server URL.
         #[arg(long, env = "GRAVITON_SERVER", default_value = graviton::client::SERVER_DEFAULT)]
         server: String,
-        /// Tenant of the upload session (with --session).
-        #[arg(long, requires = "session")]
+        /// Tenant of the upload session, a UUID such as
+        /// 0b4f3c2e-8d1a-4c5e-9f7b-2a6d8e1c3b5a (with --session).
+        #[arg(long, requires = "session", value_name = "TENANT_UUID")]
         tenant: Option<String>,
-        /// Upload session (with --tenant).
-        #[arg(long, requires = "tenant")]
+        /// Upload session, a UUID (with --tenant); uploads of one session run one at a time.
+        #[arg(long, requires = "tenant", value_name = "SESSION_UUID")]
         session: Option<String>,
         /// Bearer token, when the server has `auth.enabled`.
         #[arg(long, env = "GRAVITON_TOKEN", hide_env_values = true)]
@@ -121,8 +122,8 @@ enum Command {
         output: Option<PathBuf>,
         #[arg(long, env = "GRAVITON_SERVER", default_value = graviton::client::SERVER_DEFAULT)]
         server: String,
-        /// Tenant the download's egress is charged to.
-        #[arg(long)]
+        /// Tenant the download's egress is charged to, a UUID.
+        #[arg(long, value_name = "TENANT_UUID")]
         tenant: Option<String>,
         /// Bearer token, when the server has `auth.enabled`.
         #[arg(long, env = "GRAVITON_TOKEN", hide_env_values = true)]

@@ -320,20 +320,27 @@ impl std::fmt::Debug for Metrics {
 }
 
 /// A download stream that counts its bytes (`download_bytes`) and records its outcome in
-/// `downloads{outcome}` exactly once: `ok` when it ends, `server_error` on an error item
-/// (logged), `client_error` when it is dropped before the end (the client went away).
+/// `downloads{outcome}` exactly once: `ok` as soon as the last of its `expected` bytes is
+/// handed on (an HTTP/1 server drops a body once it has its `Content-Length` bytes,
+/// without polling it to its end), `server_error` on an error item (logged),
+/// `client_error` when it is dropped before its last byte (the client went away).
 /// Every download path (HTTP `GET`, gRPC `GetBlob`) is metered by this one type.
 pub struct MeteredDownload<S> {
     inner: std::pin::Pin<Box<S>>,
     metrics: Metrics,
+    expected: u64,
+    sent: u64,
     done: bool,
 }
 
 impl<S> MeteredDownload<S> {
-    pub fn new(inner: S, metrics: Metrics) -> Self {
+    /// Meter `inner`, which yields `expected` bytes in all.
+    pub fn new(inner: S, metrics: Metrics, expected: u64) -> Self {
         Self {
             inner: Box::pin(inner),
             metrics,
+            expected,
+            sent: 0,
             done: false,
         }
     }
@@ -365,6 +372,10 @@ where
         match &polled {
             Poll::Ready(Some(Ok(bytes))) => {
                 self.metrics.download_bytes.inc_by(bytes.len() as u64);
+                self.sent += bytes.len() as u64;
+                if self.sent >= self.expected {
+                    self.record("ok");
+                }
             }
             Poll::Ready(Some(Err(err))) => {
                 // The response is already streaming: it is aborted, never silently short.
@@ -380,8 +391,13 @@ where
 
 impl<S> Drop for MeteredDownload<S> {
     fn drop(&mut self) {
-        // Dropped before the end: the client went away.
-        self.record("client_error");
+        if self.sent >= self.expected {
+            // Every byte was handed on (a zero-length body may never be polled at all).
+            self.record("ok");
+        } else {
+            // Dropped before its last byte: the client went away.
+            self.record("client_error");
+        }
     }
 }
 

@@ -1,4 +1,7 @@
-//! Logging setup (`tracing`): human-readable by default, JSON on request.
+//! Logging setup (`tracing`): human-readable by default, JSON on request. Human logs are
+//! coloured only when stderr is a terminal: a file, a pipe or a journal gets plain text.
+
+use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
@@ -9,7 +12,8 @@ pub fn init(format: LogFormat, level: &str) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     let _ = match format {
         LogFormat::Human => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),

@@ -392,3 +392,138 @@ async fn a_spent_egress_window_is_429_with_retry_after_before_the_head() {
     assert_eq!(other.status(), 200);
     assert_eq!(other.bytes().await.unwrap().len(), 64 << 10);
 }
+
+/// The value of the sample `series` (name and labels exactly) in a scrape, 0 when absent.
+fn sample(metrics: &str, series: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .map(|value| value.parse().unwrap())
+        .unwrap_or(0)
+}
+
+// Checks OPS-1.
+#[tokio::test]
+async fn successful_downloads_count_as_ok_and_release_their_lease_as_completed() {
+    let test = "successful_downloads_count_as_ok_and_release_their_lease_as_completed";
+    let Some(server) = RedisServer::start(test) else {
+        return;
+    };
+    let cell = format!("ok-{}", support::unique_suffix());
+    let node = TestNode::start_with(
+        with_redis(server.url(), {
+            let cell = cell.clone();
+            move |r| r.cell = cell
+        }),
+        NodeOptions::default(),
+    )
+    .await;
+    let data = random_bytes(3 << 20, 26);
+    let response = client()
+        .post(format!("{}/v1/blobs", node.url))
+        .body(data.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    let key = response.json::<serde_json::Value>().await.unwrap()["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let tenant = TenantId::new_random();
+    let get = |range: Option<&'static str>| {
+        let mut request = client()
+            .get(format!("{}/v1/blobs/{key}", node.url))
+            .header("x-graviton-tenant-id", tenant.to_string());
+        if let Some(range) = range {
+            request = request.header("range", range);
+        }
+        request.send()
+    };
+
+    // The whole blob, byte-exact.
+    let whole = get(None).await.unwrap();
+    assert_eq!(whole.status(), 200);
+    assert_eq!(&whole.bytes().await.unwrap()[..], &data[..]);
+    // A range in the middle, byte-exact.
+    let part = get(Some("bytes=1000000-1999999")).await.unwrap();
+    assert_eq!(part.status(), 206);
+    assert_eq!(
+        &part.bytes().await.unwrap()[..],
+        &data[1_000_000..2_000_000]
+    );
+    // HEAD moves no body and is no download.
+    let head = client()
+        .head(format!("{}/v1/blobs/{key}", node.url))
+        .header("x-graviton-tenant-id", tenant.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(head.status(), 200);
+    assert_eq!(
+        head.headers()["content-length"],
+        data.len().to_string().as_str()
+    );
+
+    let metrics = node.metrics_text();
+    assert_eq!(
+        sample(&metrics, "graviton_downloads_total{outcome=\"ok\"}"),
+        2,
+        "{metrics}"
+    );
+    assert_eq!(
+        sample(
+            &metrics,
+            "graviton_downloads_total{outcome=\"client_error\"}"
+        ),
+        0,
+        "{metrics}"
+    );
+    assert_eq!(
+        sample(
+            &metrics,
+            "graviton_downloads_total{outcome=\"server_error\"}"
+        ),
+        0,
+        "{metrics}"
+    );
+    let bytes = sample(&metrics, "graviton_download_bytes_total");
+    assert_eq!(bytes, (data.len() + 1_000_000) as u64, "{metrics}");
+
+    // Each download's lease is released with the outcome `completed`.
+    let coordinator = graviton::storage::redis::RedisCoordinator::connect(
+        &RedisAdmissionConfig {
+            url: server.url(),
+            cell,
+            ..RedisAdmissionConfig::default()
+        }
+        .coordinator(),
+    )
+    .unwrap();
+    let hash = coordinator.hasher().tenant(&tenant);
+    let downloads = || {
+        let coordinator = coordinator.clone();
+        let hash = hash.clone();
+        async move {
+            coordinator
+                .recent_events(1000)
+                .await
+                .unwrap()
+                .into_iter()
+                .filter(|e| e.get("tenant") == Some(&hash) && e["kind"] == "completed")
+                .collect::<Vec<_>>()
+        }
+    };
+    let released = support::wait_until(Duration::from_secs(10), || {
+        let downloads = downloads();
+        async move { downloads.await.len() >= 2 }
+    })
+    .await;
+    let events = downloads().await;
+    assert!(released, "both leases were released: {events:?}");
+    assert_eq!(events.len(), 2, "{events:?}");
+    for event in &events {
+        assert_eq!(event["operation"], "download", "{event:?}");
+        assert_eq!(event["outcome"], "completed", "{event:?}");
+    }
+}

@@ -109,6 +109,108 @@ fn put_then_get_through_the_cli_is_verified_and_deduplicated() {
     assert!(!nothing.exists());
 }
 
+/// `graviton serve --config` with `extra` TOML appended to a minimal file.
+fn serve_with(dir: &std::path::Path, extra: &str) -> Server {
+    let port = support::free_port();
+    let config = dir.join("node.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[node]\nlisten = \"127.0.0.1:{port}\"\n[storage]\ndata_dir = \"{}\"\nfsync = false\n{extra}",
+            dir.join("data").display()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(BIN)
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env_remove("GRAVITON_CONFIG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn graviton serve");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::time::Instant::now() < deadline {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Server {
+                child,
+                url: format!("http://127.0.0.1:{port}"),
+            };
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("graviton serve did not listen within 20s");
+}
+
+/// Run `graviton put` of `file` against `url` three times; each must fail printing
+/// `expected` and never a lost answer.
+fn refused_put_prints(url: &str, file: &std::path::Path, expected: &[&str]) {
+    for _ in 0..3 {
+        let put = Command::new(BIN)
+            .args(["put", "--server", url])
+            .arg(file)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&put.stderr);
+        assert!(!put.status.success(), "{stderr}");
+        for expected in expected {
+            assert!(
+                stderr.contains(expected),
+                "{expected:?} missing from: {stderr}"
+            );
+        }
+        assert!(
+            !stderr.contains("Broken pipe") && !stderr.contains("reset"),
+            "the answer was lost: {stderr}"
+        );
+    }
+}
+
+// Checks OPS-6.
+#[test]
+fn a_refused_put_prints_the_servers_status_code_message_and_retry_after() {
+    let dir = tempfile::tempdir().unwrap();
+    // Large enough that the client is still sending when the answer comes.
+    let file = dir.path().join("input.bin");
+    std::fs::write(&file, random_bytes(32 << 20, 7)).unwrap();
+
+    // Refused at once, from the declared length, before the body is read.
+    let small = dir.path().join("small");
+    std::fs::create_dir(&small).unwrap();
+    let server = serve_with(&small, "[upload]\nmax_blob_size = \"1MiB\"\n");
+    refused_put_prints(
+        &server.url,
+        &file,
+        &["413", "blob_too_large", "upload.max_blob_size"],
+    );
+    drop(server);
+
+    // Admission fails closed while its Redis does not answer: 503 admission_unavailable
+    // with Retry-After, before the body is read.
+    let dead = support::free_port();
+    let closed = dir.path().join("closed");
+    std::fs::create_dir(&closed).unwrap();
+    let server = serve_with(
+        &closed,
+        &format!("[admission.redis]\nurl = \"redis://127.0.0.1:{dead}/\"\n"),
+    );
+    refused_put_prints(
+        &server.url,
+        &file,
+        &["503", "admission_unavailable", "Retry-After: "],
+    );
+}
+
+#[test]
+fn put_help_says_tenant_and_session_are_uuids() {
+    let help = Command::new(BIN).args(["put", "--help"]).output().unwrap();
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(text.contains("--tenant <TENANT_UUID>"), "{text}");
+    assert!(text.contains("--session <SESSION_UUID>"), "{text}");
+}
+
 #[test]
 fn sigterm_stops_the_server_cleanly() {
     let dir = tempfile::tempdir().unwrap();

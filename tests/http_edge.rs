@@ -289,7 +289,8 @@ async fn cors_preflight_allows_the_locality_and_tus_headers_and_exposes_location
         .header("Access-Control-Request-Method", "POST")
         .header(
             "Access-Control-Request-Headers",
-            "authorization, content-type, x-graviton-tenant-id, x-graviton-upload-session-id",
+            "authorization, content-type, x-graviton-tenant-id, x-graviton-upload-session-id, \
+             content-digest, x-content-hash",
         )
         .send()
         .await
@@ -309,6 +310,9 @@ async fn cors_preflight_allows_the_locality_and_tus_headers_and_exposes_location
         "content-type",
         "x-graviton-tenant-id",
         "x-graviton-upload-session-id",
+        // A browser client declares a digest (CAS-4) in either spelling.
+        "content-digest",
+        "x-content-hash",
     ] {
         assert!(allowed.contains(name), "{name} missing from {allowed}");
     }

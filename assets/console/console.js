@@ -63,15 +63,20 @@
   function render(d) {
     text($("node-name"), "· node " + d.node);
     const h = d.health;
-    const status = $("health-status"); status.className = "badge " + h.status; status.textContent = h.status;
-    status.dataset.status = h.status;
-    text($("health-detail"), (d.ready ? "ready" : "not ready") + (d.fenced ? ", self-fenced" : "") + ": " + h.detail);
+    // A healthy placement with a failing dependency is "degraded" (as /readyz says).
+    const shown = h.status === "healthy" && d.degraded.length > 0 ? "degraded" : h.status;
+    const status = $("health-status"); status.className = "badge " + shown; status.textContent = shown;
+    status.dataset.status = shown;
+    text($("health-detail"), (d.ready ? "ready" : "not ready") + (d.fenced ? ", self-fenced" : "") + ": " + h.detail +
+      (d.degraded.length > 0 ? "; unreachable: " + d.degraded.join(", ") : ""));
+    text($("health-dependencies"), Object.entries(d.dependencies).map(([name, s]) =>
+      name + " " + (s.up ? "up" : "down (" + (s.error || "no answer") + ")") + " at " + s.address).join("; ") || "none probed");
     text($("health-checked"), time(h.checked_at_ms));
     text($("health-success"), time(h.last_successful_at_ms));
-    if (lastHealth !== h.status) {
-      transitions.unshift(new Date().toLocaleTimeString() + ": " + (lastHealth || "(page opened)") + " → " + h.status);
+    if (lastHealth !== shown) {
+      transitions.unshift(new Date().toLocaleTimeString() + ": " + (lastHealth || "(page opened)") + " → " + shown);
       transitions.length = Math.min(transitions.length, 20);
-      lastHealth = h.status;
+      lastHealth = shown;
       const ol = $("transitions"); ol.replaceChildren();
       for (const t of transitions) { const li = document.createElement("li"); li.textContent = t; ol.appendChild(li); }
     }

@@ -11,9 +11,11 @@
 //! Exactly the pieces that were charged are yielded: a refused piece is never sent. The
 //! next piece is pulled from the source only when the consumer polls for it, so the
 //! consumer's flow control is the back-pressure and nothing is buffered here. The
-//! permit's outcome is set once: `Completed` at the end, `Failed` on a source error or a
-//! refusal, `Interrupted` on a lost lease; dropped before the end, the permit records the
-//! drop itself.
+//! permit's outcome is set once: `Completed` as soon as the last of the `expected` bytes
+//! was charged and handed on (an HTTP/1 server stops polling a body once it has its
+//! `Content-Length` bytes and drops it, so "the stream ended" is never seen there),
+//! `Failed` on a source error or a refusal, `Interrupted` on a lost lease; dropped before
+//! its last byte, the permit records the drop itself (`interrupted`).
 
 use std::pin::Pin;
 
@@ -39,6 +41,9 @@ struct Charged<S> {
     admission: Admission,
     tenant: Option<TenantId>,
     permit: Option<AdmissionPermit>,
+    /// Bytes the consumer is owed in all, and those charged and handed on so far.
+    expected: u64,
+    sent: u64,
     done: bool,
 }
 
@@ -51,13 +56,24 @@ impl<S> Charged<S> {
     }
 }
 
+impl<S> Drop for Charged<S> {
+    fn drop(&mut self) {
+        // Every byte handed on (also a zero-length read that was never polled): complete.
+        if !self.done && self.sent == self.expected {
+            self.finish(Outcome::Completed);
+        }
+    }
+}
+
 /// Charge every piece of `inner` to `tenant`'s egress quota just before it is yielded
-/// (no charge without a tenant), holding `permit` until the end (module doc).
+/// (no charge without a tenant), holding `permit` until the end (module doc). `expected`
+/// is the number of bytes `inner` yields in all (the response's length).
 pub fn charge_egress<S, E>(
     inner: S,
     admission: Admission,
     tenant: Option<TenantId>,
     permit: Option<AdmissionPermit>,
+    expected: u64,
 ) -> impl Stream<Item = Result<Bytes, EgressStop<E>>> + Send + 'static
 where
     S: Stream<Item = Result<Bytes, E>> + Send + 'static,
@@ -68,6 +84,8 @@ where
         admission,
         tenant,
         permit,
+        expected,
+        sent: 0,
         done: false,
     };
     futures_util::stream::unfold(state, |mut st| async move {
@@ -98,6 +116,11 @@ where
                     tracing::info!(outcome = err.outcome(), "download stopped by admission");
                     st.finish(Outcome::Failed);
                     return Some((Err(EgressStop::Refused(err)), st));
+                }
+                st.sent += bytes.len() as u64;
+                if st.sent >= st.expected {
+                    // The last byte: the consumer may drop the stream without polling again.
+                    st.finish(Outcome::Completed);
                 }
                 Some((Ok(bytes), st))
             }

@@ -106,6 +106,15 @@ impl std::fmt::Debug for Admission {
 }
 
 impl Admission {
+    /// `PING` the Redis coordinator (the node's dependency probe); `None` without
+    /// `[admission.redis]`.
+    pub async fn probe_coordinator(&self) -> Option<Result<(), Error>> {
+        match &self.inner.cluster {
+            Some(cluster) => Some(cluster.coordinator.ping().await.map_err(Error::from)),
+            None => None,
+        }
+    }
+
     /// Build the service. With `[admission.redis]` the Redis client is created without
     /// connecting, so a node starts while Redis is down and admission fails closed. Call it
     /// inside a tokio runtime.

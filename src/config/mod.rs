@@ -48,6 +48,8 @@ pub struct Config {
     pub auth: crate::auth::AuthConfig,
     /// `[grpc]`: the gRPC listener, off unless `listen` is set (see `grpc::config`).
     pub grpc: crate::grpc::config::GrpcConfig,
+    /// `[health]`: the schedule of the dependency probes (see `health`).
+    pub health: crate::health::HealthConfig,
 }
 
 /// `[node]`: identity and listeners.
@@ -259,6 +261,7 @@ impl Config {
         if let Err(err) = crate::ids::NodeId::parse(self.node.id.as_str()) {
             problems.push(Problem::new("node.id", err.to_string()));
         }
+        problems.extend(self.health.problems());
         if self.storage.data_dir.as_os_str().is_empty() {
             problems.push(Problem::new("storage.data_dir", "must not be empty"));
         }

@@ -115,9 +115,10 @@ impl Blobs for BlobService {
         let manifest = self.manifest(key).await?;
         let range = plan_range(message.range, manifest.size())?;
         let first = range.map(|r| r.first).unwrap_or(0);
+        let length = range.map(|r| r.len()).unwrap_or(manifest.size());
         let frames = read_blob(self.app.blocks.clone(), manifest, range);
         Ok(Response::new(Box::pin(charged_frames(
-            frames, first, &self.app, tenant, permit,
+            frames, first, length, &self.app, tenant, permit,
         ))))
     }
 
@@ -171,6 +172,7 @@ fn plan_range(range: Option<proto::ByteRange>, size: u64) -> Result<Option<ByteR
 fn charged_frames<S>(
     inner: S,
     offset: u64,
+    length: u64,
     app: &AppState,
     tenant: Option<TenantId>,
     permit: AdmissionPermit,
@@ -178,8 +180,8 @@ fn charged_frames<S>(
 where
     S: Stream<Item = Result<bytes::Bytes, ReadError>> + Send + 'static,
 {
-    let charged = charge_egress(inner, app.admission.clone(), tenant, Some(permit));
-    MeteredDownload::new(charged, app.metrics.clone()).scan(offset, |offset, item| {
+    let charged = charge_egress(inner, app.admission.clone(), tenant, Some(permit), length);
+    MeteredDownload::new(charged, app.metrics.clone(), length).scan(offset, |offset, item| {
         let frame = match item {
             Ok(data) => {
                 let frame = BlobFrame {

@@ -56,7 +56,7 @@ pub(crate) fn require_admin(app: &AppState, headers: &HeaderMap) -> Result<(), A
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,
             "admin_disabled",
-            "admin endpoints are disabled",
+            "admin endpoints are disabled: set admin.token (or GRAVITON_ADMIN__TOKEN) on this node",
         ));
     };
     let presented = super::headers::bearer_token(headers).unwrap_or("");

@@ -67,6 +67,9 @@ pub struct ConsoleData {
     pub uptime_seconds: u64,
     /// The readiness snapshot `/readyz` answers with.
     pub health: crate::placement::HealthSnapshot,
+    /// The probed dependencies and those failing, as in `/readyz` (`health`).
+    pub dependencies: BTreeMap<crate::health::Dependency, crate::health::DependencyState>,
+    pub degraded: Vec<crate::health::Dependency>,
     pub fenced: bool,
     pub manager: Manager,
     pub nodes: Vec<ConsoleNode>,
@@ -285,8 +288,8 @@ pub async fn data(
             kind(&m.routing_failures, "resolve"),
         ),
         (
-            "routing_failures_permit",
-            kind(&m.routing_failures, "permit"),
+            "routing_failures_owner_address",
+            kind(&m.routing_failures, "owner_address"),
         ),
         (
             "routing_failures_forward_config",
@@ -303,6 +306,8 @@ pub async fn data(
         ready: app.readiness.is_ready() && placement.health.ready,
         uptime_seconds: app.started_at.elapsed().as_secs(),
         health: placement.health.clone(),
+        dependencies: app.dependencies.snapshot(),
+        degraded: app.dependencies.failing(),
         fenced: placement.fenced,
         manager,
         nodes,

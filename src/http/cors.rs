@@ -2,8 +2,9 @@
 //!
 //! Off unless `http.cors.allowed_origins` lists origins. Preflights allow the methods of
 //! the public API (`PATCH` for tus) and the headers a browser upload sends
-//! (`Authorization`, `Content-Type`, the two locality headers, `Range`, `If-None-Match`,
-//! and the tus request headers); responses expose `Location`, `ETag`, `Retry-After`, the
+//! (`Authorization`, `Content-Type`, the two locality headers, the declared digest
+//! (`Content-Digest`, `X-Content-Hash`), `Range`, `If-None-Match`, and the tus request
+//! headers); responses expose `Location`, `ETag`, `Retry-After`, the
 //! range headers and the tus response headers (`Upload-Offset`, `Graviton-Blob-Key`, …),
 //! so a browser tus client such as tus-js-client on another origin can resume. No
 //! credentials mode: the API uses bearer tokens, not cookies.
@@ -12,7 +13,7 @@ use axum::http::{HeaderName, HeaderValue, Method, header};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use super::config::CorsConfig;
-use super::headers::{SESSION_HEADER, TENANT_HEADER};
+use super::headers::{CONTENT_DIGEST_HEADER, CONTENT_HASH_HEADER, SESSION_HEADER, TENANT_HEADER};
 use crate::tus;
 
 /// The layer for `config`, or `None` when CORS is off.
@@ -46,6 +47,8 @@ pub fn layer(config: &CorsConfig) -> Option<CorsLayer> {
                 header::CONTENT_TYPE,
                 HeaderName::from_static(TENANT_HEADER),
                 HeaderName::from_static(SESSION_HEADER),
+                HeaderName::from_static(CONTENT_DIGEST_HEADER),
+                HeaderName::from_static(CONTENT_HASH_HEADER),
                 header::RANGE,
                 header::IF_NONE_MATCH,
                 HeaderName::from_static(tus::TUS_RESUMABLE),

@@ -3,6 +3,13 @@
 //! Admission (and the request quota) runs before the manifest is read; every chunk is
 //! charged to the tenant's egress quota just before it is sent (`admission::egress`) and
 //! metered by `metrics::MeteredDownload`.
+//!
+//! The first block (with the store's first read of its run) is fetched and checked before
+//! the status line goes out, so a block store that fails at the start answers 503
+//! `storage_unavailable` with `Retry-After` (a missing or corrupt first block: 500), never
+//! a `200` that aborts with no bytes. A failure after the head aborts the connection
+//! before `Content-Length` bytes were sent; the download counts as `server_error` and the
+//! request as `5xx` (`http::observe`).
 
 use std::sync::Arc;
 
@@ -10,14 +17,15 @@ use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
 
 use super::{ApiError, AppState};
-use crate::admission::Operation;
-use crate::admission::egress::charge_egress;
+use crate::admission::egress::{EgressStop, charge_egress};
+use crate::admission::{Operation, Outcome};
 use crate::cas::BlobKey;
 use crate::cas::range::{RangeRequest, parse_range};
-use crate::cas::read::read_blob;
-use crate::metrics::MeteredDownload;
+use crate::cas::read::{ReadError, read_blob};
+use crate::metrics::{MeteredDownload, OutcomeLabels};
 
 /// `DELETE /v1/blobs/{key}` (admin token): removes the manifest only. Blocks are shared
 /// by every blob (and tenant) that contains them; the collector reclaims those no
@@ -177,9 +185,24 @@ pub async fn get_blob(
     let body = if method == Method::HEAD {
         Body::empty()
     } else {
-        let stream = read_blob(app.blocks.clone(), manifest, range);
-        let stream = charge_egress(stream, app.admission.clone(), tenant, permit);
-        Body::from_stream(MeteredDownload::new(stream, app.metrics.clone()))
+        let mut blocks = Box::pin(read_blob(app.blocks.clone(), manifest, range));
+        // The first block before the status line (module doc).
+        let first = blocks.next().await;
+        if let Some(Err(err)) = first {
+            if let Some(permit) = &permit {
+                permit.set_outcome(Outcome::Failed);
+            }
+            app.metrics
+                .downloads
+                .get_or_create(&OutcomeLabels {
+                    outcome: "server_error",
+                })
+                .inc();
+            return Err(err.into());
+        }
+        let stream = futures_util::stream::iter(first).chain(blocks);
+        let stream = charge_egress(stream, app.admission.clone(), tenant, permit, length);
+        Body::from_stream(MeteredDownload::new(stream, app.metrics.clone(), length))
     };
     let mut response = Response::builder()
         .status(status)
@@ -196,4 +219,22 @@ pub async fn get_blob(
         );
     }
     Ok(response)
+}
+
+/// The status class a request whose download body was aborted with `err` is counted as
+/// (`http::observe`): a tenant's egress quota running out mid-stream is the client's
+/// (`4xx`, like its `429` before the head); anything else (the block store, damage, a
+/// lost lease, the coordinator) is the server's (`5xx`).
+pub(crate) fn aborted_class(err: &(dyn std::error::Error + 'static)) -> &'static str {
+    let mut cause = Some(err);
+    while let Some(current) = cause {
+        if let Some(stop) = current.downcast_ref::<EgressStop<ReadError>>() {
+            return match stop {
+                EgressStop::Refused(crate::admission::Error::QuotaExceeded { .. }) => "4xx",
+                _ => "5xx",
+            };
+        }
+        cause = current.source();
+    }
+    "5xx"
 }

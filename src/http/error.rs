@@ -17,6 +17,7 @@ use serde::Serialize;
 
 use crate::admission;
 use crate::cas::ingest::IngestError;
+use crate::cas::read::ReadError;
 use crate::placement::RouteError;
 use crate::session::SessionError;
 use crate::storage::StoreError;
@@ -124,6 +125,21 @@ impl From<StoreError> for ApiError {
                 ApiError::internal("stored data is corrupt")
             }
             err => ApiError::storage_unavailable(&err),
+        }
+    }
+}
+
+impl From<ReadError> for ApiError {
+    /// A download that failed before its head: the store's failure as for any other
+    /// store call (503 `storage_unavailable` + `Retry-After`); a missing or corrupt block
+    /// is damage, not an outage (500, logged).
+    fn from(err: ReadError) -> Self {
+        match err {
+            ReadError::Store(err) => err.into(),
+            err @ (ReadError::MissingBlock(_) | ReadError::CorruptBlock(_)) => {
+                tracing::error!(error = %err, "download refused");
+                ApiError::internal("a block of this blob is missing or corrupt")
+            }
         }
     }
 }

@@ -15,6 +15,14 @@
 //! - with TLS configured, the handshake must also finish within `header_read_timeout`.
 //! - a body is read in frames of up to [`READ_BUFFER_MAX`] (256 KiB) once the client
 //!   sends fast enough to fill them: fewer reads, wake-ups and writes per upload.
+//! - a connection closed with part of a request body still unread (an upload refused
+//!   before its body: admission, a size limit; `http::unread` marks that answer
+//!   `Connection: close`) is closed in two steps, a lingering close:
+//!   the server's side first (FIN, after the answer), then the rest of the body is read
+//!   and dropped until the client closes, for at most [`LINGER_BYTES`] or
+//!   [`LINGER_TIME`]. Closing at once with unread bytes makes the kernel answer the
+//!   client's next write with a reset, and a client still sending its body then sees
+//!   `Broken pipe` or `Connection reset` instead of the answer that was sent.
 //!
 //! Shutdown: when `shutdown` completes the listener stops accepting, every connection is
 //! asked to finish its in-flight request and close (hyper's graceful shutdown), and the
@@ -151,6 +159,11 @@ fn read_buffer_max(max_header_bytes: usize) -> usize {
     READ_BUFFER_MAX.max(max_header_bytes.max(8192) + 8192)
 }
 
+/// A lingering close reads at most this much of an abandoned request body...
+pub const LINGER_BYTES: u64 = 64 << 20;
+/// ...for at most this long.
+pub const LINGER_TIME: Duration = Duration::from_secs(2);
+
 /// Serve `router` on `listener` until `shutdown` completes (see the module doc).
 pub async fn serve(
     listener: TcpListener,
@@ -253,16 +266,40 @@ async fn serve_connection<I>(
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    // A boxed future per request keeps the connection `Unpin`, so it can be polled
+    // without shutting its socket down and the socket taken back for the lingering close.
+    // An answer with `Connection: close` (`http::unread`: the request body was left
+    // unread) ends the connection while the client may still be sending: linger then.
     let service = TowerToHyperService::new(router);
-    let connection = builder.serve_connection(TokioIo::new(io), service);
-    tokio::pin!(connection);
+    let closing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let closed_early = closing.clone();
+    let service = hyper::service::service_fn(move |request| {
+        let answer = hyper::service::Service::call(&service, request);
+        let closing = closing.clone();
+        let future: BoxedResponse = Box::pin(async move {
+            let response = answer.await?;
+            if response
+                .headers()
+                .get(axum::http::header::CONNECTION)
+                .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"))
+            {
+                closing.store(true, std::sync::atomic::Ordering::Release);
+            }
+            Ok(response)
+        });
+        future
+    });
+    let mut connection = builder.serve_connection(TokioIo::new(io), service);
     let result = tokio::select! {
-        result = connection.as_mut() => result,
+        result = std::future::poll_fn(|cx| connection.poll_without_shutdown(cx)) => result,
         () = stop.cancelled() => {
-            connection.as_mut().graceful_shutdown();
-            connection.as_mut().await
+            std::pin::Pin::new(&mut connection).graceful_shutdown();
+            std::future::poll_fn(|cx| connection.poll_without_shutdown(cx)).await
         }
     };
+    if result.is_ok() && closed_early.load(std::sync::atomic::Ordering::Acquire) {
+        linger(connection.into_parts().io.into_inner()).await;
+    }
     if let Err(err) = result {
         if err.is_timeout() {
             metrics.header_timeouts.get_or_create(labels).inc();
@@ -271,4 +308,32 @@ async fn serve_connection<I>(
             tracing::debug!(error = %err, "connection ended with an error");
         }
     }
+}
+
+type BoxedResponse = std::pin::Pin<
+    Box<dyn Future<Output = Result<axum::response::Response, std::convert::Infallible>> + Send>,
+>;
+
+/// Close `io` after its last answer (module doc, lingering close): shut the sending side,
+/// then read and drop what the client still sends until it closes, within
+/// [`LINGER_BYTES`] and [`LINGER_TIME`].
+async fn linger<I>(mut io: I)
+where
+    I: AsyncRead + AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    if io.shutdown().await.is_err() {
+        return;
+    }
+    let drain = async {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut left = LINGER_BYTES;
+        while left > 0 {
+            match io.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => left = left.saturating_sub(n as u64),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(LINGER_TIME, drain).await;
 }

@@ -79,6 +79,8 @@ pub struct AppState {
         crate::storage::pack::PackStore,
         crate::storage::pack::gc::GcMetrics,
     )>,
+    /// The probed state of the block store, PostgreSQL and Redis (`health`).
+    pub dependencies: crate::health::DependencyHealth,
 }
 
 /// Metrics of the edge: connections of every listener and refused tokens.

@@ -38,8 +38,14 @@ struct Status<'a> {
 
 #[derive(Serialize)]
 struct ReadyStatus {
+    /// `ready`, `degraded` (ready, but a dependency failed its last probe) or `not_ready`.
     status: &'static str,
     placement: crate::placement::HealthSnapshot,
+    /// Every probed dependency's last state (`health`).
+    dependencies:
+        std::collections::BTreeMap<crate::health::Dependency, crate::health::DependencyState>,
+    /// The dependencies whose last probe failed.
+    degraded: Vec<crate::health::Dependency>,
 }
 
 pub async fn healthz() -> impl IntoResponse {
@@ -48,12 +54,22 @@ pub async fn healthz() -> impl IntoResponse {
 
 /// Ready when the node is serving (not starting or shutting down) and placement says so:
 /// it owns at least one shard and its table is readable (always true in embedded mode).
+/// A ready node whose dependency failed its last probe is `degraded` and still answers
+/// 200: it keeps serving what does not need that dependency (docs/operations.md).
 pub async fn readyz(State(app): State<Arc<AppState>>) -> Response {
     let placement = app.cluster.health();
     let ready = app.readiness.is_ready() && placement.ready;
+    let dependencies = app.dependencies.snapshot();
+    let degraded = app.dependencies.failing();
     let body = ReadyStatus {
-        status: if ready { "ready" } else { "not_ready" },
+        status: match (ready, degraded.is_empty()) {
+            (false, _) => "not_ready",
+            (true, true) => "ready",
+            (true, false) => "degraded",
+        },
         placement,
+        dependencies,
+        degraded,
     };
     let status = if ready {
         StatusCode::OK

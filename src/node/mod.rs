@@ -174,6 +174,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     let cluster_mode = config.cluster.enabled;
     let mut shared_manifests: Option<Arc<dyn ManifestStore>> = None;
     let mut ledger_pool = None;
+    let mut probe_pool = None;
     let cluster: Arc<ClusterHandle> = if cluster_mode {
         let mut cluster_config = config.cluster.clone();
         if cluster_config.internal_addr.is_empty() {
@@ -193,6 +194,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
             .map_err(|e| StartError::Cluster(e.to_string()))?;
         // The resumable-upload ledger lives beside the manifests, so a new owner finds it.
         ledger_pool = Some(pool.clone());
+        probe_pool = Some(pool.clone());
         if options.manifests.is_none() {
             // Cluster nodes share manifests through PostgreSQL so any node serves any blob.
             shared_manifests = Some(Arc::new(PgManifestStore::new(pool.clone())));
@@ -313,6 +315,15 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
             },
         },
     ));
+    // The first probe round before the node serves: `/readyz` never shows an unprobed
+    // dependency, and a dependency that is down at start is logged now (health.rs).
+    let dependencies = crate::health::DependencyHealth::new(dependency_probes(
+        &config, &blocks, &admission, probe_pool,
+    ));
+    metrics.register_with(|registry| dependencies.register(registry));
+    dependencies
+        .probe_all(config.health.probe_timeout.get())
+        .await;
     let state = Arc::new(AppState {
         node_id: node_id.clone(),
         config: Arc::new(config),
@@ -329,6 +340,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         auth,
         edge,
         packs,
+        dependencies,
     });
     let mut tasks = tasks::BackgroundTasks::new(CancellationToken::new());
     let weak = Arc::downgrade(&state);
@@ -338,6 +350,14 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     let weak = Arc::downgrade(&state);
     tasks.spawn("resumable upload sweep", move |stop| {
         tasks::sweep_expired_uploads(weak.clone(), stop)
+    });
+    let health = state.dependencies.clone();
+    let (interval, timeout) = (
+        state.config.health.probe_interval.get(),
+        state.config.health.probe_timeout.get(),
+    );
+    tasks.spawn("dependency probes", move |stop| {
+        health.clone().run(interval, timeout, stop)
     });
 
     let cluster_parts = if cluster_mode {
@@ -396,6 +416,67 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         tasks,
         grpc,
     })
+}
+
+/// The node's dependency probes (`health`): the block store always, PostgreSQL in
+/// cluster mode (on the node's own pool), Redis with `[admission.redis]`.
+fn dependency_probes(
+    config: &Config,
+    blocks: &Arc<dyn BlockStore>,
+    admission: &crate::admission::Admission,
+    pool: Option<sqlx::PgPool>,
+) -> Vec<crate::health::Probe> {
+    use crate::health::{Dependency, Probe, endpoint_of};
+    let mut probes = Vec::new();
+    let store = blocks.clone();
+    probes.push(Probe {
+        dependency: Dependency::BlockStore,
+        address: blocks.describe(),
+        check: Arc::new(move || {
+            let store = store.clone();
+            Box::pin(async move { store.probe().await.map_err(|e| e.to_string()) })
+        }),
+    });
+    if let Some(pool) = pool {
+        let address = config
+            .cluster
+            .database_url
+            .as_ref()
+            .map(|url| endpoint_of(url.expose()))
+            .unwrap_or_default();
+        probes.push(Probe {
+            dependency: Dependency::Postgres,
+            address,
+            check: Arc::new(move || {
+                let pool = pool.clone();
+                Box::pin(async move {
+                    sqlx::query("SELECT 1")
+                        .execute(&pool)
+                        .await
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                })
+            }),
+        });
+    }
+    if let Some(redis) = &config.admission.redis {
+        let admission = admission.clone();
+        probes.push(Probe {
+            dependency: Dependency::Redis,
+            address: endpoint_of(&redis.url),
+            check: Arc::new(move || {
+                let admission = admission.clone();
+                Box::pin(async move {
+                    admission
+                        .probe_coordinator()
+                        .await
+                        .unwrap_or(Ok(()))
+                        .map_err(|e| e.to_string())
+                })
+            }),
+        });
+    }
+    probes
 }
 
 /// Internal listener, control plane and peer feed of a cluster node.

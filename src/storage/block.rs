@@ -89,7 +89,22 @@ pub trait BlockStore: Send + Sync + 'static {
     fn read_blocks(self: Arc<Self>, keys: Vec<BlockKey>) -> BlockStream {
         read_each(self, keys)
     }
+
+    /// One cheap round trip to where the blocks are (the node's dependency probe,
+    /// `health`). By default: whether the store holds a block no upload made
+    /// ([`PROBE_KEY`]), which reads the store's index.
+    fn probe(&self) -> StoreFuture<'_, ()> {
+        Box::pin(async move { self.contains(BlockKey::of(PROBE_KEY)).await.map(drop) })
+    }
+
+    /// Where the blocks are, for logs and `/readyz` (never credentials).
+    fn describe(&self) -> String {
+        "block store".to_string()
+    }
 }
+
+/// The content of the block the default [`BlockStore::probe`] looks up.
+pub const PROBE_KEY: &[u8] = b"graviton dependency probe";
 
 /// The blocks of one upload, made durable together.
 pub trait WriteSession: Send + 'static {

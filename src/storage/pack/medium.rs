@@ -45,6 +45,11 @@ pub trait Medium: Send + Sync + std::fmt::Debug + 'static {
     fn list(&self) -> Result<Vec<(PackId, u64)>, StoreError>;
     /// Short description for logs (never credentials).
     fn describe(&self) -> String;
+    /// One cheap round trip to the medium (the node's dependency probe). Default: a
+    /// listing of every pack.
+    fn probe(&self) -> Result<(), StoreError> {
+        self.list().map(drop)
+    }
     /// Whether the pack writer may write the next pack while this medium publishes the
     /// last one (at most one publish at a time, in pack order). Local: yes (the publish is
     /// the file's sync). S3: yes (the PUT of one pack overlaps the spooling of the next);
@@ -260,6 +265,13 @@ impl Medium for LocalMedium {
 
     fn describe(&self) -> String {
         format!("local packs under {}", self.root.display())
+    }
+
+    /// The pack directory is there and readable.
+    fn probe(&self) -> Result<(), StoreError> {
+        std::fs::read_dir(&self.root)
+            .map(drop)
+            .map_err(|e| StoreError::io("read the pack directory", e))
     }
 
     fn publish_behind(&self) -> bool {

@@ -500,6 +500,24 @@ impl BlockStore for PackStore {
             }
         })
     }
+
+    /// The medium answers (the pack directory, or one `HEAD` in the bucket), and so does
+    /// the index (a lookup; on a cluster's shared index, a PostgreSQL query).
+    fn probe(&self) -> StoreFuture<'_, ()> {
+        let store = self.clone();
+        Box::pin(async move {
+            let medium = store.inner.medium.clone();
+            blocking(move || medium.probe()).await?;
+            store
+                .locate(BlockKey::of(crate::storage::block::PROBE_KEY))
+                .await
+                .map(drop)
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.inner.medium.describe()
+    }
 }
 
 /// What a session's pack writer produced.

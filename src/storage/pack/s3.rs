@@ -368,6 +368,16 @@ impl Medium for S3Medium {
         self.label.clone()
     }
 
+    /// One `HEAD` in the bucket: an absent object is an answer, so only a server that does
+    /// not answer (or refuses the credentials) fails it.
+    fn probe(&self) -> Result<(), StoreError> {
+        let key = ObjectPath::from(format!("{}/probe/health", self.prefix));
+        match self.runtime.block_on(self.store.head(&key)) {
+            Ok(_) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(s3_err("probe the S3 bucket")(e)),
+        }
+    }
+
     fn coalesces_reads(&self) -> bool {
         true
     }
