@@ -9,10 +9,13 @@
 //!    Unchanged bytes of a page, image or font stream therefore give the same blocks
 //!    whatever precedes the stream (renumbered objects, a page inserted before it).
 //! 2. Otherwise the first of, within `(s, s + max]`:
-//!    - an object boundary (`N G obj`, `xref`, after `%%EOF`) at or after `s + target`;
+//!    - the end of a revision (after `%%EOF`), at any distance: an incremental update
+//!      appended there leaves the previous revision's blocks unchanged;
+//!    - an object boundary (`N G obj`, `xref`) at or after `s + target`;
 //!    - the first data byte of a large stream (the object's header and dictionary stay in
-//!      the block before it, which can then be below `min`: this is the one cut allowed
-//!      below `min`, and the reason stream data deduplicates across rewrites).
+//!      the block before it, which can then be below `min`: with the end of a revision,
+//!      the only cuts allowed below `min`, and the reason stream data deduplicates across
+//!      rewrites).
 //! 3. No such place: a FastCDC cut of `s .. s + max` (an object larger than `max`, or a
 //!    run of small objects with no boundary past the target), counted as a fallback.
 //!
@@ -249,7 +252,17 @@ impl PdfChunker {
         let mut found = None;
         for (index, event) in self.events.iter().enumerate() {
             match *event {
-                Event::Boundary(b) | Event::StreamStart(b) if b > window_end => break,
+                Event::Boundary(b) | Event::Revision(b) | Event::StreamStart(b)
+                    if b > window_end =>
+                {
+                    break;
+                }
+                // The end of a revision is always a cut, even below `min`: an incremental
+                // update then leaves every block of the revision before it as it was.
+                Event::Revision(r) if r > s => {
+                    found = Some((r, false));
+                    break;
+                }
                 Event::Boundary(b) if b >= target && b > s => {
                     found = Some((b, false));
                     break;
@@ -289,7 +302,10 @@ impl PdfChunker {
         let start = self.start;
         while let Some(e) = self.events.front() {
             let at = match *e {
-                Event::Boundary(at) | Event::StreamStart(at) | Event::StreamEnd(at) => at,
+                Event::Boundary(at)
+                | Event::Revision(at)
+                | Event::StreamStart(at)
+                | Event::StreamEnd(at) => at,
             };
             if at > start {
                 break;

@@ -9,8 +9,8 @@
 //!
 //! What it recognises (ISO 32000-2, section 7):
 //! - comments `%` to the end of the line, including the `%PDF-x.y` header and `%%EOF`
-//!   (a boundary is reported after the end of line of each `%%EOF`, so every incremental
-//!   update starts a block candidate);
+//!   (a revision end is reported after the end of line of each `%%EOF`, so every
+//!   incremental update starts a block);
 //! - indirect objects `N G obj … endobj` (a boundary at the first digit of `N`);
 //! - literal strings with backslash escapes and nested parentheses, hex strings,
 //!   dictionaries, arrays and names, so that `endobj` or `stream` inside a string or a
@@ -28,9 +28,12 @@
 /// Something the scanner found, at an absolute offset into the body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
-    /// A place between two top-level structures: the start of an `N G obj` header, of an
-    /// `xref` table, or the byte after the end of line that follows `%%EOF`.
+    /// A place between two top-level structures: the start of an `N G obj` header or of
+    /// an `xref` table.
     Boundary(u64),
+    /// The end of a revision: the byte after the end of line that follows `%%EOF` (an
+    /// incremental update appends its objects there).
+    Revision(u64),
     /// The first byte of a stream's data (after `stream` and its end of line).
     StreamStart(u64),
     /// The byte after a stream's last data byte (before the end of line and `endstream`).
@@ -348,7 +351,7 @@ impl Scanner {
                 if b == b'\n' || b == b'\r' {
                     if (eof_matched == 5 || eof_matched == 6) && !self.in_object {
                         if b == b'\n' {
-                            emit(Event::Boundary(at + 1));
+                            emit(Event::Revision(at + 1));
                             self.mode = Mode::Normal;
                         } else {
                             self.mode = Mode::EofCr;
@@ -371,9 +374,9 @@ impl Scanner {
             Mode::EofCr => {
                 self.mode = Mode::Normal;
                 if b == b'\n' {
-                    emit(Event::Boundary(at + 1));
+                    emit(Event::Revision(at + 1));
                 } else {
-                    emit(Event::Boundary(at));
+                    emit(Event::Revision(at));
                     self.byte(b, data, i, emit);
                 }
             }

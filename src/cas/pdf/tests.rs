@@ -111,13 +111,13 @@ fn the_scanner_finds_objects_streams_xref_and_eof() {
             _ => None,
         })
         .collect();
-    // Four object headers, the xref table, after %%EOF; nothing inside strings/comments.
-    assert_eq!(boundaries.len(), 6, "{boundaries:?}");
+    // Four object headers and the xref table; nothing inside strings or comments.
+    assert_eq!(boundaries.len(), 5, "{boundaries:?}");
     for b in &boundaries[..4] {
         assert!(file[*b..].starts_with(b"1 0 obj") || file[*b].is_ascii_digit());
     }
     assert!(file[boundaries[4]..].starts_with(b"xref"));
-    assert_eq!(boundaries[5], file.len());
+    assert_eq!(events.last(), Some(&Event::Revision(file.len() as u64)));
 }
 
 #[test]
@@ -159,8 +159,8 @@ fn incremental_updates_and_truncation_are_reported() {
     file.extend_from_slice(b"9 0 obj\n<< /Producer (x) >>\nendobj\nxref\n9 1\n0000000000 00000 n \ntrailer\n<< /Prev 1 >>\nstartxref\n9\n%%EOF\r\n");
     let (events, unsupported) = scan_all(&file);
     assert_eq!(unsupported, None);
-    assert!(events.contains(&Event::Boundary(first_eof as u64)));
-    assert!(events.contains(&Event::Boundary(file.len() as u64)));
+    assert!(events.contains(&Event::Revision(first_eof as u64)));
+    assert!(events.contains(&Event::Revision(file.len() as u64)));
     let (events, unsupported) = scan_all(&file[..first_eof - 200]);
     assert_eq!(unsupported, Some(Unsupported::Unterminated));
     assert!(!events.is_empty());
@@ -193,7 +193,7 @@ proptest! {
         let whole = scan_all(&file).0;
         let mut last = 0;
         for e in &whole {
-            let at = match e { Event::Boundary(a) | Event::StreamStart(a) | Event::StreamEnd(a) => *a };
+            let at = match e { Event::Boundary(a) | Event::Revision(a) | Event::StreamStart(a) | Event::StreamEnd(a) => *a };
             prop_assert!(at >= last && at <= file.len() as u64);
             last = at;
         }
@@ -302,6 +302,21 @@ fn stream_blocks_survive_renumbering_and_an_inserted_object() {
         "FastCDC kept {generic_fresh}/{}",
         gb.len()
     );
+}
+
+#[test]
+fn an_incremental_update_leaves_every_block_of_the_previous_revision() {
+    // Checks CAS-11: the end of a revision is a cut.
+    let streams: Vec<_> = (0..5)
+        .map(|i| (noise(9_000 + 7_000 * i, i as u64), Len::Direct))
+        .collect();
+    let (old, _) = pdf(1, &streams);
+    let mut new = old.clone();
+    new.extend_from_slice(b"12 0 obj\n<< /Title (v2) >>\nendobj\nxref\n12 1\n0000000000 00000 n \ntrailer\n<< /Prev 9 >>\nstartxref\n99\n%%EOF\n");
+    let (a, _) = chunk_lengths(&old, PdfSizes::default());
+    let (b, _) = chunk_lengths(&new, PdfSizes::default());
+    assert_eq!(b[..a.len()], a[..]);
+    assert_eq!(b[a.len()..].iter().sum::<usize>(), new.len() - old.len());
 }
 
 #[test]
