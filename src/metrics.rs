@@ -68,6 +68,13 @@ pub struct Metrics {
     pub download_bytes: Counter,
     pub downloads: Family<OutcomeLabels, Counter>,
     pub blocks: Family<BlockLabels, Counter>,
+    /// Committed uploads by chunker (`fastcdc`, `pdf`).
+    pub ingests_by_chunker: Family<KindLabels, Counter>,
+    /// Cuts of the PDF-aware chunker by kind (`boundary`, `stream`, `fallback`).
+    pub pdf_cuts: Family<KindLabels, Counter>,
+    /// Uploads refused by the PDF selection or scanner (`signature_missing`,
+    /// `type_mismatch`, `unsupported`).
+    pub pdf_refusals: Family<KindLabels, Counter>,
     pub hot_sessions: Gauge,
     pub active_sessions: Gauge,
     pub session_stops: Family<ReasonLabels, Counter>,
@@ -107,6 +114,9 @@ impl Metrics {
             download_bytes: Counter::default(),
             downloads: Family::default(),
             blocks: Family::default(),
+            ingests_by_chunker: Family::default(),
+            pdf_cuts: Family::default(),
+            pdf_refusals: Family::default(),
             hot_sessions: Gauge::default(),
             active_sessions: Gauge::default(),
             session_stops: Family::default(),
@@ -163,6 +173,21 @@ impl Metrics {
             "blocks",
             "Blocks ingested, fresh or duplicate",
             metrics.blocks.clone(),
+        );
+        registry.register(
+            "ingests_by_chunker",
+            "Committed uploads by the chunker that cut them (fastcdc or pdf)",
+            metrics.ingests_by_chunker.clone(),
+        );
+        registry.register(
+            "pdf_cuts",
+            "Cuts of the PDF-aware chunker: at an object boundary, at or inside large stream data, or FastCDC fallback",
+            metrics.pdf_cuts.clone(),
+        );
+        registry.register(
+            "pdf_refusals",
+            "Uploads refused by the PDF selection (signature missing, type mismatch) or scanner (unsupported, with reject)",
+            metrics.pdf_refusals.clone(),
         );
         registry.register(
             "hot_sessions",
@@ -248,6 +273,15 @@ impl Metrics {
         }
         for kind in ["fresh", "duplicate"] {
             drop(self.blocks.get_or_create(&BlockLabels { kind }));
+        }
+        for kind in ["fastcdc", "pdf"] {
+            drop(self.ingests_by_chunker.get_or_create(&KindLabels { kind }));
+        }
+        for kind in ["boundary", "stream", "fallback"] {
+            drop(self.pdf_cuts.get_or_create(&KindLabels { kind }));
+        }
+        for kind in ["signature_missing", "type_mismatch", "unsupported"] {
+            drop(self.pdf_refusals.get_or_create(&KindLabels { kind }));
         }
         for reason in ["evicted", "idle", "unassigned", "failed"] {
             drop(self.session_stops.get_or_create(&ReasonLabels { reason }));

@@ -394,3 +394,74 @@ async fn a_declared_sha256_is_checked_before_the_commit_in_both_spellings() {
     }
     assert_eq!(node.manifest_count(), 1);
 }
+
+#[tokio::test]
+async fn pdf_bodies_are_selected_by_type_and_signature_and_refusals_store_nothing() {
+    // Checks CAS-12 over HTTP: the receipt names the chunker; a type the first bytes
+    // contradict is 415 with its code, and no manifest is written.
+    let node = TestNode::start().await;
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/pdf");
+    let pdf = std::fs::read(fixtures.join("plain.pdf")).unwrap();
+    let other_pdf = std::fs::read(fixtures.join("rewritten.pdf")).unwrap();
+    let post = |body: Vec<u8>, content_type: Option<&'static str>| {
+        let mut request = client().post(format!("{}/v1/blobs", node.url)).body(body);
+        if let Some(value) = content_type {
+            request = request.header("content-type", value);
+        }
+        request.send()
+    };
+    // Undeclared, and application/pdf: the PDF chunker; octet-stream random: FastCDC.
+    for (body, content_type, chunker) in [
+        (pdf.clone(), None, "pdf"),
+        (pdf.clone(), Some("application/pdf"), "pdf"),
+        (
+            random_bytes(100_000, 8),
+            Some("application/octet-stream"),
+            "fastcdc",
+        ),
+    ] {
+        let response = post(body.clone(), content_type).await.unwrap();
+        assert_eq!(response.status(), 201);
+        let receipt: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(receipt["chunker"], chunker, "{receipt}");
+        let key = receipt["key"].as_str().unwrap().to_string();
+        let got = client()
+            .get(format!("{}/v1/blobs/{key}", node.url))
+            .send()
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        assert_eq!(&got[..], &body[..]);
+    }
+    let stored = node.manifest_count();
+    for (body, content_type, code) in [
+        (
+            random_bytes(300_000, 9),
+            "application/pdf",
+            "pdf_signature_missing",
+        ),
+        (other_pdf.clone(), "image/png", "pdf_type_mismatch"),
+    ] {
+        let response = post(body.clone(), Some(content_type)).await.unwrap();
+        assert_eq!(response.status(), 415);
+        let answer: serde_json::Value = response.json().await.unwrap();
+        assert_eq!(answer["error"], code, "{answer}");
+        let response = client()
+            .get(format!("{}/v1/blobs/{}", node.url, BlobKey::of(&body)))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 404);
+    }
+    assert_eq!(node.manifest_count(), stored);
+    let metrics = node.metrics_text();
+    for line in [
+        "graviton_pdf_refusals_total{kind=\"type_mismatch\"} 1",
+        "graviton_pdf_refusals_total{kind=\"signature_missing\"} 1",
+        "graviton_ingests_by_chunker_total{kind=\"pdf\"} 2",
+    ] {
+        assert!(metrics.contains(line), "{line} not in {metrics}");
+    }
+}

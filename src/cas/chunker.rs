@@ -29,7 +29,7 @@ pub const MAX_CHUNK: usize = 256 * 1024;
 
 /// Length of the first chunk of `data`, given that `data` is all there is (`eof`) or holds
 /// at least `MAX_CHUNK` bytes.
-fn first_cut(data: &[u8]) -> usize {
+pub(crate) fn first_cut(data: &[u8]) -> usize {
     let window = &data[..data.len().min(MAX_CHUNK)];
     FastCDC::new(window, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK)
         .next()

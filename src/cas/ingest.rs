@@ -31,6 +31,7 @@ use super::chunker::StreamChunker;
 use super::digest::{BodyDigest, BodyHasher};
 use super::keys::{BlobKey, BlockKey};
 use super::manifest::{BlockRef, Manifest};
+use super::pdf::{Chunking, CutCounts, PdfChunker, Selection, SelectionError, UnsupportedPolicy};
 use crate::storage::manifest::CommitFence;
 use crate::storage::{
     BlockStore, CreateOutcome, ManifestStore, PutOutcome, StoreError, WriteSession,
@@ -61,7 +62,9 @@ pub const MAX_BODY_FRAME: usize = 416 * 1024;
 /// (`pack::spool::held_bytes`: the blocks of one vectored write, or two direct-write
 /// stages); and the chunker buffer that the oldest block in
 /// flight is a view of (`chunker::BUFFER_CHUNKS` chunks), whose blocks already stored stay
-/// resident until that block is dropped.
+/// resident until that block is dropped; and what the PDF-aware chunker holds beyond the
+/// generic one (`cas::pdf::chunk::EXTRA_MEMORY`: its lookahead, event queue and scanner),
+/// since any upload may be selected for it.
 pub const fn memory_bound(max_chunk: usize) -> usize {
     (FRAME_QUEUE + 2) * (BATCH_BYTES + MAX_BODY_FRAME)
         + 2 * max_chunk
@@ -69,6 +72,7 @@ pub const fn memory_bound(max_chunk: usize) -> usize {
         + STORE_IN_FLIGHT * max_chunk
         + crate::storage::pack::spool::held_bytes(max_chunk)
         + super::chunker::BUFFER_CHUNKS * max_chunk
+        + super::pdf::chunk::EXTRA_MEMORY
 }
 
 /// Blocks a write session holds before its pack writer takes them: the batch being
@@ -105,6 +109,10 @@ pub struct IngestReport {
     /// When the manifest commit was sent (after every block was stored): the lower bound
     /// of the commit instant, for the owner-side ownership record (`upload::record`).
     pub commit_sent: std::time::SystemTime,
+    /// The chunker that cut the blocks (also recorded in the manifest).
+    pub chunking: Chunking,
+    /// How the PDF-aware chunker chose its cuts (`None` for FastCDC).
+    pub pdf_cuts: Option<CutCounts>,
 }
 
 /// Why an upload failed. Nothing is visible after any of these.
@@ -126,9 +134,15 @@ pub enum IngestError {
     Store(#[from] StoreError),
     #[error("ingest pipeline stopped unexpectedly: {0}")]
     Pipeline(String),
+    /// The PDF selection (declared type against the first bytes) or, with
+    /// `unsupported = "reject"`, the scanner refused the body.
+    #[error(transparent)]
+    Pdf(#[from] SelectionError),
 }
 
 enum Frame {
+    /// The chunker to use, decided from the first bytes; always the first frame.
+    Start(Chunking),
     /// A batch of body frames (batched to keep thread hand-offs few when frames are small).
     Data(Vec<Bytes>),
     /// The end of this body; `eof`: also the end of the blob (cut everything), else the
@@ -139,8 +153,9 @@ enum Frame {
 /// How the body of one run relates to the blob.
 #[derive(Debug, Clone, Copy)]
 enum Span {
-    /// The whole blob: the end of the body is the end of the input.
-    Whole,
+    /// The whole blob: the end of the body is the end of the input; the chunker is chosen
+    /// by the selection from the first bytes.
+    Whole(Selection),
     /// One PATCH of a resumable upload with `remaining` bytes left in the blob. With
     /// `keep_partial`, a body that breaks or goes idle ends the part where it broke (what
     /// arrived is kept), instead of failing it.
@@ -163,11 +178,31 @@ where
     ingest_fenced(body, limits, blocks, manifests, None, on_bytes).await
 }
 
-/// [`ingest`] whose manifest commit is conditional on `fence` (a session upload in
-/// cluster mode: the commit binds, see `placement::handoff`).
+/// [`ingest_selected`] with FastCDC for every body (no type declared to select with).
 pub async fn ingest_fenced<S, E>(
     body: S,
     limits: IngestLimits,
+    blocks: Arc<dyn BlockStore>,
+    manifests: Arc<dyn ManifestStore>,
+    fence: Option<CommitFence>,
+    on_bytes: impl FnMut(u64) + Send,
+) -> Result<IngestReport, IngestError>
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + Unpin,
+    E: std::fmt::Display,
+{
+    let selection = Selection::generic();
+    ingest_selected(body, limits, selection, blocks, manifests, fence, on_bytes).await
+}
+
+/// [`ingest`] whose chunker is chosen by `selection` from the body's first bytes
+/// (`cas::pdf::select`: a refusal there fails before any block is cut), and whose
+/// manifest commit is conditional on `fence` (a session upload in cluster mode: the
+/// commit binds, see `placement::handoff`).
+pub async fn ingest_selected<S, E>(
+    body: S,
+    limits: IngestLimits,
+    selection: Selection,
     blocks: Arc<dyn BlockStore>,
     manifests: Arc<dyn ManifestStore>,
     fence: Option<CommitFence>,
@@ -181,7 +216,7 @@ where
     let run = run_pipeline(
         body,
         limits,
-        Span::Whole,
+        Span::Whole(selection),
         Bytes::new(),
         blake3::Hasher::new(),
         session.as_mut(),
@@ -195,15 +230,23 @@ where
             "stored {stored_bytes} bytes of {received} received"
         )));
     }
+    if let (Some(what), UnsupportedPolicy::Reject) =
+        (run.chunked.unsupported, selection.policy.unsupported)
+    {
+        // Before the commit: the session is dropped (aborted), nothing becomes visible.
+        return Err(IngestError::Pdf(SelectionError::Unsupported(what)));
+    }
     let key = BlobKey {
         hash: *run.fed.whole.finalize().as_bytes(),
         size: received,
     };
     let stored = run.stored;
+    let chunking = run.chunked.chunking;
     // Blocks durable and indexed (dedup hits confirmed) before the manifest names them,
     // or with it in one transaction when the index shares the manifests' database.
     let blocks_total = stored.refs.len();
-    let manifest = Manifest::new(key, stored.refs, unix_millis());
+    let mut manifest = Manifest::new(key, stored.refs, unix_millis());
+    manifest.chunking = chunking.info();
     let commit_sent = std::time::SystemTime::now();
     let (_, outcome) = session.commit_manifest(manifest, manifests, fence).await?;
     Ok(IngestReport {
@@ -214,6 +257,8 @@ where
         fresh_bytes: stored.fresh_bytes,
         manifest: outcome,
         commit_sent,
+        chunking,
+        pdf_cuts: run.chunked.counts,
     })
 }
 
@@ -268,6 +313,8 @@ where
         remaining: start.remaining,
         keep_partial: start.keep_partial,
     };
+    // A resumable upload is cut by FastCDC: its staged tail is all the chunker state a
+    // part carries to the next one (see docs/resumable.md).
     let run = run_pipeline(
         body,
         limits,
@@ -302,6 +349,14 @@ struct Run {
     fed: Fed,
     stored: Stored,
     tail: Bytes,
+    chunked: Chunked,
+}
+
+/// What the chunk thread reports besides the tail.
+struct Chunked {
+    chunking: Chunking,
+    counts: Option<CutCounts>,
+    unsupported: Option<super::pdf::scan::Unsupported>,
 }
 
 /// The three stages over one body (see the module docs).
@@ -324,11 +379,16 @@ where
     let feed = feed_frames(body, limits, span, whole, frame_tx, on_bytes);
     let store = store_blocks(chunk_rx, session);
     let (fed, stored) = futures_util::try_join!(feed, store)?;
-    let tail = chunking
+    let (tail, chunked) = chunking
         .await
         .map_err(|e| IngestError::Pipeline(format!("chunker task: {e}")))?
         .ok_or_else(|| IngestError::Pipeline("chunker ended without the end of the body".into()))?;
-    Ok(Run { fed, stored, tail })
+    Ok(Run {
+        fed,
+        stored,
+        tail,
+        chunked,
+    })
 }
 
 /// What the reader saw.
@@ -369,6 +429,15 @@ where
     let mut interrupted = None;
     let mut batch: Vec<Bytes> = Vec::new();
     let mut batch_bytes = 0usize;
+    // The first bytes, until the selection decides the chunker (at most 5 bytes).
+    let mut head: Vec<u8> = Vec::new();
+    let selection = match span {
+        Span::Whole(selection) => selection,
+        // A resumable upload is cut by FastCDC (see `ingest_part`).
+        Span::Part { .. } => Selection::generic(),
+    };
+    let mut decided = false;
+    let stopped = |_| IngestError::Pipeline("chunker stopped".into());
     loop {
         let next = match tokio::time::timeout(limits.idle_timeout, body.next()).await {
             Ok(next) => next,
@@ -406,6 +475,15 @@ where
         {
             return Err(IngestError::LengthMismatch { declared, received });
         }
+        if !decided {
+            let need = super::pdf::select::SIGNATURE.len() - head.len().min(5);
+            head.extend_from_slice(&frame[..frame.len().min(need)]);
+            if let Some(choice) = selection.decide(&head, false) {
+                // Refused here, before the chunker saw a byte: nothing is cut or stored.
+                frames.send(Frame::Start(choice?)).await.map_err(stopped)?;
+                decided = true;
+            }
+        }
         on_bytes(frame.len() as u64);
         whole.update(&frame);
         if let Some((_, hasher)) = declared_digest.as_mut() {
@@ -438,10 +516,16 @@ where
         return Err(IngestError::DigestMismatch);
     }
     let eof = match span {
-        Span::Whole => true,
+        Span::Whole(_) => true,
         Span::Part { remaining, .. } => received == remaining,
     };
-    let stopped = |_| IngestError::Pipeline("chunker stopped".into());
+    if !decided {
+        // A body shorter than the signature (or a part that stopped before it).
+        let choice = selection
+            .decide(&head, eof)
+            .unwrap_or(Ok(Chunking::FastCdc))?;
+        frames.send(Frame::Start(choice)).await.map_err(stopped)?;
+    }
     if !batch.is_empty() {
         frames.send(Frame::Data(batch)).await.map_err(stopped)?;
     }
@@ -462,12 +546,16 @@ fn chunk_blocks(
     mut frames: mpsc::Receiver<Frame>,
     chunks: mpsc::Sender<Bytes>,
     tail: Bytes,
-) -> Option<Bytes> {
-    let mut chunker = StreamChunker::new();
+) -> Option<(Bytes, Chunked)> {
+    let Frame::Start(chunking) = frames.blocking_recv()? else {
+        return None;
+    };
+    let mut chunker = Chunker::new(chunking);
     chunker.push(&tail);
     let emit = |chunk: Bytes| -> Option<()> { chunks.blocking_send(chunk).ok() };
     loop {
         match frames.blocking_recv()? {
+            Frame::Start(_) => return None,
             Frame::Data(batch) => {
                 for data in batch {
                     chunker.push(&data);
@@ -480,8 +568,60 @@ fn chunk_blocks(
                 while let Some(chunk) = chunker.next_chunk(eof) {
                     emit(chunk)?;
                 }
-                return Some(chunker.take_rest());
+                let rest = chunker.take_rest();
+                return Some((rest, chunker.report(chunking)));
             }
+        }
+    }
+}
+
+/// The chunker an ingest selected.
+enum Chunker {
+    Fast(StreamChunker),
+    Pdf(Box<PdfChunker>),
+}
+
+impl Chunker {
+    fn new(chunking: Chunking) -> Self {
+        match chunking {
+            Chunking::FastCdc => Chunker::Fast(StreamChunker::new()),
+            Chunking::Pdf(sizes) => Chunker::Pdf(Box::new(PdfChunker::new(sizes))),
+        }
+    }
+
+    fn push(&mut self, data: &[u8]) {
+        match self {
+            Chunker::Fast(c) => c.push(data),
+            Chunker::Pdf(c) => c.push(data),
+        }
+    }
+
+    fn next_chunk(&mut self, eof: bool) -> Option<Bytes> {
+        match self {
+            Chunker::Fast(c) => c.next_chunk(eof),
+            Chunker::Pdf(c) => c.next_chunk(eof),
+        }
+    }
+
+    fn take_rest(&mut self) -> Bytes {
+        match self {
+            Chunker::Fast(c) => c.take_rest(),
+            Chunker::Pdf(c) => c.take_rest(),
+        }
+    }
+
+    fn report(&self, chunking: Chunking) -> Chunked {
+        match self {
+            Chunker::Fast(_) => Chunked {
+                chunking,
+                counts: None,
+                unsupported: None,
+            },
+            Chunker::Pdf(c) => Chunked {
+                chunking,
+                counts: Some(c.counts()),
+                unsupported: c.unsupported(),
+            },
         }
     }
 }
@@ -790,6 +930,168 @@ mod tests {
             .err()
             .unwrap();
         assert!(matches!(err, IngestError::Body(_)), "{err}");
+    }
+
+    /// A small PDF: header, objects with large streams, xref, trailer, %%EOF.
+    fn small_pdf() -> Vec<u8> {
+        let mut out = b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n".to_vec();
+        for n in 0..4u8 {
+            let body = data(100_000, n + 20);
+            out.extend_from_slice(
+                format!("{} 0 obj\n<< /Length {} >>\nstream\n", n + 1, body.len()).as_bytes(),
+            );
+            out.extend_from_slice(&body);
+            out.extend_from_slice(b"\nendstream\nendobj\n");
+        }
+        out.extend_from_slice(
+            b"xref\n0 1\n0000000000 65535 f \ntrailer\n<< /Size 5 >>\nstartxref\n0\n%%EOF\n",
+        );
+        out
+    }
+
+    fn selection(media: crate::cas::pdf::select::MediaType) -> Selection {
+        Selection {
+            declared: media,
+            policy: crate::cas::pdf::PdfPolicy::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_pdf_body_is_cut_by_the_pdf_chunker_and_the_manifest_says_so() {
+        // Checks CAS-12 (upgrade of an undeclared type) and CAS-11 at the pipeline.
+        use crate::cas::pdf::select::MediaType;
+        let dir = tempfile::tempdir().unwrap();
+        let (blocks, manifests) = stores(dir.path());
+        let content = small_pdf();
+        for (media, piece) in [(MediaType::Generic, 7_777), (MediaType::Pdf, 100_000)] {
+            let report = ingest_selected(
+                body_of(&content, piece),
+                limits(None),
+                selection(media),
+                blocks.clone(),
+                manifests.clone(),
+                None,
+                |_| {},
+            )
+            .await
+            .unwrap();
+            assert_eq!(report.key, BlobKey::of(&content));
+            assert!(matches!(report.chunking, Chunking::Pdf(_)));
+            let manifest = manifests.get(report.key).await.unwrap().unwrap();
+            assert_eq!(
+                manifest.chunking.algorithm,
+                crate::cas::pdf::select::PDF_ALGORITHM
+            );
+            let expected = crate::cas::pdf::chunk::chunk_lengths(&content, Default::default()).0;
+            let got: Vec<usize> = manifest.blocks.iter().map(|b| b.size as usize).collect();
+            assert_eq!(got, expected);
+            assert!(report.pdf_cuts.unwrap().stream >= 8);
+        }
+        // A body that is not PDF, undeclared: FastCDC, as before.
+        let other = data(1 << 20, 9);
+        let report = ingest_selected(
+            body_of(&other, 65_536),
+            limits(None),
+            selection(MediaType::Generic),
+            blocks,
+            manifests,
+            None,
+            |_| {},
+        )
+        .await
+        .unwrap();
+        assert_eq!(report.chunking, Chunking::FastCdc);
+        assert_eq!(report.pdf_cuts, None);
+    }
+
+    #[tokio::test]
+    async fn a_type_the_first_bytes_contradict_stores_nothing() {
+        // Checks CAS-12: refused before the chunker sees a byte; no block, no manifest.
+        use crate::cas::pdf::select::MediaType;
+        let dir = tempfile::tempdir().unwrap();
+        let (blocks, manifests) = stores(dir.path());
+        let pdf = small_pdf();
+        let png = data(500_000, 4);
+        for (content, media, code) in [
+            (&pdf, MediaType::Other, "pdf_type_mismatch"),
+            (&png, MediaType::Pdf, "pdf_signature_missing"),
+        ] {
+            // One byte at a time first: the signature spans frames.
+            for piece in [1, 100_000] {
+                let err = ingest_selected(
+                    body_of(&content[..content.len().min(300_000)], piece),
+                    limits(None),
+                    selection(media),
+                    blocks.clone(),
+                    manifests.clone(),
+                    None,
+                    |_| {},
+                )
+                .await
+                .err()
+                .unwrap();
+                match err {
+                    IngestError::Pdf(refusal) => assert_eq!(refusal.code(), code),
+                    other => panic!("{other}"),
+                }
+            }
+            assert!(manifests.get(BlobKey::of(content)).await.unwrap().is_none());
+        }
+        // Nothing was written: no pack file holds a block.
+        let mut session = blocks.begin().unwrap();
+        let probe = Bytes::from(pdf[..crate::cas::chunker::MIN_CHUNK].to_vec());
+        let outcome = session
+            .append_many(vec![(BlockKey::of(&probe), probe)])
+            .await
+            .unwrap();
+        assert_eq!(outcome, vec![PutOutcome::Fresh]);
+    }
+
+    #[tokio::test]
+    async fn a_truncated_pdf_is_stored_by_default_and_refused_when_strict() {
+        // Checks CAS-13.
+        use crate::cas::pdf::select::MediaType;
+        let dir = tempfile::tempdir().unwrap();
+        let (blocks, manifests) = stores(dir.path());
+        let content = small_pdf();
+        let truncated = &content[..250_000];
+        let report = ingest_selected(
+            body_of(truncated, 65_536),
+            limits(None),
+            selection(MediaType::Pdf),
+            blocks.clone(),
+            manifests.clone(),
+            None,
+            |_| {},
+        )
+        .await
+        .unwrap();
+        assert_eq!(report.key, BlobKey::of(truncated));
+        let strict = Selection {
+            policy: crate::cas::pdf::PdfPolicy {
+                unsupported: UnsupportedPolicy::Reject,
+                ..Default::default()
+            },
+            ..selection(MediaType::Pdf)
+        };
+        let shorter = &content[..240_000];
+        let err = ingest_selected(
+            body_of(shorter, 65_536),
+            limits(None),
+            strict,
+            blocks,
+            manifests.clone(),
+            None,
+            |_| {},
+        )
+        .await
+        .err()
+        .unwrap();
+        assert!(
+            matches!(err, IngestError::Pdf(SelectionError::Unsupported(_))),
+            "{err}"
+        );
+        assert!(manifests.get(BlobKey::of(shorter)).await.unwrap().is_none());
     }
 
     #[tokio::test]

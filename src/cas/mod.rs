@@ -17,6 +17,7 @@ pub mod digest;
 pub mod ingest;
 pub mod keys;
 pub mod manifest;
+pub mod pdf;
 pub mod range;
 pub mod read;
 

@@ -50,6 +50,67 @@ pub struct Config {
     pub grpc: crate::grpc::config::GrpcConfig,
     /// `[health]`: the schedule of the dependency probes (see `health`).
     pub health: crate::health::HealthConfig,
+    /// `[ingest]`: how bodies are cut into blocks (`[ingest.pdf]`).
+    pub ingest: IngestConfig,
+}
+
+/// `[ingest]`.
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct IngestConfig {
+    /// `[ingest.pdf]`: the PDF-aware chunker (see `cas::pdf`, docs/storage.md).
+    pub pdf: PdfIngestConfig,
+}
+
+/// `[ingest.pdf]`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PdfIngestConfig {
+    /// Select the PDF-aware chunker for PDF bodies (and check the PDF Content-Type rules).
+    pub enabled: bool,
+    /// Cut at the first object boundary at or after this many bytes (16 KiB ..= max).
+    pub target: ByteSize,
+    /// Largest block (16 KiB ..= 256 KiB).
+    pub max: ByteSize,
+    /// A PDF the scanner does not follow: `fallback` (store it) or `reject` (422).
+    pub unsupported: PdfUnsupported,
+}
+
+/// `[ingest.pdf] unsupported`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum PdfUnsupported {
+    #[default]
+    Fallback,
+    Reject,
+}
+
+impl Default for PdfIngestConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            target: ByteSize::kib(64),
+            max: ByteSize::kib(256),
+            unsupported: PdfUnsupported::Fallback,
+        }
+    }
+}
+
+impl PdfIngestConfig {
+    /// The policy in force, or what is wrong with the sizes.
+    pub fn policy(&self) -> Result<crate::cas::pdf::PdfPolicy, Problem> {
+        let size = |b: ByteSize| usize::try_from(b.bytes()).unwrap_or(usize::MAX);
+        let sizes = crate::cas::pdf::PdfSizes::new(size(self.target), size(self.max))
+            .map_err(|e| Problem::new("ingest.pdf", e))?;
+        Ok(crate::cas::pdf::PdfPolicy {
+            enabled: self.enabled,
+            sizes,
+            unsupported: match self.unsupported {
+                PdfUnsupported::Fallback => crate::cas::pdf::UnsupportedPolicy::Fallback,
+                PdfUnsupported::Reject => crate::cas::pdf::UnsupportedPolicy::Reject,
+            },
+        })
+    }
 }
 
 /// `[node]`: identity and listeners.
@@ -327,6 +388,9 @@ impl Config {
         problems.extend(self.http.problems());
         problems.extend(self.auth.problems());
         problems.extend(self.grpc.problems());
+        if let Err(problem) = self.ingest.pdf.policy() {
+            problems.push(problem);
+        }
         if self.admission.tenant_mode && !self.auth.enabled {
             problems.push(Problem::new(
                 "auth.enabled",
@@ -404,6 +468,37 @@ mod tests {
         .unwrap();
         assert_eq!(config.sessions.idle_timeout, HumanDuration::secs(90));
         assert_eq!(config.upload.max_blob_size, ByteSize::gib(1));
+    }
+
+    #[test]
+    fn the_pdf_section_is_validated_and_defaults_on() {
+        let config = Config::default();
+        let policy = config.ingest.pdf.policy().unwrap();
+        assert!(policy.enabled);
+        assert_eq!(policy.sizes, crate::cas::pdf::PdfSizes::default());
+        let config = Config::from_toml_str(
+            "[ingest.pdf]\nenabled = false\ntarget = \"32KiB\"\nmax = \"128KiB\"\nunsupported = \"reject\"\n",
+        )
+        .unwrap();
+        let policy = config.ingest.pdf.policy().unwrap();
+        assert!(!policy.enabled);
+        assert_eq!(policy.sizes.target, 32 * 1024);
+        assert_eq!(
+            policy.unsupported,
+            crate::cas::pdf::UnsupportedPolicy::Reject
+        );
+        for bad in [
+            "[ingest.pdf]\nmax = \"1MiB\"\n",
+            "[ingest.pdf]\ntarget = \"1KiB\"\n",
+            "[ingest.pdf]\ntarget = \"200KiB\"\nmax = \"100KiB\"\n",
+        ] {
+            let err = Config::from_toml_str(bad).unwrap_err().to_string();
+            assert!(err.contains("ingest.pdf"), "{bad}: {err}");
+        }
+        let err = Config::from_toml_str("[ingest.pdf]\nunsupported = \"maybe\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("ingest.pdf.unsupported"), "{err}");
     }
 
     #[test]

@@ -176,6 +176,19 @@ impl From<IngestError> for ApiError {
                 tracing::error!(%detail, "ingest pipeline failure");
                 ApiError::internal("the upload failed inside the server")
             }
+            IngestError::Pdf(refusal) => {
+                let status = match refusal {
+                    crate::cas::pdf::SelectionError::Unsupported(_) => {
+                        StatusCode::UNPROCESSABLE_ENTITY
+                    }
+                    _ => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                };
+                ApiError::new(
+                    status,
+                    refusal.code(),
+                    format!("{refusal}; nothing was stored"),
+                )
+            }
         }
     }
 }
@@ -411,6 +424,9 @@ mod tests {
             UploadError::Ingest(IngestError::Store(StoreError::Corrupt("x".into()))),
             UploadError::Ingest(IngestError::Store(StoreError::Unavailable("x".into()))),
             UploadError::Ingest(IngestError::Pipeline("x".into())),
+            UploadError::Ingest(IngestError::Pdf(
+                crate::cas::pdf::SelectionError::TypeMismatch,
+            )),
             UploadError::ShardUnavailable,
             UploadError::ShardMoved,
             UploadError::LeaseLost,

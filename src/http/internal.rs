@@ -149,6 +149,7 @@ impl OwnerIngest for Arc<UploadService> {
                 crate::upload::Declared {
                     length: request.content_length,
                     digest: request.digest,
+                    media: crate::cas::pdf::select::MediaType::of(Some(&request.content_type)),
                 },
                 body,
             )

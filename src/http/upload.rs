@@ -41,6 +41,11 @@ pub async fn post_blob(
     let declared = Declared {
         length: parsed.content_length,
         digest: parsed.digest,
+        media: crate::cas::pdf::select::MediaType::of(
+            headers
+                .get(axum::http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok()),
+        ),
     };
     let Some(key) = parsed.session else {
         // No session: content-addressed data can be ingested by any node.

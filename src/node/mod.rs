@@ -63,6 +63,8 @@ pub enum StartError {
     },
     #[error("start actors: {0}")]
     Actors(String),
+    #[error("configuration: {0}")]
+    Config(String),
     #[error("admission: {0}")]
     Admission(String),
     #[error("join the cluster: {0}")]
@@ -308,6 +310,11 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
                 body_idle_timeout: config.upload.body_idle_timeout.get(),
             },
             metrics: metrics.clone(),
+            pdf: config
+                .ingest
+                .pdf
+                .policy()
+                .map_err(|problem| StartError::Config(problem.to_string()))?,
             ledger,
             resumable: crate::upload::resumable::ResumableLimits {
                 part_footprint: config.upload.resumable_part_footprint.bytes(),

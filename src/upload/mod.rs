@@ -34,8 +34,11 @@ pub use error::UploadError;
 use crate::actors::{IngestTicket, SessionRegionHandle};
 use crate::admission::{Admission, AdmissionPermit, Operation};
 use crate::cas::digest::ContentDigest;
-use crate::cas::ingest::{IngestError, IngestLimits, IngestReport, ingest_fenced};
+use crate::cas::ingest::{IngestError, IngestLimits, IngestReport, ingest_selected};
+use crate::cas::pdf::select::MediaType;
+use crate::cas::pdf::{Chunking, PdfPolicy, Selection, SelectionError};
 use crate::ids::{NodeId, SessionKey, TenantId};
+use crate::metrics::KindLabels;
 use crate::metrics::{BlockLabels, Metrics, OutcomeLabels};
 use crate::placement::{ClusterHandle, LocalRoute};
 use crate::storage::manifest::CommitFence;
@@ -54,9 +57,16 @@ pub struct UploadReceipt {
     pub duplicate_blocks: usize,
     /// Node that ingested the upload.
     pub owner: String,
+    /// The chunker that cut the blocks: `fastcdc` or `pdf` (also in the manifest).
+    #[serde(default = "fastcdc_name")]
+    pub chunker: String,
     /// The blob's entity tag (also sent as `ETag`; not part of the JSON body).
     #[serde(skip)]
     pub etag: String,
+}
+
+fn fastcdc_name() -> String {
+    "fastcdc".to_string()
 }
 
 /// What the client declared about its body, checked by the pipeline before the commit.
@@ -66,6 +76,8 @@ pub struct Declared {
     pub length: Option<u64>,
     /// `Content-Digest` / `X-Content-Hash` (SHA-256).
     pub digest: Option<ContentDigest>,
+    /// `Content-Type`, as far as the chunker selection needs it (`cas::pdf::select`).
+    pub media: MediaType,
 }
 
 /// Size and time limits of one upload.
@@ -89,6 +101,8 @@ pub struct UploadParts {
     /// The ledger of resumable uploads.
     pub ledger: Arc<dyn ledger::UploadLedger>,
     pub resumable: resumable::ResumableLimits,
+    /// `[ingest.pdf]`: the PDF-aware chunker's selection and sizes.
+    pub pdf: PdfPolicy,
 }
 
 /// Owner-local ingest of uploads (see the module docs).
@@ -244,6 +258,7 @@ impl UploadService {
             fresh_blocks: report.fresh_blocks,
             duplicate_blocks: report.duplicate_blocks,
             owner: self.parts.node.to_string(),
+            chunker: report.chunking.name().to_string(),
             etag: report.key.etag(),
         }
     }
@@ -269,9 +284,14 @@ impl UploadService {
         };
         let mut progress = Progress::new(claim.ticket());
         let metrics = parts.metrics.clone();
-        let result = ingest_fenced(
+        let selection = Selection {
+            declared: declared.media,
+            policy: parts.pdf,
+        };
+        let result = ingest_selected(
             body,
             limits,
+            selection,
             parts.blocks.clone(),
             parts.manifests.clone(),
             claim.fence(),
@@ -290,8 +310,47 @@ impl UploadService {
                 .observe(started.elapsed().as_secs_f64());
             blocks("fresh").inc_by(report.fresh_blocks as u64);
             blocks("duplicate").inc_by(report.duplicate_blocks as u64);
+            record_chunking(&parts.metrics, report.chunking, report.pdf_cuts);
+        }
+        if let Err(IngestError::Pdf(refusal)) = &result {
+            let kind = match refusal {
+                SelectionError::SignatureMissing => "signature_missing",
+                SelectionError::TypeMismatch => "type_mismatch",
+                SelectionError::Unsupported(_) => "unsupported",
+            };
+            parts
+                .metrics
+                .pdf_refusals
+                .get_or_create(&KindLabels { kind })
+                .inc();
         }
         result
+    }
+}
+
+/// Count a committed upload's chunker and, for the PDF chunker, how it cut.
+fn record_chunking(
+    metrics: &Metrics,
+    chunking: Chunking,
+    cuts: Option<crate::cas::pdf::CutCounts>,
+) {
+    metrics
+        .ingests_by_chunker
+        .get_or_create(&KindLabels {
+            kind: chunking.name(),
+        })
+        .inc();
+    if let Some(cuts) = cuts {
+        for (kind, n) in [
+            ("boundary", cuts.boundary),
+            ("stream", cuts.stream),
+            ("fallback", cuts.fallback),
+        ] {
+            metrics
+                .pdf_cuts
+                .get_or_create(&KindLabels { kind })
+                .inc_by(n);
+        }
     }
 }
 

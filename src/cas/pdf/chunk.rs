@@ -1,0 +1,336 @@
+//! The PDF-aware chunker: block boundaries at PDF object boundaries, with stream data
+//! in blocks of its own, behind the same contract as [`StreamChunker`]
+//! (`push`, `next_chunk`, `take_rest`, `buffered`).
+//!
+//! Cut rules, for a block starting at `s` (CAS-11):
+//! 1. Inside the data of a *large* stream (data of at least `min` bytes, see below): the
+//!    cut points are FastCDC's (the pinned parameters of `cas::chunker`) over the stream
+//!    data alone, restarted at the data's first byte, and the data's end is always a cut.
+//!    Unchanged bytes of a page, image or font stream therefore give the same blocks
+//!    whatever precedes the stream (renumbered objects, a page inserted before it).
+//! 2. Otherwise the first of, within `(s, s + max]`:
+//!    - the end of a revision (after `%%EOF`), at any distance: an incremental update
+//!      appended there leaves the previous revision's blocks unchanged;
+//!    - an object boundary (`N G obj`, `xref`) at or after `s + target`;
+//!    - the first data byte of a large stream (the object's header and dictionary stay in
+//!      the block before it, which can then be below `min`: with the end of a revision,
+//!      the only cuts allowed below `min`, and the reason stream data deduplicates across
+//!      rewrites).
+//! 3. No such place: a FastCDC cut of `s .. s + max` (an object larger than `max`, or a
+//!    run of small objects with no boundary past the target), counted as a fallback.
+//!
+//! A stream is large when its end (`StreamEnd`) is at least `min` bytes after its start,
+//! or is not found within `min` bytes.
+//!
+//! Determinism (CAS-10): a decision is made only when `max + LOOKAHEAD` bytes past `s` are
+//! buffered (or the body ended), and the scanner has then consumed exactly the bytes up to
+//! `s + max + LOOKAHEAD` (it is fed lazily, never further). Each decision is therefore a
+//! function of the body's bytes alone, whatever the transport pieces.
+//!
+//! Memory (stated, counted by `cas::ingest::memory_bound`): the buffer holds less than
+//! `max + LOOKAHEAD` bytes between calls, plus the piece being pushed, in buffers of
+//! `chunker::BUFFER_CHUNKS` largest blocks like [`StreamChunker`]; the event queue holds
+//! at most [`MAX_EVENTS`] events of 16 bytes (further events in the window are dropped,
+//! deterministically, and counted); the scanner is a fixed-size struct. Hence
+//! [`EXTRA_MEMORY`] on top of the generic chunker.
+//!
+//! [`StreamChunker`]: crate::cas::chunker::StreamChunker
+
+use std::collections::VecDeque;
+
+use bytes::{Bytes, BytesMut};
+
+use super::scan::{Event, Scanner, Unsupported};
+use crate::cas::chunker::{self, BUFFER_CHUNKS, MAX_CHUNK, MIN_CHUNK};
+
+/// Bytes past the window the scanner must have read before a cut is decided: a large
+/// stream starting at the window's end is recognised `min` bytes later, and the end of
+/// data at the window's end is reported once its `endstream` (at most 2 + 9 bytes on) is
+/// read.
+pub const LOOKAHEAD: usize = MIN_CHUNK + 16;
+/// Events kept for the window at most.
+pub const MAX_EVENTS: usize = 8192;
+/// Memory of a PDF-aware ingest beyond the generic chunker's: the lookahead, the event
+/// queue and the scanner.
+pub const EXTRA_MEMORY: usize =
+    LOOKAHEAD + MAX_EVENTS * std::mem::size_of::<Event>() + std::mem::size_of::<Scanner>();
+
+/// Block sizes of the PDF-aware chunker (`[ingest.pdf]`), validated by [`Self::new`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PdfSizes {
+    pub min: usize,
+    pub target: usize,
+    pub max: usize,
+}
+
+impl Default for PdfSizes {
+    fn default() -> Self {
+        Self {
+            min: MIN_CHUNK,
+            target: chunker::AVG_CHUNK,
+            max: MAX_CHUNK,
+        }
+    }
+}
+
+impl PdfSizes {
+    /// `min` is FastCDC's minimum (16 KiB); `target` in `[min, max]`; `max` in
+    /// `[min, 256 KiB]` (the largest block of the generic chunker, which every memory
+    /// bound and block size limit assumes).
+    pub fn new(target: usize, max: usize) -> Result<Self, String> {
+        if !(MIN_CHUNK..=MAX_CHUNK).contains(&max) {
+            return Err(format!(
+                "max must be between {MIN_CHUNK} and {MAX_CHUNK} bytes, not {max}"
+            ));
+        }
+        if !(MIN_CHUNK..=max).contains(&target) {
+            return Err(format!(
+                "target must be between {MIN_CHUNK} and max ({max}) bytes, not {target}"
+            ));
+        }
+        Ok(Self {
+            min: MIN_CHUNK,
+            target,
+            max,
+        })
+    }
+}
+
+/// How each cut was chosen (metrics, benchmark).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CutCounts {
+    /// At an object boundary at or after the target.
+    pub boundary: u64,
+    /// At the start or end of a large stream's data, or FastCDC inside it.
+    pub stream: u64,
+    /// FastCDC outside stream data (no boundary in the window).
+    pub fallback: u64,
+    /// Events dropped because the window held more than [`MAX_EVENTS`].
+    pub dropped_events: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Region {
+    Normal,
+    /// The block starts inside a large stream's data.
+    InData,
+}
+
+/// The PDF-aware chunker (see the module docs).
+#[derive(Debug)]
+pub struct PdfChunker {
+    sizes: PdfSizes,
+    buffer: BytesMut,
+    /// Offset of `buffer[0]` in the body.
+    start: u64,
+    scanner: Scanner,
+    events: VecDeque<Event>,
+    region: Region,
+    counts: CutCounts,
+    finished: bool,
+}
+
+const BUFFER_CAPACITY: usize = BUFFER_CHUNKS * MAX_CHUNK;
+
+impl PdfChunker {
+    pub fn new(sizes: PdfSizes) -> Self {
+        Self {
+            sizes,
+            buffer: BytesMut::with_capacity(BUFFER_CAPACITY),
+            start: 0,
+            scanner: Scanner::new(),
+            events: VecDeque::new(),
+            region: Region::Normal,
+            counts: CutCounts::default(),
+            finished: false,
+        }
+    }
+
+    /// Append the next piece of input.
+    pub fn push(&mut self, data: &[u8]) {
+        if self.buffer.capacity() - self.buffer.len() < data.len() {
+            // As `StreamChunker::push`: a fresh buffer holding the bytes not cut yet.
+            let mut fresh =
+                BytesMut::with_capacity(BUFFER_CAPACITY.max(self.buffer.len() + data.len()));
+            fresh.extend_from_slice(&self.buffer);
+            self.buffer = fresh;
+        }
+        self.buffer.extend_from_slice(data);
+    }
+
+    /// Bytes buffered but not cut yet.
+    pub fn buffered(&self) -> usize {
+        self.buffer.len()
+    }
+
+    /// How the cuts so far were chosen.
+    pub fn counts(&self) -> CutCounts {
+        self.counts
+    }
+
+    /// The first unsupported structure the scanner saw (complete after the last
+    /// `next_chunk(true)`).
+    pub fn unsupported(&self) -> Option<Unsupported> {
+        self.scanner.unsupported()
+    }
+
+    /// Bytes the chunker must hold past a block start before it decides the cut.
+    fn horizon(&self) -> usize {
+        self.sizes.max + LOOKAHEAD
+    }
+
+    /// Feed the scanner up to `limit` bytes of the buffer.
+    fn scan_to(&mut self, limit: usize) {
+        let scanned = (self.scanner.position() - self.start) as usize;
+        if scanned >= limit {
+            return;
+        }
+        let events = &mut self.events;
+        let dropped = &mut self.counts.dropped_events;
+        self.scanner.feed(&self.buffer[scanned..limit], &mut |e| {
+            if events.len() < MAX_EVENTS {
+                events.push_back(e);
+            } else {
+                *dropped += 1;
+            }
+        });
+    }
+
+    /// Is the stream whose data starts at `p` (the event at `index`) large?
+    fn large(&self, index: usize, p: u64) -> bool {
+        match self.events.get(index + 1) {
+            Some(Event::StreamEnd(q)) => q.saturating_sub(p) >= self.sizes.min as u64,
+            Some(_) => false,
+            None => self.scanner.position() >= p + self.sizes.min as u64,
+        }
+    }
+
+    /// The next block, if its cut is decided. With `eof`, the rest is cut as the end.
+    pub fn next_chunk(&mut self, eof: bool) -> Option<Bytes> {
+        let avail = self.buffer.len();
+        let horizon = self.horizon();
+        if avail == 0 || (!eof && avail < horizon) {
+            return None;
+        }
+        let last_window = avail < horizon;
+        self.scan_to(avail.min(horizon));
+        if last_window && !self.finished {
+            self.finished = true;
+            self.scanner.finish();
+        }
+        let s = self.start;
+        let window = avail.min(self.sizes.max);
+        let window_end = s + window as u64;
+        if self.region == Region::InData {
+            let end = self.events.iter().find_map(|e| match e {
+                Event::StreamEnd(q) if *q > s => Some(*q),
+                _ => None,
+            });
+            let lost = end.is_none()
+                && self
+                    .events
+                    .iter()
+                    .any(|e| !matches!(e, Event::StreamEnd(_)));
+            if lost {
+                // The stream's end event was dropped (a window of more than MAX_EVENTS
+                // events): continue as outside stream data.
+                self.region = Region::Normal;
+            } else {
+                let len = match end {
+                    Some(q) if q <= window_end => (q - s) as usize,
+                    _ => window,
+                };
+                let cut = chunker::first_cut(&self.buffer[..len]);
+                if end == Some(s + cut as u64) {
+                    self.region = Region::Normal;
+                }
+                self.counts.stream += 1;
+                return Some(self.cut(cut));
+            }
+        }
+        let target = s + self.sizes.target as u64;
+        let mut found = None;
+        for (index, event) in self.events.iter().enumerate() {
+            match *event {
+                Event::Boundary(b) | Event::Revision(b) | Event::StreamStart(b)
+                    if b > window_end =>
+                {
+                    break;
+                }
+                // The end of a revision is always a cut, even below `min`: an incremental
+                // update then leaves every block of the revision before it as it was.
+                Event::Revision(r) if r > s => {
+                    found = Some((r, false));
+                    break;
+                }
+                Event::Boundary(b) if b >= target && b > s => {
+                    found = Some((b, false));
+                    break;
+                }
+                Event::StreamStart(p) if p > s && self.large(index, p) => {
+                    found = Some((p, true));
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let cut = match found {
+            Some((at, true)) => {
+                self.counts.stream += 1;
+                self.region = Region::InData;
+                (at - s) as usize
+            }
+            Some((at, false)) => {
+                self.counts.boundary += 1;
+                (at - s) as usize
+            }
+            // The last block of the body.
+            None if last_window && avail <= self.sizes.max => avail,
+            None => {
+                self.counts.fallback += 1;
+                chunker::first_cut(&self.buffer[..window])
+            }
+        };
+        Some(self.cut(cut))
+    }
+
+    /// Cut `len` bytes off the front and drop the events they covered.
+    fn cut(&mut self, len: usize) -> Bytes {
+        let len = len.clamp(1, self.buffer.len());
+        let block = self.buffer.split_to(len).freeze();
+        self.start += len as u64;
+        let start = self.start;
+        while let Some(e) = self.events.front() {
+            let at = match *e {
+                Event::Boundary(at)
+                | Event::Revision(at)
+                | Event::StreamStart(at)
+                | Event::StreamEnd(at) => at,
+            };
+            if at > start {
+                break;
+            }
+            self.events.pop_front();
+        }
+        block
+    }
+
+    /// Take the bytes not cut yet (the chunker's state is then spent).
+    pub fn take_rest(&mut self) -> Bytes {
+        self.buffer.split().freeze()
+    }
+}
+
+/// Block lengths of a complete in-memory body (tests and the benchmark).
+pub fn chunk_lengths(data: &[u8], sizes: PdfSizes) -> (Vec<usize>, CutCounts) {
+    let mut chunker = PdfChunker::new(sizes);
+    chunker.push(data);
+    let mut lengths = Vec::new();
+    while let Some(block) = chunker.next_chunk(false) {
+        lengths.push(block.len());
+    }
+    while let Some(block) = chunker.next_chunk(true) {
+        lengths.push(block.len());
+    }
+    (lengths, chunker.counts())
+}
