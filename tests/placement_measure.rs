@@ -1,6 +1,7 @@
 //! Figures for `docs/locality.md`, printed as `FIGURE ...` lines:
 //! local owner resolution cost and manager failover time with default settings.
-//! Bounds asserted here are deliberately generous; the printed numbers are the result.
+//! The printed numbers are the result; no pass/fail assertion rests on a duration, only on
+//! the states reached (owners resolved, a new term, a new manager).
 //!
 //! Run: `GRAVITON_REQUIRE_SERVICES=1 cargo nextest run --test placement_measure --no-capture`
 
@@ -64,8 +65,16 @@ async fn local_owner_resolution_cost() {
     println!(
         "FIGURE resolution profile={profile} shard_hash_ns={hash:.0} table_lookup_ns={lookup:.0} resolve_ns={resolve:.0} begin_ingest_ns={permit:.0}"
     );
-    // Generous bound even for an unoptimized build on a shared 2-core machine.
-    assert!(resolve < 20_000.0, "{resolve}");
+    // The figures are the result; pass/fail rests on what was measured being real: every
+    // key resolves to the one owner, and a permit is granted for its epoch.
+    for key in &keys {
+        let resolved = handle.resolve(key).unwrap();
+        assert!(
+            resolved.is_local && resolved.node.as_str() == "a",
+            "{resolved:?}"
+        );
+        assert_eq!(resolved.shard, handle.shard_of(key));
+    }
     handle.shutdown().await;
 }
 
@@ -115,7 +124,10 @@ async fn manager_failover_with_default_settings() {
     .unwrap();
     let mut term2 = term1;
     while term2 == term1 {
-        assert!(t.elapsed() < deadline);
+        assert!(
+            t.elapsed() < deadline,
+            "no new term after the lock connection died"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
         term2 = store.meta().await.unwrap().manager_term;
     }
@@ -134,7 +146,7 @@ async fn manager_failover_with_default_settings() {
         if survivor.leading_term().await > term2 {
             break;
         }
-        assert!(t.elapsed() < deadline);
+        assert!(t.elapsed() < deadline, "the standby never took over");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let handover = t.elapsed();
@@ -143,6 +155,14 @@ async fn manager_failover_with_default_settings() {
         lock_loss.as_millis(),
         handover.as_millis()
     );
-    assert!(lock_loss < Duration::from_secs(5) && handover < Duration::from_secs(5));
+    // The figures are the result; pass/fail rests on the states reached: the lock loss
+    // produced a new term, and the survivor now manages under a later one.
+    assert!(term2 > term1, "{term2:?} after {term1:?}");
+    let meta = store.meta().await.unwrap();
+    assert_eq!(
+        meta.manager_node.as_deref(),
+        Some(survivor.node_id().as_str())
+    );
+    assert!(meta.manager_term > term2, "{meta:?}");
     survivor.shutdown().await;
 }
