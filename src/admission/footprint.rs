@@ -119,8 +119,13 @@ mod tests {
         assert!(upload >= crate::cas::ingest::MEMORY_BOUND as u64 + MIB);
         let download = Footprint::for_operation(Operation::Download, chunk).bytes();
         assert!(download >= crate::cas::read::memory_bound(chunk as usize) as u64);
-        // The 256 KiB chunker: 6 x (256 + 416) KiB + 29 x 256 KiB + 1 MiB.
-        assert_eq!(upload, (6 * (256 + 416) + 33 * 256 + 1024) * 1024);
+        // The 256 KiB chunker: 6 x (256 + 416) KiB + 33 x 256 KiB + the PDF chunker's
+        // extra (any upload may be selected for it) + 1 MiB, rounded up to KiB.
+        let pdf = crate::cas::pdf::chunk::EXTRA_MEMORY as u64;
+        assert_eq!(
+            upload,
+            ((6 * (256 + 416) + 33 * 256 + 1024) * 1024 + pdf).div_ceil(1024) * 1024
+        );
         // 8 x 256 KiB of blocks + 3 x 416 KiB response buffers of a remote medium's reads.
         assert_eq!(download, (8 * 256 + 3 * 416) * 1024);
     }
@@ -128,9 +133,10 @@ mod tests {
     #[test]
     fn documented_values_for_a_4_mib_chunker() {
         let chunk = 4 * MIB;
+        let pdf = crate::cas::pdf::chunk::EXTRA_MEMORY as u64;
         assert_eq!(
             Footprint::for_operation(Operation::Upload, chunk).bytes(),
-            (6 * (256 + 416) * 1024) + 33 * chunk + MIB
+            ((6 * (256 + 416) * 1024) + 33 * chunk + MIB + pdf).div_ceil(1024) * 1024
         );
         assert_eq!(
             Footprint::for_operation(Operation::Download, chunk).bytes(),
