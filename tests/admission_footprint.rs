@@ -17,6 +17,14 @@
 //! The bodies are worst-case for the pipelines: every block is a maximum-size chunk
 //! (`MAX_CHUNK`, no content-defined cut point) and new, so the queues, counted in blocks,
 //! hold as many bytes as they can.
+//!
+//! ADM-4 is checked here against a measurement too, not against the footprint's own
+//! formula: the ingest pipeline runs in this process, under a global allocator that counts
+//! live heap bytes, on a worst-case body whose frames are allocated as a server's would
+//! be, into a real pack store whose medium holds its first publish until the pipeline
+//! has stopped pulling the body (full). The heap's high-water mark above the level before
+//! the upload must stay within the upload footprint. The tests of this file take one
+//! lock, so under `cargo test` (one process) no other test's allocations are counted.
 
 mod support;
 
@@ -35,6 +43,58 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpSocket;
 
 const BIN: &str = env!("CARGO_BIN_EXE_graviton");
+
+/// One test of this file at a time in a process (the heap count is process-wide).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Live heap bytes of this process and their high-water mark since the last reset.
+static LIVE: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+static PEAK: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+
+/// The system allocator, counting live bytes (ADM-4's measurement).
+struct Counting;
+
+fn counted(delta: i64) {
+    let now = LIVE.fetch_add(delta, Ordering::Relaxed) + delta;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+// SAFETY: every call is forwarded to the system allocator unchanged; the counters are
+// only updated around it.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: forwarded with the caller's layout.
+        let ptr = unsafe { std::alloc::System.alloc(layout) };
+        if !ptr.is_null() {
+            counted(layout.size() as i64);
+        }
+        ptr
+    }
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: forwarded with the caller's layout.
+        let ptr = unsafe { std::alloc::System.alloc_zeroed(layout) };
+        if !ptr.is_null() {
+            counted(layout.size() as i64);
+        }
+        ptr
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: the caller's pointer and layout, from `alloc` above.
+        unsafe { std::alloc::System.dealloc(ptr, layout) };
+        counted(-(layout.size() as i64));
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new: usize) -> *mut u8 {
+        // SAFETY: the caller's pointer, layout and size.
+        let moved = unsafe { std::alloc::System.realloc(ptr, layout, new) };
+        if !moved.is_null() {
+            counted(new as i64 - layout.size() as i64);
+        }
+        moved
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
 const ADMIN_TOKEN: &str = "admin-token-for-footprint-tests-01";
 const KEY_ID: &str = "GKfootprinttest0001";
 const SECRET: &str = "footprint-test-secret-0123456789abcdef";
@@ -575,6 +635,7 @@ async fn warm_up(serve: &Serve, seed: u64) {
 // ADM-13
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn uploads_against_a_stopped_block_store_stay_within_process_bytes() {
+    let _serial = SERIAL.lock().await;
     let Some(bin) = support::garage::Garage::bin_for("admission_footprint uploads") else {
         return;
     };
@@ -674,6 +735,7 @@ async fn uploads_against_a_stopped_block_store_stay_within_process_bytes() {
 // ADM-13
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn slow_reading_downloads_stay_within_process_bytes() {
+    let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let (admission, budget) = admission_toml(Operation::Download, DOWNLOADS_ADMITTED);
     let sections = format!(
@@ -748,4 +810,175 @@ async fn slow_reading_downloads_stay_within_process_bytes() {
     }
     assert_eq!(admitted, DOWNLOADS_ADMITTED);
     assert_eq!(serve.available_bytes().await, budget, "no permit leaked");
+}
+
+/// A local pack medium whose publishes wait until [`Gated::open`]: the pack writer stops
+/// at its first full pack, as behind a block store that does not answer.
+#[derive(Debug)]
+struct Gated {
+    inner: graviton::storage::pack::medium::LocalMedium,
+    open: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+    waiting: AtomicU64,
+}
+
+impl Gated {
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+}
+
+impl graviton::storage::pack::medium::Medium for Gated {
+    fn publish(
+        &self,
+        spool: std::fs::File,
+        spool_path: &Path,
+        id: &graviton::storage::pack::format::PackId,
+    ) -> Result<(), graviton::storage::StoreError> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let mut open = self.open.lock().unwrap();
+        while !*open {
+            open = self.opened.wait(open).unwrap();
+        }
+        drop(open);
+        self.inner.publish(spool, spool_path, id)
+    }
+    fn read(
+        &self,
+        id: &graviton::storage::pack::format::PackId,
+        offset: u64,
+        len: u64,
+    ) -> Result<bytes::Bytes, graviton::storage::StoreError> {
+        self.inner.read(id, offset, len)
+    }
+    fn read_all(
+        &self,
+        id: &graviton::storage::pack::format::PackId,
+    ) -> Result<bytes::Bytes, graviton::storage::StoreError> {
+        self.inner.read_all(id)
+    }
+    fn delete(
+        &self,
+        id: &graviton::storage::pack::format::PackId,
+    ) -> Result<(), graviton::storage::StoreError> {
+        self.inner.delete(id)
+    }
+    fn exists(
+        &self,
+        id: &graviton::storage::pack::format::PackId,
+    ) -> Result<bool, graviton::storage::StoreError> {
+        self.inner.exists(id)
+    }
+    fn list(
+        &self,
+    ) -> Result<Vec<(graviton::storage::pack::format::PackId, u64)>, graviton::storage::StoreError>
+    {
+        self.inner.list()
+    }
+    fn describe(&self) -> String {
+        format!("gated {}", self.inner.describe())
+    }
+    fn publish_behind(&self) -> bool {
+        self.inner.publish_behind()
+    }
+    fn direct_spool(&self) -> bool {
+        self.inner.direct_spool()
+    }
+}
+
+// Checks ADM-4 against a measurement: the upload footprint covers the heap a full ingest
+// pipeline really holds (see the module docs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_ingest_pipeline_holds_no_more_heap_than_the_upload_footprint() {
+    use graviton::cas::ingest::{IngestLimits, ingest};
+    use graviton::storage::fs::FsManifestStore;
+    use graviton::storage::pack::{PackOptions, PackStore};
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let pack_size = 1u64 << 20; // the smallest: the writer stops at its first pack
+    let medium = Arc::new(Gated {
+        inner: graviton::storage::pack::medium::LocalMedium::open(
+            &dir.path().join("packs"),
+            true,
+            None,
+        )
+        .unwrap(),
+        open: std::sync::Mutex::new(false),
+        opened: std::sync::Condvar::new(),
+        waiting: AtomicU64::new(0),
+    });
+    let options = PackOptions {
+        pack_size,
+        fsync: true,
+        trace: None,
+    };
+    let store: Arc<dyn graviton::storage::BlockStore> =
+        Arc::new(PackStore::open(dir.path(), medium.clone(), options).unwrap());
+    let manifests: Arc<dyn graviton::storage::ManifestStore> =
+        Arc::new(FsManifestStore::open(dir.path(), true).unwrap());
+
+    let body = Arc::new(worst_case_body(64 << 20, 4_000));
+    let frames = body.len().div_ceil(MAX_BODY_FRAME);
+    let pulled = Arc::new(AtomicU64::new(0));
+    // Each frame is a fresh allocation, as a server's body frames are.
+    let stream = futures_util::stream::iter((0..frames).map({
+        let (body, pulled) = (body.clone(), pulled.clone());
+        move |i| {
+            pulled.fetch_add(1, Ordering::SeqCst);
+            let end = ((i + 1) * MAX_BODY_FRAME).min(body.len());
+            Ok::<_, std::io::Error>(bytes::Bytes::copy_from_slice(
+                &body[i * MAX_BODY_FRAME..end],
+            ))
+        }
+    }));
+    let limits = IngestLimits {
+        max_size: u64::MAX,
+        declared_size: Some(body.len() as u64),
+        idle_timeout: Duration::from_secs(300),
+        digest: None,
+    };
+    let baseline = LIVE.load(Ordering::SeqCst);
+    PEAK.store(baseline, Ordering::SeqCst);
+    let upload = tokio::spawn(ingest(stream, limits, store, manifests, |_| {}));
+    // Full: the writer waits on its publish and the pipeline stopped pulling the body.
+    support::eventually(
+        Duration::from_secs(120),
+        "the pack writer reaches its first publish",
+        || medium.waiting.load(Ordering::SeqCst) >= 1,
+    )
+    .await;
+    wait_stalled(
+        std::slice::from_ref(&pulled),
+        Duration::from_secs(2),
+        Duration::from_secs(120),
+    )
+    .await;
+    let peak = (PEAK.load(Ordering::SeqCst) - baseline).max(0) as u64;
+    let taken = pulled.load(Ordering::SeqCst) as usize;
+    assert!(
+        medium.waiting.load(Ordering::SeqCst) >= 1 && taken < frames,
+        "the pipeline stopped short of the body's end behind the held publish \
+         ({taken} of {frames} frames taken)"
+    );
+    medium.open();
+    let report = upload
+        .await
+        .unwrap()
+        .expect("the upload completes once released");
+    assert_eq!(report.key, BlobKey::of(&body));
+
+    let footprint = Footprint::for_operation(Operation::Upload, MAX_CHUNK as u64).bytes();
+    eprintln!(
+        "FIGURE ADM-4 peak heap of a full ingest pipeline: {:.2} MiB of the {:.2} MiB upload \
+         footprint ({} MiB of body taken before it stopped)",
+        mib(peak),
+        mib(footprint),
+        (taken * MAX_BODY_FRAME) >> 20
+    );
+    assert!(
+        peak <= footprint,
+        "a full ingest pipeline held {peak} bytes of heap, more than the upload footprint \
+         of {footprint} bytes"
+    );
 }

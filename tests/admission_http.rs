@@ -13,6 +13,7 @@ use graviton::config::{ByteSize, Config, HumanDuration, Secret};
 use graviton::ids::{SessionId, TenantId};
 use graviton::node::NodeOptions;
 use support::RedisServer;
+use support::metrics::{count, count_or_zero as sample, require};
 use support::node::{TestNode, random_bytes};
 
 const ADMIN_TOKEN: &str = "admin-token-for-tests-0123";
@@ -104,7 +105,10 @@ async fn refused_uploads_leave_the_body_unread_with_429_or_503() {
 
     // Second request of the minute is still admitted by the quota (and refused by the
     // footprint); the third is refused by the request quota with Retry-After.
-    let _ = upload_as(&node.url, tenant, endless_body()).await;
+    let response = upload_as(&node.url, tenant, endless_body()).await;
+    assert_eq!(response.status(), 429);
+    assert!(response.headers().get("retry-after").is_none());
+    assert_eq!(error_code(response).await, "transfer_admission_limited");
     let response = upload_as(&node.url, tenant, endless_body()).await;
     assert_eq!(response.status(), 429);
     let retry: u64 = response.headers()["retry-after"]
@@ -121,9 +125,9 @@ async fn refused_uploads_leave_the_body_unread_with_429_or_503() {
     assert!(response.headers().get("retry-after").is_some());
     assert_eq!(error_code(response).await, "admission_unavailable");
 
-    assert!(
-        node.metrics_text()
-            .contains("graviton_upload_bytes_total 0"),
+    assert_eq!(
+        node.metric("graviton_upload_bytes_total"),
+        Some(0),
         "no body byte was ingested"
     );
     assert_eq!(node.block_count(), 0);
@@ -202,16 +206,16 @@ async fn download_is_aborted_when_the_egress_quota_runs_out() {
         ),
     }
     let metrics = node.metrics_text();
-    assert!(
-        metrics.contains("graviton_admission_quota_rejections_total{kind=\"egress\"} 1"),
+    assert_eq!(
+        count(
+            &metrics,
+            "graviton_admission_quota_rejections_total{kind=\"egress\"}"
+        ),
+        Some(1),
         "{metrics}"
     );
-    let line = metrics
-        .lines()
-        .find(|l| l.starts_with("graviton_admission_delivered_egress_bytes_total"))
-        .expect("egress metric");
-    let delivered: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
-    assert!(delivered > 0 && delivered <= 512 * 1024, "{line}");
+    let delivered = require(&metrics, "graviton_admission_delivered_egress_bytes_total");
+    assert!(delivered > 0 && delivered <= 512 * 1024, "{delivered}");
 }
 
 #[tokio::test]
@@ -320,10 +324,12 @@ async fn embedded_default_admits_without_redis_and_has_no_overrides() {
     assert_eq!(response.status(), 409);
     assert_eq!(error_code(response).await, "admission_not_distributed");
     let metrics = node.metrics_text();
-    assert!(
-        metrics.contains(
-            "graviton_admission_decisions_total{operation=\"upload\",outcome=\"admitted\"} 1"
+    assert_eq!(
+        count(
+            &metrics,
+            "graviton_admission_decisions_total{operation=\"upload\",outcome=\"admitted\"}"
         ),
+        Some(1),
         "{metrics}"
     );
 }
@@ -391,15 +397,6 @@ async fn a_spent_egress_window_is_429_with_retry_after_before_the_head() {
         .unwrap();
     assert_eq!(other.status(), 200);
     assert_eq!(other.bytes().await.unwrap().len(), 64 << 10);
-}
-
-/// The value of the sample `series` (name and labels exactly) in a scrape, 0 when absent.
-fn sample(metrics: &str, series: &str) -> u64 {
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .map(|value| value.parse().unwrap())
-        .unwrap_or(0)
 }
 
 // Checks OPS-1.

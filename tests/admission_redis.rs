@@ -80,6 +80,20 @@ fn lease_request(tenant: Option<TenantId>, mib: u64) -> LeaseRequest {
     }
 }
 
+/// Wait (at most 10 s) until Redis's own clock (`TIME`, the clock the scripts expire
+/// leases by) is past `ms`; whether it got there.
+async fn redis_time_passes(conn: &redis::aio::MultiplexedConnection, ms: u64) -> bool {
+    wait_until(Duration::from_secs(10), || {
+        let mut conn = conn.clone();
+        async move {
+            let (secs, micros): (u64, u64) =
+                redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+            secs * 1000 + micros / 1000 > ms
+        }
+    })
+    .await
+}
+
 fn cell() -> String {
     format!("it-{}", unique_suffix())
 }
@@ -434,7 +448,9 @@ async fn abandoned_lease_is_reaped_by_server_time_restoring_every_counter() {
         .try_acquire(&lease_request(Some(tenant), 8), true)
         .await
         .unwrap();
-    assert!(matches!(reply, AcquireReply::Admitted { .. }), "{reply:?}");
+    let AcquireReply::Admitted { expires_at_ms, .. } = reply else {
+        panic!("not admitted: {reply:?}");
+    };
     let snap = snapshot(&p1, Some(&tenant)).await;
     assert_eq!(
         (
@@ -443,18 +459,19 @@ async fn abandoned_lease_is_reaped_by_server_time_restoring_every_counter() {
         ),
         (8 * MIB, Some(1))
     );
-    tokio::time::sleep(Duration::from_millis(2200)).await;
+    // Until Redis's own clock is past the lease's expiry (not a guessed sleep).
+    let mut conn = redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    assert!(redis_time_passes(&conn, expires_at_ms).await);
     let snap = snapshot(&p1, Some(&tenant)).await;
     assert_eq!(snap.occupancy.service_bytes, 0);
     assert_eq!(snap.occupancy.service_transfers, 0);
     assert_eq!(snap.occupancy.tenant_bytes, Some(0));
     assert_eq!(snap.occupancy.tenant_transfers, Some(0));
     assert_eq!(snap.occupancy.backend_transfers, 0);
-    let mut conn = redis::Client::open(server.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
     let fields: u64 = redis::cmd("HLEN")
         .arg(coordinator.keys().counts())
         .query_async(&mut conn)
@@ -632,20 +649,50 @@ async fn renew_refuses_a_lease_past_expiry_that_was_not_reaped() {
     else {
         return;
     };
-    let cfg = edit(config(&server.url(), &cell()), |r| {
+    let cell = cell();
+    let cfg = edit(config(&server.url(), &cell), |r| {
         r.lease_ttl = HumanDuration::secs(2);
         r.renew_interval = HumanDuration::millis(300);
     });
     let p1 = provider(&cfg);
     let coordinator = p1.coordinator().unwrap();
     let request = lease_request(None, 8);
-    let AcquireReply::Admitted { token, .. } =
-        coordinator.try_acquire(&request, true).await.unwrap()
+    let AcquireReply::Admitted {
+        token,
+        expires_at_ms,
+        ..
+    } = coordinator.try_acquire(&request, true).await.unwrap()
     else {
         panic!("not admitted");
     };
-    tokio::time::sleep(Duration::from_millis(2150)).await;
-    // No call has reaped yet (renew does not reap); the record still exists but is overdue.
+    // Wait on the server's own clock, not ours: until Redis `TIME` is past the expiry the
+    // lease's record names, so the renewal below can neither come early nor by luck.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let expirations = format!("it:{{{cell}}}:admission:expirations");
+    let leases = format!("it:{{{cell}}}:admission:leases");
+    let recorded: Option<u64> = redis::cmd("ZSCORE")
+        .arg(&expirations)
+        .arg(request.lease_id.as_str())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(recorded, Some(expires_at_ms), "the expiry Redis holds");
+    assert!(
+        redis_time_passes(&conn, expires_at_ms).await,
+        "Redis time never passed the lease's expiry"
+    );
+    // No call has reaped yet (renew does not reap): the record still exists but is overdue.
+    let exists: bool = redis::cmd("HEXISTS")
+        .arg(&leases)
+        .arg(request.lease_id.as_str())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        exists,
+        "the overdue lease's record was reaped before the renewal"
+    );
     assert_eq!(
         coordinator.renew(&request.lease_id, &token).await.unwrap(),
         RenewReply::Expired

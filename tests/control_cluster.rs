@@ -370,12 +370,29 @@ impl Drop for ChildNode {
     }
 }
 
-/// Not a test of its own: the body of a child node process (kill/restart, three nodes,
-/// latency).
-/// Without the environment variable (a normal run) it returns at once.
+/// The body of a child node process (kill/restart, three nodes, latency) when the
+/// environment variable names one. Run as a test of its own (without the variable) it
+/// checks itself: this binary, re-executed as a child node, answers an owner call from
+/// this process with its own pid as the epoch, so it never passes without doing anything.
 #[test]
 fn child_node_entry() {
     let Ok(spec) = std::env::var(CHILD_ENV) else {
+        let runtime = tokio::runtime::Runtime::new().expect("runtime");
+        runtime.block_on(async {
+            let _serial = SERIAL.lock().await;
+            let (pa, pb) = (free_port(), free_port());
+            let me = start("entry-a", pa, TOKEN).await;
+            let peer = node("entry-b");
+            let child = ChildNode::spawn("entry-b", pb);
+            me.set_peers(vec![(peer.clone(), addr(pb))]);
+            let owner = owner_within(&me, &peer, Duration::from_secs(20)).await;
+            assert_eq!(owner.owner, peer, "the child node answered as itself");
+            assert_eq!(
+                owner.shard_epoch,
+                u64::from(child.id()),
+                "the answer came from the child process"
+            );
+        });
         return;
     };
     let (id, port) = spec.split_once(' ').expect("id port");

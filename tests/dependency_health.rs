@@ -122,10 +122,10 @@ async fn dependency_up(url: &str, dependency: &str) -> Option<u64> {
         .text()
         .await
         .unwrap();
-    let series = format!("graviton_dependency_up{{dependency=\"{dependency}\"}} ");
-    text.lines()
-        .find_map(|line| line.strip_prefix(series.as_str()))
-        .map(|value| value.parse().unwrap())
+    support::metrics::count(
+        &text,
+        &format!("graviton_dependency_up{{dependency=\"{dependency}\"}}"),
+    )
 }
 
 fn count(text: &str, needle: &str) -> usize {

@@ -100,14 +100,7 @@ async fn upload(url: &str, data: &[u8]) -> String {
         .to_string()
 }
 
-/// The value of the sample `series` (name and labels exactly) in a scrape, 0 when absent.
-fn sample(metrics: &str, series: &str) -> u64 {
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .map(|value| value.parse().unwrap())
-        .unwrap_or(0)
-}
+use support::metrics::count_or_zero as sample;
 
 const GET_2XX: &str =
     "graviton_http_requests_total{route=\"/v1/blobs/{key}\",method=\"GET\",status=\"2xx\"}";

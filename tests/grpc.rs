@@ -126,25 +126,14 @@ async fn drain(
     }
 }
 
-fn metric(node: &TestNode, name: &str) -> u64 {
-    let text = node.metrics_text();
-    text.lines()
-        .find(|l| l.starts_with(name))
-        .unwrap_or_else(|| panic!("{name} in {text}"))
-        .rsplit(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap()
+/// The value of the sample named exactly `series`; panics when absent.
+fn metric(node: &TestNode, series: &str) -> u64 {
+    support::metrics::require(&node.metrics_text(), series)
 }
 
 /// A metric's value, 0 while the series does not exist yet.
 fn metric_or_zero(node: &TestNode, series: &str) -> u64 {
-    node.metrics_text()
-        .lines()
-        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0)
+    support::metrics::count_or_zero(&node.metrics_text(), series)
 }
 
 #[tokio::test]
@@ -372,9 +361,9 @@ async fn unauthenticated_calls_are_refused_before_any_charge() {
         .unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted);
     assert!(err.metadata().get("retry-after").is_some());
-    assert!(
-        node.metrics_text()
-            .contains("graviton_admission_quota_rejections_total{kind=\"request\"} 1"),
+    assert_eq!(
+        node.metric("graviton_admission_quota_rejections_total{kind=\"request\"}"),
+        Some(1),
         "{}",
         node.metrics_text()
     );

@@ -40,3 +40,20 @@ async fn each_test_gets_its_own_database() {
     assert_eq!(name, db.name());
     conn.close().await.unwrap();
 }
+
+// The exact metric reader every test uses (`support::metrics`).
+#[test]
+fn metric_series_are_matched_whole_never_by_prefix() {
+    use support::metrics::{count, count_or_zero, registered, value};
+    let text = "# HELP graviton_x_total x.\n# TYPE graviton_x counter\n\
+                graviton_x_total{kind=\"a b\"} 12\ngraviton_x_total 10\n\
+                graviton_x_total_more 3\ngraviton_g 1.5\n# EOF\n";
+    assert_eq!(count(text, "graviton_x_total{kind=\"a b\"}"), Some(12));
+    assert_eq!(count(text, "graviton_x_total"), Some(10));
+    assert_eq!(count(text, "graviton_x_total{kind=\"a\"}"), None);
+    assert_eq!(count(text, "graviton_x"), None);
+    assert_eq!(value(text, "graviton_g"), Some(1.5));
+    assert_eq!(count_or_zero(text, "graviton_y_total"), 0);
+    assert!(registered(text, "graviton_x_total"));
+    assert!(!registered(text, "graviton_g"));
+}

@@ -232,9 +232,9 @@ async fn bad_headers_are_rejected_before_the_body_is_read() {
     .await;
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     // No body byte was consumed by any of them.
-    assert!(
-        node.metrics_text()
-            .contains("graviton_upload_bytes_total 0\n"),
+    assert_eq!(
+        node.metric("graviton_upload_bytes_total"),
+        Some(0),
         "{}",
         node.metrics_text()
     );
@@ -257,8 +257,7 @@ async fn truncated_body_stores_nothing() {
     drop(stream);
     // Wait until the server has seen the whole partial body and given up on it.
     let failed = support::wait_until(Duration::from_secs(10), || async {
-        node.metrics_text()
-            .contains("graviton_uploads_total{outcome=\"client_error\"} 1")
+        node.metric("graviton_uploads_total{outcome=\"client_error\"}") == Some(1)
     })
     .await;
     assert!(failed, "{}", node.metrics_text());
@@ -307,14 +306,17 @@ async fn ops_endpoints() {
             .starts_with("application/openmetrics-text")
     );
     let text = metrics.text().await.unwrap();
-    assert!(
-        text.contains("graviton_upload_bytes_total 100000"),
+    assert_eq!(
+        support::metrics::count(&text, "graviton_upload_bytes_total"),
+        Some(100000),
         "{text}"
     );
-    assert!(
-        text.contains(
-            "graviton_http_requests_total{route=\"/v1/blobs\",method=\"POST\",status=\"2xx\"} 1"
+    assert_eq!(
+        support::metrics::count(
+            &text,
+            "graviton_http_requests_total{route=\"/v1/blobs\",method=\"POST\",status=\"2xx\"}"
         ),
+        Some(1),
         "{text}"
     );
     let cluster: serde_json::Value = client()
@@ -457,11 +459,15 @@ async fn pdf_bodies_are_selected_by_type_and_signature_and_refusals_store_nothin
     }
     assert_eq!(node.manifest_count(), stored);
     let metrics = node.metrics_text();
-    for line in [
-        "graviton_pdf_refusals_total{kind=\"type_mismatch\"} 1",
-        "graviton_pdf_refusals_total{kind=\"signature_missing\"} 1",
-        "graviton_ingests_by_chunker_total{kind=\"pdf\"} 2",
+    for (series, expected) in [
+        ("graviton_pdf_refusals_total{kind=\"type_mismatch\"}", 1),
+        ("graviton_pdf_refusals_total{kind=\"signature_missing\"}", 1),
+        ("graviton_ingests_by_chunker_total{kind=\"pdf\"}", 2),
     ] {
-        assert!(metrics.contains(line), "{line} not in {metrics}");
+        assert_eq!(
+            support::metrics::count(&metrics, series),
+            Some(expected),
+            "{series} in {metrics}"
+        );
     }
 }

@@ -151,7 +151,11 @@ fn json_body(answer: &str) -> serde_json::Value {
 
 fn assert_nothing_read_or_stored(node: &TestNode) {
     let text = node.metrics_text();
-    assert!(text.contains("graviton_upload_bytes_total 0\n"), "{text}");
+    assert_eq!(
+        support::metrics::count(&text, "graviton_upload_bytes_total"),
+        Some(0),
+        "{text}"
+    );
     assert_eq!(node.manifest_count(), 0);
     assert_eq!(node.block_count(), 0);
 }
@@ -296,8 +300,9 @@ async fn bad_tokens_are_refused_before_the_body_with_json_errors() {
     assert_eq!(response.status(), 401);
     // Refusals are counted by reason (bounded labels, no ids).
     let text = node.metrics_text();
-    assert!(
-        text.contains("graviton_auth_failures_total{reason=\"expired\"} 1"),
+    assert_eq!(
+        support::metrics::count(&text, "graviton_auth_failures_total{reason=\"expired\"}"),
+        Some(1),
         "{text}"
     );
     assert!(!text.contains(ORG), "tenant id in metrics");
@@ -342,8 +347,7 @@ async fn valid_tokens_bind_the_tenant_and_session_less_uploads_to_the_org() {
     // It is admitted once its first body bytes are being ingested.
     let before = "es256 body".len() + "eddsa body".len();
     let admitted = support::wait_until(Duration::from_secs(10), || async {
-        node.metrics_text()
-            .contains(&format!("graviton_upload_bytes_total {}\n", before + 10))
+        node.metric("graviton_upload_bytes_total") == Some(before as u64 + 10)
     })
     .await;
     assert!(admitted, "{}", node.metrics_text());
@@ -482,11 +486,9 @@ async fn unknown_kid_with_a_stale_jwks_url_refetches_once_then_refuses_before_th
     }
     assert_eq!(node.manifest_count(), manifests_before);
     let text = node.metrics_text();
-    assert!(
-        text.contains(&format!(
-            "graviton_upload_bytes_total {}\n",
-            "known key".len()
-        )),
+    assert_eq!(
+        support::metrics::count(&text, "graviton_upload_bytes_total"),
+        Some("known key".len() as u64),
         "{text}"
     );
 }

@@ -173,8 +173,7 @@ async fn shutdown_aborts_uploads_that_outlive_the_grace_period() {
         .unwrap();
     stream.write_all(&random_bytes(300_000, 12)).await.unwrap();
     let started = support::wait_until(Duration::from_secs(5), || async {
-        node.metrics_text()
-            .contains("graviton_upload_bytes_total 300000")
+        node.metric("graviton_upload_bytes_total") == Some(300000)
     })
     .await;
     assert!(started);

@@ -45,12 +45,9 @@ async fn slow_clients(addr: SocketAddr, each: usize) -> Vec<TcpStream> {
     streams
 }
 
-fn metric(text: &str, prefix: &str) -> u64 {
-    text.lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+/// The value of the sample named exactly `series`, 0 while it does not exist yet.
+fn metric(text: &str, series: &str) -> u64 {
+    support::metrics::count_or_zero(text, series)
 }
 
 // Checks EDGE-5.

@@ -64,10 +64,10 @@ async fn hot_state_is_bounded_and_idle_sessions_are_evicted() {
     }
     let stops = |reason: &str| {
         let text = node.metrics_text();
-        let prefix = format!("graviton_session_stops_total{{reason=\"{reason}\"}} ");
-        text.lines()
-            .find_map(|l| l.strip_prefix(&prefix).map(|v| v.parse::<u64>().unwrap()))
-            .unwrap_or(0)
+        support::metrics::count_or_zero(
+            &text,
+            &format!("graviton_session_stops_total{{reason=\"{reason}\"}}"),
+        )
     };
     assert!(
         stops("evicted") >= 1,

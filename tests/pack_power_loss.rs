@@ -5,7 +5,10 @@
 //!
 //! * With the default `storage.fsync = true`, every acknowledged blob survives a kill and
 //!   crash byte-exact, the in-flight upload leaves nothing visible, and `graviton verify`
-//!   is clean (STO-20).
+//!   is clean (STO-20). The layer also drops every directory entry whose directory was
+//!   not fsynced, so a missing directory sync (after a pack's rename, for a new two-hex
+//!   directory, for the data directory's own files at start) loses a name and fails
+//!   the test (STO-24).
 //! * The control: with `storage.fsync = false` the same crash loses acknowledged blobs,
 //!   so the layer really fails a store that does not sync.
 
@@ -15,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use support::lazyfs::{LazyFs, Unsynced};
+use support::lazyfs::{LazyFs, Unsynced, UnsyncedName};
 use support::node::random_bytes;
 
 const BIN: &str = env!("CARGO_BIN_EXE_graviton");
@@ -202,6 +205,11 @@ fn acknowledged_data(path: &Path) -> bool {
         || path.starts_with("node/manifests/")
 }
 
+/// Scratch space whose names need not survive a crash: spool files and temporary files.
+fn scratch(path: &Path) -> bool {
+    path.starts_with("node/packs/tmp/") || path.starts_with("node/tmp/")
+}
+
 /// Several blobs of a few MiB (distinct content, so no block is shared).
 fn blobs() -> Vec<Vec<u8>> {
     [3usize, 5, 4, 3]
@@ -255,11 +263,32 @@ async fn acknowledged_blobs_survive_a_power_loss_with_fsync() {
     let synced = fs.stats();
     node.kill9();
     drop(stream);
+    // Checks STO-24: every name an acknowledgement or a restart stands on (packs, their
+    // two-hex directories, manifests, the index and ledger files, the data directory's
+    // own directories) is durable in its directory; only scratch names are not.
+    let names = fs.unsynced_names();
+    let lost: Vec<_> = names
+        .iter()
+        .filter(|name| match name {
+            UnsyncedName::Added(path) => !scratch(path),
+            UnsyncedName::Removed(_) => false,
+        })
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "names whose directory was not synced, lost by the crash: {lost:?}"
+    );
+    assert!(
+        names
+            .iter()
+            .any(|name| matches!(name, UnsyncedName::Added(p) if scratch(p))),
+        "the in-flight upload's spool file has no durable name: {names:?}"
+    );
     let dropped = fs.crash();
     eprintln!("{test}: {synced:?}; the crash dropped: {}", show(&dropped));
     assert!(
-        synced.file_syncs() > 0,
-        "the uploads synced files: {synced:?}"
+        synced.file_syncs() > 0 && synced.dir_fsyncs > 0,
+        "the uploads synced files and directories: {synced:?}"
     );
     assert!(
         dropped.iter().any(|f| f.path.starts_with("node/packs/tmp")),
@@ -362,8 +391,9 @@ async fn without_fsync_a_power_loss_loses_acknowledged_blobs() {
     );
 }
 
-// The layer itself, without graviton: only what an fsync covered survives a crash;
-// names are durable at once; a listing survives removals made during it.
+// The layer itself, without graviton: only what an fsync covered survives a crash (data
+// here, names in `the_layer_keeps_only_the_names_a_directory_sync_covered`); a listing
+// survives removals made during it.
 #[tokio::test]
 async fn the_layer_keeps_exactly_what_was_fsynced() {
     use std::io::Write;
@@ -407,11 +437,13 @@ async fn the_layer_keeps_exactly_what_was_fsynced() {
     std::fs::write(root.join("removed"), b"x").unwrap();
     std::fs::remove_file(root.join("removed")).unwrap();
     drop((appended, truncated, staged));
+    // every name above as it is now is made durable (names are the other test's subject)
+    sync_dir(root);
 
     let stats = fs.stats();
     assert_eq!(
         (stats.fsyncs, stats.fdatasyncs, stats.dir_fsyncs),
-        (1, 2, 1)
+        (1, 2, 2)
     );
     assert_eq!(
         std::fs::read(root.join("appended")).unwrap(),
@@ -457,4 +489,80 @@ async fn the_layer_keeps_exactly_what_was_fsynced() {
     let expected: Vec<String> = (0..300).map(|i| format!("file-{i:03}")).collect();
     assert_eq!(seen, expected);
     std::fs::remove_dir(&many).unwrap();
+}
+
+fn sync_dir(dir: &Path) {
+    std::fs::File::open(dir).unwrap().sync_all().unwrap();
+}
+
+// Checks STO-24 (the layer's half): a name survives a crash only if its directory was
+// fsynced after the name was made, and a removal only if the directory was fsynced after
+// it; a file's own fsync makes its data durable, never its name; a new directory whose
+// parent was not synced is lost with everything under it.
+#[tokio::test]
+async fn the_layer_keeps_only_the_names_a_directory_sync_covered() {
+    let Some(fs) = LazyFs::mount("the_layer_keeps_only_the_names_a_directory_sync_covered") else {
+        return;
+    };
+    let root = fs.path();
+    let synced_file = |path: &Path, data: &[u8]| {
+        let file = std::fs::File::create(path).unwrap();
+        (&file).write_all(data).unwrap();
+        file.sync_all().unwrap();
+    };
+    use std::io::Write;
+    std::fs::create_dir(root.join("d")).unwrap();
+    sync_dir(root);
+    synced_file(&root.join("d/kept"), b"kept");
+    synced_file(&root.join("d/unlinked"), b"back");
+    synced_file(&root.join("d/moved"), b"moved");
+    sync_dir(&root.join("d"));
+    // after the last sync of d: a new name, a removal and a rename, all undone by a crash
+    synced_file(&root.join("d/new"), b"new");
+    std::fs::remove_file(root.join("d/unlinked")).unwrap();
+    std::fs::rename(root.join("d/moved"), root.join("d/renamed")).unwrap();
+    // a new directory, synced inside, but whose own name in the root never was
+    std::fs::create_dir(root.join("fresh")).unwrap();
+    synced_file(&root.join("fresh/inner"), b"inner");
+    sync_dir(&root.join("fresh"));
+    assert!(root.join("fresh/inner").exists() && !root.join("d/unlinked").exists());
+
+    let added = |p: &str| UnsyncedName::Added(PathBuf::from(p));
+    let removed = |p: &str| UnsyncedName::Removed(PathBuf::from(p));
+    assert_eq!(
+        fs.unsynced_names(),
+        [
+            added("d/new"),
+            added("d/renamed"),
+            added("fresh"),
+            removed("d/moved"),
+            removed("d/unlinked"),
+        ]
+    );
+    assert!(fs.crash().is_empty(), "every file's data was synced");
+    assert_eq!(std::fs::read(root.join("d/kept")).unwrap(), b"kept");
+    assert_eq!(std::fs::read(root.join("d/unlinked")).unwrap(), b"back");
+    assert_eq!(std::fs::read(root.join("d/moved")).unwrap(), b"moved");
+    assert!(
+        !root.join("d/new").exists(),
+        "a name its directory never synced"
+    );
+    assert!(
+        !root.join("d/renamed").exists(),
+        "a rename its directory never synced"
+    );
+    assert!(
+        !root.join("fresh").exists(),
+        "a directory its parent never synced"
+    );
+    let mut listed: Vec<String> = std::fs::read_dir(root.join("d"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    listed.sort();
+    assert_eq!(listed, ["kept", "moved", "unlinked"]);
+    assert!(
+        fs.unsynced_names().is_empty(),
+        "a crash leaves no unsynced name"
+    );
 }

@@ -18,6 +18,30 @@ fn client() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().build().unwrap()
 }
 
+/// Wait until the wall clock, in the whole milliseconds the collector compares, has moved
+/// past its reading now: whatever was written before this call is then strictly older
+/// than `min_age = 0` (an observable state of the clock, not a guessed sleep).
+async fn wait_for_the_next_millisecond() {
+    let now_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis()
+    };
+    let start = now_ms();
+    while now_ms() <= start {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Total size of the pack files under `packs` (sealed packs only, not spool files).
+fn pack_bytes(packs: &std::path::Path) -> u64 {
+    walk_packs(packs)
+        .iter()
+        .map(|p| std::fs::metadata(p).unwrap().len())
+        .sum()
+}
+
 async fn upload(url: &str, data: Vec<u8>) -> serde_json::Value {
     let response = client()
         .post(format!("{url}/v1/blobs"))
@@ -35,6 +59,9 @@ async fn delete_removes_the_manifest_and_gc_reclaims_only_unreferenced_packs() {
     let node = TestNode::start_with(
         |config: &mut Config| {
             config.admin.token = Some(Secret::new(ADMIN_TOKEN));
+            // The pack store's durability path (syncs of packs, directories, index,
+            // manifests) runs here too: `Config::for_test` turns it off.
+            config.storage.fsync = true;
             config.storage.gc.min_age = HumanDuration(Duration::ZERO);
             config.storage.gc.retention = HumanDuration(Duration::ZERO);
         },
@@ -82,7 +109,9 @@ async fn delete_removes_the_manifest_and_gc_reclaims_only_unreferenced_packs() {
     assert_eq!(bad.status(), 400);
 
     let blocks_before = node.block_count();
-    tokio::time::sleep(Duration::from_millis(5)).await;
+    let packs_dir = node.dir.path().join("packs");
+    let bytes_before = pack_bytes(&packs_dir);
+    wait_for_the_next_millisecond().await;
     let gc = |dry: bool| {
         client()
             .post(format!("{}/v1/admin/gc?dry_run={dry}&purge=true", node.url))
@@ -98,16 +127,32 @@ async fn delete_removes_the_manifest_and_gc_reclaims_only_unreferenced_packs() {
     );
     let first: serde_json::Value = gc(false).await.unwrap().json().await.unwrap();
     assert_eq!(first["packs_retired"], 1, "{first}");
-    tokio::time::sleep(Duration::from_millis(5)).await;
+    wait_for_the_next_millisecond().await;
     let second: serde_json::Value = gc(false).await.unwrap().json().await.unwrap();
     assert_eq!(second["packs_deleted"], 1, "{second}");
     assert!(node.block_count() < blocks_before);
-    assert!(
-        node.metrics_text()
-            .contains("graviton_gc_packs_rewritten_total")
-            && node
-                .metrics_text()
-                .contains("graviton_gc_bytes_reclaimed_total"),
+    // The counters hold what the two real runs reported (the dry run counts nothing), and
+    // the bytes reclaimed are the bytes that left the disk.
+    let reported = |field: &str| first[field].as_u64().unwrap() + second[field].as_u64().unwrap();
+    let metrics = node.metrics_text();
+    let metric = |series: &str| support::metrics::count(&metrics, series);
+    assert_eq!(metric("graviton_gc_runs_total"), Some(2), "{metrics}");
+    assert_eq!(
+        metric("graviton_gc_packs_rewritten_total"),
+        Some(reported("packs_rewritten")),
+        "{metrics}"
+    );
+    let reclaimed = reported("bytes_reclaimed");
+    assert!(reclaimed > 0, "{first} {second}");
+    assert_eq!(
+        metric("graviton_gc_bytes_reclaimed_total"),
+        Some(reclaimed),
+        "{metrics}"
+    );
+    assert_eq!(
+        bytes_before - pack_bytes(&packs_dir),
+        reclaimed,
+        "the reclaimed bytes left the disk"
     );
     let body = client()
         .get(blob(&key_b))
@@ -160,7 +205,26 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     );
     stream.write_all(head.as_bytes()).unwrap();
     stream.write_all(&partial[..5 << 20]).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // Kill only once the server is writing the upload's open pack: its spool file holds
+    // most of what was sent (the chunker keeps at most one unfinished block back).
+    let spool = dir.path().join("packs").join("tmp");
+    let spooled = || {
+        std::fs::read_dir(&spool)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter_map(|e| e.metadata().ok())
+                    .map(|m| m.len())
+                    .sum::<u64>()
+            })
+            .unwrap_or(0)
+    };
+    support::eventually(
+        Duration::from_secs(30),
+        "the upload's spool file holds most of the 5 MiB sent",
+        || spooled() >= 4 << 20,
+    )
+    .await;
     support::kill9(&mut child);
     let mut rest = Vec::new();
     let _ = stream.read_to_end(&mut rest);
@@ -183,13 +247,22 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
         body[..] == acked[..],
         "acknowledged blob byte-exact after kill -9"
     );
-    let partial_key = graviton::cas::BlobKey::of(&partial).to_string();
-    let missing = client()
-        .get(format!("{url}/v1/blobs/{partial_key}"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(missing.status(), 404);
+    // No partial blob: neither the bytes that arrived nor the whole content have a key,
+    // and the only manifest on disk is the acknowledged one.
+    for content in [&partial[..5 << 20], &partial[..]] {
+        let partial_key = graviton::cas::BlobKey::of(content).to_string();
+        let missing = client()
+            .get(format!("{url}/v1/blobs/{partial_key}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(missing.status(), 404);
+    }
+    assert_eq!(
+        support::node::count_files(&dir.path().join("manifests")),
+        1,
+        "only the acknowledged upload has a manifest"
+    );
     // the same upload succeeds after the restart
     upload(&url, partial.clone()).await;
     support::kill9(&mut child);

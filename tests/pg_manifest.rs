@@ -147,7 +147,9 @@ async fn manifest_store_contract(store: Arc<dyn ManifestStore>, tag: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn contract_fs() {
     let dir = tempfile::tempdir().unwrap();
-    let store = FsManifestStore::open(dir.path(), false).unwrap();
+    // With fsync on: the store's durable publish path (file, rename, directory syncs) is
+    // the one the contract runs through, as in production.
+    let store = FsManifestStore::open(dir.path(), true).unwrap();
     manifest_store_contract(Arc::new(store), "fs").await;
 }
 
@@ -191,7 +193,8 @@ async fn pg_second_create_leaves_the_row_untouched() {
     let before = row_version(store.pool(), &first.key).await;
     assert_eq!(before.2, 1);
 
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    // Any rewrite of the row changes its xmin (and its `created_at_ms` to 2), whenever it
+    // happens: no wait is needed for a rewrite to show.
     let second = manifest_of(content, &[17], 2);
     assert_eq!(
         store.create(&second).await.unwrap(),
@@ -465,6 +468,10 @@ async fn a_fenced_commit_is_refused_once_the_shard_moved() {
         .execute(&mut *mover)
         .await
         .unwrap();
+    let mover_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *mover)
+        .await
+        .unwrap();
     let racing = tokio::spawn({
         let store = store.clone();
         let fence = fence.clone();
@@ -476,7 +483,25 @@ async fn a_fenced_commit_is_refused_once_the_shard_moved() {
                 .map(|_| manifest.key)
         }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The fault is confirmed before the test relies on it: the commit's backend waits on
+    // a lock that the move's backend holds (PostgreSQL's own view, not a guessed sleep).
+    let blocked = support::wait_until(Duration::from_secs(7), || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'
+                   AND $1 = ANY(pg_blocking_pids(pid))",
+            )
+            .bind(mover_pid)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 1
+        }
+    })
+    .await;
+    assert!(blocked, "the commit never waited on the move's row lock");
     assert!(
         !racing.is_finished(),
         "the commit waits for the move's transaction"

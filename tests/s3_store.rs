@@ -101,16 +101,93 @@ async fn uploads_land_in_packs_on_s3_and_download_byte_exact() {
     assert!(ranged.bytes().await.unwrap()[..] == data[10_000_000..10_001_000]);
 }
 
+/// A client of the test bucket of its own (not the product's medium), for what the server
+/// itself does.
+fn raw_bucket(s3: &S3Config) -> object_store::aws::AmazonS3 {
+    object_store::aws::AmazonS3Builder::new()
+        .with_bucket_name(&s3.bucket)
+        .with_region(&s3.region)
+        .with_access_key_id(&s3.access_key_id)
+        .with_secret_access_key(s3.secret_access_key.as_ref().unwrap().expose())
+        .with_virtual_hosted_style_request(false)
+        .with_endpoint(&s3.endpoint)
+        .with_client_options(object_store::ClientOptions::new().with_allow_http(true))
+        .build()
+        .unwrap()
+}
+
+// The probe's answer is checked against what the server does with a second
+// `If-None-Match: *` create of one key (observed through a client of the test's own):
+// it honours the header exactly when the first object's bytes survive the second create,
+// and the second create is then refused. And what the product relies on holds whatever
+// the answer: publishing a pack whose object already exists (a racing copy: same name,
+// same bytes) succeeds and leaves the bytes readable.
 #[tokio::test]
 async fn the_conditional_create_probe_answers_and_secrets_stay_out_of_debug() {
+    use graviton::storage::pack::format::PackId;
+    use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
     let Some(s3) = s3_config("the_conditional_create_probe_answers_and_secrets_stay_out_of_debug")
     else {
         return;
     };
     let medium = S3Medium::new(&s3, None).unwrap();
     let honoured = medium.probe().await.unwrap();
-    eprintln!("server honours If-None-Match: {honoured}");
     assert_eq!(medium.conditional_create(), honoured);
+
+    let raw = raw_bucket(&s3);
+    let key = object_store::path::Path::from(format!("{}/if-none-match-check", s3.prefix));
+    let create = || PutOptions {
+        mode: PutMode::Create,
+        ..Default::default()
+    };
+    raw.put_opts(&key, PutPayload::from_static(b"first"), create())
+        .await
+        .expect("a create of a new key succeeds");
+    let second = raw
+        .put_opts(&key, PutPayload::from_static(b"second"), create())
+        .await;
+    let kept = raw.get(&key).await.unwrap().bytes().await.unwrap();
+    match &second {
+        Ok(_) => assert_eq!(&kept[..], b"second", "an accepted create overwrote"),
+        Err(
+            object_store::Error::AlreadyExists { .. } | object_store::Error::Precondition { .. },
+        ) => {
+            assert_eq!(&kept[..], b"first", "a refused create changed nothing")
+        }
+        Err(other) => panic!("the server answered a second create with {other}"),
+    }
+    eprintln!("server honours If-None-Match: {honoured}");
+    assert_eq!(
+        honoured,
+        second.is_err(),
+        "the probe says {honoured}, the server {} a second create",
+        if second.is_err() {
+            "refused"
+        } else {
+            "accepted"
+        }
+    );
+    raw.delete(&key).await.unwrap();
+
+    let medium = std::sync::Arc::new(medium);
+    let id = PackId::try_from_slice(blake3::hash(s3.prefix.as_bytes()).as_bytes()).unwrap();
+    let bytes = bytes::Bytes::from(random_bytes(64 << 10, 17));
+    let (m, b) = (medium.clone(), bytes.clone());
+    let read = tokio::task::spawn_blocking(move || {
+        m.put_pack(&id, b.clone())?;
+        m.put_pack(&id, b)?; // the racing copy
+        m.read_all(&id)
+    })
+    .await
+    .unwrap()
+    .expect("a pack published twice is stored once and reads back");
+    assert!(read == bytes, "the pack's bytes after the second publish");
+    let m = medium.clone();
+    tokio::task::spawn_blocking(move || m.delete(&id))
+        .await
+        .unwrap()
+        .unwrap();
+
     let secret = s3.secret_access_key.as_ref().unwrap().expose().to_string();
     assert!(!format!("{medium:?}").contains(&secret));
     assert!(!format!("{s3:?}").contains(&secret));

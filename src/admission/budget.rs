@@ -336,6 +336,7 @@ mod tests {
 
     #[tokio::test]
     async fn backpressure_until_release() {
+        use futures_util::FutureExt;
         let budget = TransferBudget::new(&config());
         let held = budget.reserve(None, "fs", mib(48), soon()).await.unwrap();
         assert_eq!(budget.available_bytes(), 16 << 20);
@@ -349,17 +350,17 @@ mod tests {
             16 << 20,
             "a timed-out waiter holds nothing"
         );
-        let waiter = {
-            let budget = budget.clone();
-            tokio::spawn(async move {
-                budget
-                    .reserve(None, "fs", mib(32), Instant::now() + Duration::from_secs(5))
-                    .await
-            })
-        };
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // One poll queues the waiter on the process bytes (its answer is not ready: it
+        // waits); releasing the held bytes then admits it.
+        let mut waiter =
+            Box::pin(budget.reserve(None, "fs", mib(32), Instant::now() + Duration::from_secs(5)));
+        assert!(
+            (&mut waiter).now_or_never().is_none(),
+            "32 MiB must wait while only 16 MiB are free"
+        );
+        assert_eq!(budget.available_bytes(), 16 << 20, "a waiter takes nothing");
         drop(held);
-        let permit = waiter.await.unwrap().unwrap();
+        let permit = waiter.await.unwrap();
         assert_eq!(budget.available_bytes(), 32 << 20);
         drop(permit);
         assert_eq!(budget.available_bytes(), 64 << 20);
@@ -378,32 +379,47 @@ mod tests {
 
     #[tokio::test]
     async fn cancellation_releases_everything() {
+        use futures_util::FutureExt;
         let budget = TransferBudget::new(&config());
         let t = tenant();
         let held = budget
             .reserve(Some(&t), "fs", mib(8), soon())
             .await
             .unwrap();
-        // A second transfer of the same tenant waits for the tenant count; cancel it.
-        let waiting = budget.reserve(
+        let tenant_users = |budget: &TransferBudget| lock(&budget.tenants).entries[&t].users;
+        assert_eq!(tenant_users(&budget), 1);
+        // A second transfer of the same tenant waits for the tenant count (one poll: not
+        // ready, and registered as a user of the tenant's entry); cancel it by dropping.
+        let mut waiting = Box::pin(budget.reserve(
             Some(&t),
             "fs",
             mib(8),
             Instant::now() + Duration::from_secs(5),
+        ));
+        assert!((&mut waiting).now_or_never().is_none(), "the waiter waits");
+        assert_eq!(
+            tenant_users(&budget),
+            2,
+            "the waiter holds the tenant entry"
         );
-        assert!(
-            tokio::time::timeout(Duration::from_millis(30), waiting)
-                .await
-                .is_err()
+        drop(waiting);
+        assert_eq!(
+            tenant_users(&budget),
+            1,
+            "the cancelled waiter let go of it"
         );
         assert_eq!(budget.available_bytes(), 56 << 20);
         drop(held);
+        assert_eq!(tenant_users(&budget), 0);
+        assert_eq!(lock(&budget.tenants).active(), 0);
         assert_eq!(budget.available_bytes(), 64 << 20);
-        // Everything is free again: the same tenant is admitted at once.
-        budget
-            .reserve(Some(&t), "fs", mib(32), soon())
-            .await
-            .unwrap();
+        // Everything is free again: the same tenant is admitted on the first poll.
+        assert!(matches!(
+            budget
+                .reserve(Some(&t), "fs", mib(32), soon())
+                .now_or_never(),
+            Some(Ok(_))
+        ));
     }
 
     #[tokio::test]

@@ -238,6 +238,11 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
                 .map_err(storage_err)?,
         ),
     };
+    // Every store has created its directories and files: make their names durable
+    // before the first upload can be acknowledged (STO-24).
+    if config.storage.fsync && data_dir.is_dir() {
+        crate::storage::pack::medium::sync_data_dir(&data_dir).map_err(storage_err)?;
+    }
     let forwarder = if cluster_mode {
         let options = ForwardOptions::from_config(&config.control).ok_or_else(|| {
             StartError::Control("control.internal_token is required in cluster mode".into())

@@ -9,11 +9,20 @@
 //! * `durable`: what survives a power loss. `fsync` and `fdatasync` of the file set it to
 //!   `current`.
 //!
-//! Metadata operations (create, mknod, mkdir, rename, link, unlink, rmdir) take effect at
-//! once and durably, as in LazyFS. [`LazyFs::crash`] sets every file's `current` to its
-//! `durable` copy: every write not followed by an fsync of that file is dropped, and so
-//! is every size change. Call it while no process uses the mount (after `kill -9`). A kill
-//! alone cannot catch a missing sync (the page cache outlives the process); this can.
+//! Directories keep two copies of their entries in the same way (LazyFS does not; this
+//! layer is stricter): a create, mknod, mkdir, rename, link, unlink or rmdir changes what
+//! lookups see at once, and an fsync of the directory (`fsyncdir`) makes its entries as
+//! they are then durable. A file's own fsync does not make its name durable (POSIX
+//! leaves that to the directory's fsync). An unlinked file or removed directory that a
+//! durable entry still names is kept until that entry goes.
+//!
+//! [`LazyFs::crash`] sets every file's `current` to its `durable` copy and every
+//! directory's entries to its durable entries: every write not followed by an fsync of
+//! that file is dropped, and so is every size change, every name made or removed since
+//! its directory's last fsync, and every file and directory no durable name reaches any
+//! more. Call it while no process uses the mount (after `kill -9`). A kill alone cannot
+//! catch a missing sync (the page cache outlives the process); this can.
+//! [`LazyFs::unsynced_names`] lists beforehand what a crash would do to names.
 //!
 //! Every open is answered with direct I/O and attributes and entries are never cached
 //! (TTL 0), so the kernel's page cache never serves bytes the layer has dropped (nothing
@@ -54,7 +63,7 @@ pub struct Stats {
     pub fsyncs: u64,
     /// `fdatasync` of a regular file.
     pub fdatasyncs: u64,
-    /// `fsync` or `fdatasync` of a directory (metadata is durable anyway; counted only).
+    /// `fsync` or `fdatasync` of a directory (makes its entries durable).
     pub dir_fsyncs: u64,
     /// `write` calls.
     pub writes: u64,
@@ -76,6 +85,18 @@ pub struct Unsynced {
     pub len: u64,
     /// Length of what a crash leaves.
     pub durable_len: u64,
+}
+
+/// A directory entry whose current state differs from its durable one (see
+/// [`LazyFs::unsynced_names`]).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum UnsyncedName {
+    /// The name exists now (created or renamed to) but its directory was not synced
+    /// since: a crash removes it, or gives it back its durable target.
+    Added(PathBuf),
+    /// The name was removed (unlinked, renamed away) but its directory was not synced
+    /// since: a crash brings it back.
+    Removed(PathBuf),
 }
 
 /// A mounted LazyFS-style filesystem; unmounted on drop.
@@ -183,20 +204,45 @@ impl LazyFs {
         out
     }
 
-    /// Power loss: every file's data becomes its durable copy (each write not followed by
-    /// an fsync of its file is lost). Returns what changed. Call it while no process uses
-    /// the mount.
-    pub fn crash(&self) -> Vec<Unsynced> {
-        let dropped = self.unsynced();
-        let mut state = self.lock();
-        for node in state.nodes.values_mut() {
-            if let Body::File { current, durable } = &mut node.body
-                && current != durable
-            {
-                current.clone_from(durable);
-                node.mtime = SystemTime::now();
+    /// Every directory entry a crash would change now, by path (relative to the mount
+    /// point, through the current names of its directories), sorted. A name whose
+    /// directory is itself lost in the crash is listed too.
+    pub fn unsynced_names(&self) -> Vec<UnsyncedName> {
+        let state = self.lock();
+        let mut out = Vec::new();
+        for (ino, path) in std::iter::once((ROOT, PathBuf::new())).chain(state.paths()) {
+            let Some(Node {
+                body: Body::Dir {
+                    entries, durable, ..
+                },
+                ..
+            }) = state.nodes.get(&ino)
+            else {
+                continue;
+            };
+            for (name, child) in entries {
+                if durable.get(name) != Some(child) {
+                    out.push(UnsyncedName::Added(path.join(name)));
+                }
+            }
+            for name in durable.keys() {
+                if !entries.contains_key(name) {
+                    out.push(UnsyncedName::Removed(path.join(name)));
+                }
             }
         }
+        out.sort();
+        out
+    }
+
+    /// Power loss: every file's data becomes its durable copy (each write not followed by
+    /// an fsync of its file is lost), and every directory's entries its durable entries
+    /// (each name change not followed by an fsync of its directory is undone). Returns the
+    /// data changes of files named before the crash (see [`LazyFs::unsynced_names`] for
+    /// the names). Call it while no process uses the mount.
+    pub fn crash(&self) -> Vec<Unsynced> {
+        let dropped = self.unsynced();
+        self.lock().crash();
         dropped
     }
 
@@ -369,7 +415,10 @@ enum Body {
     },
     Dir {
         parent: u64,
+        /// What lookups see.
         entries: BTreeMap<OsString, u64>,
+        /// What survives a power loss: the entries at the directory's last fsync.
+        durable: BTreeMap<OsString, u64>,
     },
 }
 
@@ -378,7 +427,8 @@ struct Node {
     perm: u16,
     uid: u32,
     gid: u32,
-    /// Names of this inode (files; a directory's count is derived).
+    /// Current names of this inode (files; a directory's count is derived, and 0 once
+    /// removed). A node without a name, an open handle and a durable name is freed.
     links: u32,
     /// Open file handles (an unlinked file lives until the last is released).
     open: u32,
@@ -430,6 +480,7 @@ impl State {
             Body::Dir {
                 parent: ROOT,
                 entries: BTreeMap::new(),
+                durable: BTreeMap::new(),
             },
             0o755,
             uid,
@@ -535,14 +586,126 @@ impl State {
         self.collect(ino);
     }
 
+    /// A directory's only name is gone.
+    fn removed_dir(&mut self, ino: u64) {
+        if let Some(node) = self.nodes.get_mut(&ino) {
+            node.links = 0;
+            node.ctime = SystemTime::now();
+        }
+        self.collect(ino);
+    }
+
     fn collect(&mut self, ino: u64) {
         if self
             .nodes
             .get(&ino)
             .is_some_and(|node| node.links == 0 && node.open == 0)
+            && !self.durably_named().contains(&ino)
         {
             self.nodes.remove(&ino);
         }
+    }
+
+    /// Every inode some directory's durable entries name.
+    fn durably_named(&self) -> std::collections::HashSet<u64> {
+        self.nodes
+            .values()
+            .filter_map(|node| match &node.body {
+                Body::Dir { durable, .. } => Some(durable.values().copied()),
+                Body::File { .. } => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    /// Free every node without a current name, an open handle or a durable name.
+    fn sweep(&mut self) {
+        let named = self.durably_named();
+        self.nodes.retain(|ino, node| {
+            *ino == ROOT || node.links > 0 || node.open > 0 || named.contains(ino)
+        });
+    }
+
+    /// An fsync of directory `ino`: its entries as they are now become durable.
+    fn sync_dir(&mut self, ino: u64) -> Result<(), Errno> {
+        match &mut self.node_mut(ino)?.body {
+            Body::Dir {
+                entries, durable, ..
+            } => durable.clone_from(entries),
+            Body::File { .. } => return Err(Errno::ENOTDIR),
+        }
+        self.stats.dir_fsyncs += 1;
+        self.sweep();
+        Ok(())
+    }
+
+    /// Power loss: data and entries become their durable copies; what no durable name
+    /// reaches from the root is gone. No handle survives (every user was killed).
+    fn crash(&mut self) {
+        let now = SystemTime::now();
+        for node in self.nodes.values_mut() {
+            node.open = 0;
+            match &mut node.body {
+                Body::File { current, durable } => {
+                    if current != durable {
+                        current.clone_from(durable);
+                        node.mtime = now;
+                    }
+                }
+                Body::Dir {
+                    entries, durable, ..
+                } => {
+                    if entries != durable {
+                        entries.clone_from(durable);
+                        node.mtime = now;
+                    }
+                }
+            }
+            node.links = 0;
+        }
+        // Walk the tree from the root: count each file's names, fix each directory's
+        // parent, and keep a directory under its first name only (a directory durably
+        // named in two places, renamed between two synced parents, is cut from the second).
+        let mut reached = std::collections::HashSet::from([ROOT]);
+        let mut stack = vec![ROOT];
+        while let Some(dir) = stack.pop() {
+            let children: Vec<(OsString, u64)> = match self.nodes.get(&dir).map(|n| &n.body) {
+                Some(Body::Dir { entries, .. }) => {
+                    entries.iter().map(|(n, i)| (n.clone(), *i)).collect()
+                }
+                _ => continue,
+            };
+            for (name, child) in children {
+                let Some(is_dir) = self.nodes.get(&child).map(Node::is_dir) else {
+                    continue;
+                };
+                if !is_dir {
+                    if let Some(node) = self.nodes.get_mut(&child) {
+                        node.links += 1;
+                    }
+                    reached.insert(child);
+                } else if reached.insert(child) {
+                    if let Some(node) = self.nodes.get_mut(&child) {
+                        if let Body::Dir { parent, .. } = &mut node.body {
+                            *parent = dir;
+                        }
+                        node.links = 1;
+                    }
+                    stack.push(child);
+                } else if let Some(Body::Dir {
+                    entries, durable, ..
+                }) = self.nodes.get_mut(&dir).map(|n| &mut n.body)
+                {
+                    entries.remove(&name);
+                    durable.remove(&name);
+                }
+            }
+        }
+        self.nodes.retain(|ino, _| reached.contains(ino));
+        if let Some(root) = self.nodes.get_mut(&ROOT) {
+            root.links = 1;
+        }
+        self.listings.clear();
     }
 
     fn file_data(&mut self, ino: u64) -> Result<&mut Vec<u8>, Errno> {
@@ -649,7 +812,7 @@ impl State {
             }
             self.entries_mut(new_parent)?.remove(new_name);
             if moving_dir {
-                self.nodes.remove(&target);
+                self.removed_dir(target);
             } else {
                 self.unlinked(target);
             }
@@ -840,6 +1003,7 @@ impl Filesystem for Layer {
         let body = Body::Dir {
             parent: parent.0,
             entries: BTreeMap::new(),
+            durable: BTreeMap::new(),
         };
         let node = Self::new_node(req, body, mode, umask);
         let added = self.lock().add(parent.0, name, node);
@@ -870,7 +1034,7 @@ impl Filesystem for Layer {
             }
             state.entries_mut(parent.0)?.remove(name);
             state.touch(parent.0);
-            state.nodes.remove(&ino);
+            state.removed_dir(ino);
             Ok(())
         })();
         empty(result, reply);
@@ -1048,7 +1212,10 @@ impl Filesystem for Layer {
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         let mut state = self.lock();
         let listing = (|| {
-            let Body::Dir { parent, entries } = &state.node(ino.0)?.body else {
+            let Body::Dir {
+                parent, entries, ..
+            } = &state.node(ino.0)?.body
+            else {
                 return Err(Errno::ENOTDIR);
             };
             let mut listing: Listing = vec![
@@ -1116,16 +1283,7 @@ impl Filesystem for Layer {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        let mut state = self.lock();
-        match state.node(ino.0) {
-            Ok(node) if node.is_dir() => {
-                // metadata is durable at once; nothing to do but count
-                state.stats.dir_fsyncs += 1;
-                reply.ok();
-            }
-            Ok(_) => reply.error(Errno::ENOTDIR),
-            Err(err) => reply.error(err),
-        }
+        empty(self.lock().sync_dir(ino.0), reply);
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {

@@ -11,6 +11,7 @@
 //!   `GRAVITON_TEST_DATABASE_URL` (default: the local server on 127.0.0.1:5432), dropped
 //!   again when the test ends.
 //! * [`garage::Garage`]: a private Garage (S3) process for tests that stop or kill it.
+//! * [`metrics`]: the one exact reader of a `/metrics` scrape (whole series, never a prefix).
 //! * [`postgres_server::PostgresServer`]: a private PostgreSQL server (initdb + pg_ctl on a
 //!   free port) for faults the shared server must not see: restarts and stops.
 //!
@@ -24,6 +25,7 @@ pub mod admission_events;
 pub mod cluster;
 pub mod garage;
 pub mod lazyfs;
+pub mod metrics;
 pub mod node;
 pub mod pki;
 pub mod placement;

@@ -35,6 +35,12 @@ impl TestNode {
         self.node.as_ref().expect("running").local_addr()
     }
 
+    /// The value of the sample named exactly `series` (see [`super::metrics`]), `None`
+    /// when absent.
+    pub fn metric(&self, series: &str) -> Option<u64> {
+        super::metrics::count(&self.metrics_text(), series)
+    }
+
     pub fn metrics_text(&self) -> String {
         self.node
             .as_ref()

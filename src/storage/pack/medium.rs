@@ -174,6 +174,23 @@ pub fn sync_dir(dir: &Path) -> Result<(), StoreError> {
         .map_err(|e| StoreError::io("fsync directory", e))
 }
 
+/// Make the names a node's start created under `data_dir` durable (STO-24): the entries of
+/// `packs/` (its spool directory), of `data_dir` itself (`packs/`, `manifests/`, `tmp/`,
+/// the index and ledger files) and the data directory's own name in its parent. A
+/// directory created without a sync of its parent can vanish in a power loss together
+/// with everything acknowledged under it.
+pub fn sync_data_dir(data_dir: &Path) -> Result<(), StoreError> {
+    let packs = data_dir.join("packs");
+    if packs.is_dir() {
+        sync_dir(&packs)?;
+    }
+    sync_dir(data_dir)?;
+    if let Some(parent) = data_dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        sync_dir(parent)?;
+    }
+    Ok(())
+}
+
 impl Medium for LocalMedium {
     fn publish(&self, spool: File, spool_path: &Path, id: &PackId) -> Result<(), StoreError> {
         if self.fsync {
