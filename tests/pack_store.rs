@@ -206,7 +206,8 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     stream.write_all(head.as_bytes()).unwrap();
     stream.write_all(&partial[..5 << 20]).unwrap();
     // Kill only once the server is writing the upload's open pack: its spool file holds
-    // most of what was sent (the chunker keeps at most one unfinished block back).
+    // at least one 1 MiB stage of the upload's blocks (the rest of what was sent waits in
+    // the pipeline's queues and the chunker, or in the socket buffers).
     let spool = dir.path().join("packs").join("tmp");
     let spooled = || {
         std::fs::read_dir(&spool)
@@ -221,10 +222,11 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     };
     support::eventually(
         Duration::from_secs(30),
-        "the upload's spool file holds most of the 5 MiB sent",
-        || spooled() >= 4 << 20,
+        "the upload's spool file holds a stage of its blocks",
+        || spooled() >= 1 << 20,
     )
     .await;
+    eprintln!("killed with {} bytes in the spool", spooled());
     support::kill9(&mut child);
     let mut rest = Vec::new();
     let _ = stream.read_to_end(&mut rest);

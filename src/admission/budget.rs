@@ -358,7 +358,16 @@ mod tests {
             (&mut waiter).now_or_never().is_none(),
             "32 MiB must wait while only 16 MiB are free"
         );
-        assert_eq!(budget.available_bytes(), 16 << 20, "a waiter takes nothing");
+        // The queued head waiter collects what is free while it waits (tokio's semaphore
+        // is FIFO: no smaller request that arrives later can take those bytes).
+        assert_eq!(budget.available_bytes(), 0, "the head waiter holds the free bytes");
+        assert!(
+            budget
+                .reserve(None, "fs", mib(1), soon())
+                .now_or_never()
+                .is_none(),
+            "a later, smaller request does not overtake the waiter"
+        );
         drop(held);
         let permit = waiter.await.unwrap();
         assert_eq!(budget.available_bytes(), 32 << 20);
