@@ -105,7 +105,8 @@ async fn crashed_placement_actors_are_restarted() {
         )
     );
 
-    // Election: a restarted election wins the lock again, under a higher term.
+    // Election: a restarted election wins the lock again, under a higher term (LOC-3: the
+    // cluster regains an acting manager).
     handle.inject_actor_failure(PlacementChild::Election);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let mut term_after = graviton::placement::Term(0);

@@ -360,7 +360,11 @@ mod tests {
         );
         // The queued head waiter collects what is free while it waits (tokio's semaphore
         // is FIFO: no smaller request that arrives later can take those bytes).
-        assert_eq!(budget.available_bytes(), 0, "the head waiter holds the free bytes");
+        assert_eq!(
+            budget.available_bytes(),
+            0,
+            "the head waiter holds the free bytes"
+        );
         assert!(
             budget
                 .reserve(None, "fs", mib(1), soon())

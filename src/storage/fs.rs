@@ -395,7 +395,8 @@ mod tests {
     #[tokio::test]
     async fn manifests_are_created_once_and_validated_on_read() {
         let dir = tempfile::tempdir().unwrap();
-        let store = FsManifestStore::open(dir.path(), false).unwrap();
+        // fsync on: the durable publish path (file, link, directory syncs) as in production.
+        let store = FsManifestStore::open(dir.path(), true).unwrap();
         let content = b"hello manifest";
         let manifest = Manifest::new(
             BlobKey::of(content),

@@ -147,8 +147,10 @@ async fn one_upload_syncs_packs_before_the_index_and_the_index_before_the_manife
 #[tokio::test]
 async fn packs_roll_over_and_every_block_reads_back() {
     let dir = tempfile::tempdir().unwrap();
-    let store = PackStore::open_local(dir.path(), options(1 << 20, false, None)).unwrap();
-    let manifests = Arc::new(FsManifestStore::open(dir.path(), false).unwrap());
+    // fsync on: the durable publish path (direct spool writes, file, rename and directory
+    // syncs) is the one that rolls packs over here, as in production.
+    let store = PackStore::open_local(dir.path(), options(1 << 20, true, None)).unwrap();
+    let manifests = Arc::new(FsManifestStore::open(dir.path(), true).unwrap());
     let content = data(5 << 20, 2);
     let blocks: Arc<dyn BlockStore> = Arc::new(store.clone());
     let report = ingest(
