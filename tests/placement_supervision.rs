@@ -125,12 +125,12 @@ async fn crashed_placement_actors_are_restarted() {
     // Health: the supervisor restarts the killed actor (its record says so), and checks
     // run again afterwards (the check time moves on past the restart).
     let health_restarts = || logs.count(&["placement child restarted", "Health"]);
-    assert_eq!(health_restarts(), 0);
+    let restarted_before = health_restarts();
     handle.inject_actor_failure(PlacementChild::Health);
     eventually(
         Duration::from_secs(15),
         "the supervisor restarts the health actor",
-        || health_restarts() == 1,
+        || health_restarts() > restarted_before,
     )
     .await;
     let checked = handle.health().checked_at_ms;
