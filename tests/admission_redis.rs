@@ -372,13 +372,15 @@ async fn lease_renews_past_its_ttl_and_is_released_on_cancellation() {
     else {
         return;
     };
-    let cfg = edit(config(&server.url(), &cell()), |r| {
+    let cell = cell();
+    let cfg = edit(config(&server.url(), &cell), |r| {
         r.lease_ttl = HumanDuration::secs(2);
         r.renew_interval = HumanDuration::millis(250);
     });
     let p1 = provider(&cfg);
     let tenant = TenantId::new_random();
     let before = p1.metrics().local_available_bytes.get();
+    let conn = connection(&server.url()).await;
     let transfer = {
         let p1 = p1.clone();
         tokio::spawn(async move {
@@ -388,7 +390,43 @@ async fn lease_renews_past_its_ttl_and_is_released_on_cancellation() {
             drop(permit);
         })
     };
-    tokio::time::sleep(Duration::from_millis(2600)).await;
+    // The lease's first expiry, as Redis records it once the transfer is admitted; then
+    // wait until Redis's own clock is past it, so only renewals can have kept the lease.
+    let expirations = format!("it:{{{cell}}}:admission:expirations");
+    let first_expiry = || {
+        let mut conn = conn.clone();
+        let expirations = expirations.clone();
+        async move {
+            let scores: Vec<(String, u64)> = redis::cmd("ZRANGE")
+                .arg(&expirations)
+                .arg(0)
+                .arg(-1)
+                .arg("WITHSCORES")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            scores.first().map(|(_, score)| *score)
+        }
+    };
+    let admitted_expiry = Arc::new(AtomicU64::new(0));
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let (next, slot) = (first_expiry(), admitted_expiry.clone());
+            async move {
+                match next.await {
+                    Some(expiry) => {
+                        slot.store(expiry, Ordering::SeqCst);
+                        true
+                    }
+                    None => false,
+                }
+            }
+        })
+        .await,
+        "the transfer was never admitted"
+    );
+    let admitted_expiry = admitted_expiry.load(Ordering::SeqCst);
+    assert!(redis_time_passes(&conn, admitted_expiry).await);
     p1.coordinator().unwrap().reap().await.unwrap();
     let snap = snapshot(&p1, Some(&tenant)).await;
     assert_eq!(
@@ -849,10 +887,12 @@ async fn a_large_waiter_is_not_starved_by_a_stream_of_small_transfers() {
             }
         }));
     }
-    // Let the small transfers saturate the 64 MiB pool first.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let busy = snapshot(&large, None).await.occupancy.service_bytes;
-    assert!(busy >= 32 * MIB, "the pool was not busy ({busy} bytes)");
+    // Let the small transfers saturate the 64 MiB pool first (observed, not slept for).
+    let busy = wait_until(Duration::from_secs(10), || async {
+        snapshot(&large, None).await.occupancy.service_bytes >= 32 * MIB
+    })
+    .await;
+    assert!(busy, "the small transfers never made the pool busy");
     let result = large.admit(request(None, 48)).await;
     stop.store(true, Ordering::Relaxed);
     for worker in workers {
