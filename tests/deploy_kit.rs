@@ -36,3 +36,149 @@ fn deploy_kit_validates_against_schemas_promtool_and_a_live_node() {
         code => panic!("scripts/check-deploy failed ({code:?}):\n{stdout}\n{stderr}"),
     }
 }
+
+/// `scripts/cluster` as the docs use it: three nodes on free ports with their blocks on the
+/// S3 server of `scripts/services.sh`, ready when `up` returns; a blob uploaded through
+/// node-1 downloads byte-exact from node-2 and node-3, its pack is in the bucket under the
+/// cluster's prefix, the console data answers the admin token from `admin-token`, and
+/// `down` stops every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_cluster_runs_three_nodes_on_s3_that_serve_each_others_uploads() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    if std::env::var("GRAVITON_TEST_S3_ENDPOINT").is_err() {
+        support::missing_service(
+            "deploy_kit",
+            "S3 server (GRAVITON_TEST_S3_*; run scripts/services.sh)",
+        );
+        return;
+    }
+    let Some(db) = support::TestDatabase::create("deploy_kit").await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = |command: &str| {
+        Command::new(format!("{root}/scripts/cluster"))
+            .arg(command)
+            .current_dir(root)
+            .env("GRAVITON_BIN", env!("CARGO_BIN_EXE_graviton"))
+            .env("GRAVITON_CLUSTER_DIR", dir.path())
+            .env("GRAVITON_CLUSTER_DB", db.name())
+            .env("GRAVITON_CLUSTER_SHARDS", "64")
+            .output()
+            .expect("run scripts/cluster")
+    };
+    // Stops the nodes however the test ends.
+    struct Down<F: Fn(&str) -> std::process::Output>(F);
+    impl<F: Fn(&str) -> std::process::Output> Drop for Down<F> {
+        fn drop(&mut self) {
+            let _ = (self.0)("down");
+        }
+    }
+    let up = cluster("up");
+    let down = Down(&cluster);
+    let logs = || {
+        (1..=3)
+            .map(|i| {
+                let log = std::fs::read_to_string(dir.path().join(format!("node-{i}.log")))
+                    .unwrap_or_default();
+                let lines: Vec<&str> = log.lines().collect();
+                format!(
+                    "node-{i}:\n{}",
+                    lines[lines.len().saturating_sub(15)..].join("\n")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert!(
+        up.status.success(),
+        "scripts/cluster up failed:\n{}\n{}\n{}",
+        String::from_utf8_lossy(&up.stdout),
+        String::from_utf8_lossy(&up.stderr),
+        logs()
+    );
+    let urls: Vec<String> = std::fs::read_to_string(dir.path().join("urls"))
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(urls.len(), 3, "{urls:?}");
+    let ports: std::collections::BTreeSet<&str> =
+        urls.iter().filter_map(|u| u.rsplit(':').next()).collect();
+    assert_eq!(ports.len(), 3, "three distinct ports: {urls:?}");
+
+    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let body: Vec<u8> = (0..3_000_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let upload = client
+        .post(format!("{}/v1/blobs", urls[0]))
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(upload.status(), 201, "{:?}", upload.text().await);
+    let receipt: serde_json::Value = upload.json().await.unwrap();
+    let key = receipt["key"].as_str().expect("receipt key").to_string();
+    for url in &urls[1..] {
+        let download = client
+            .get(format!("{url}/v1/blobs/{key}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(download.status(), 200, "download from {url}");
+        let bytes = download.bytes().await.unwrap();
+        assert!(
+            bytes[..] == body[..],
+            "download from {url} is not byte-exact"
+        );
+    }
+    let packs = support::cluster::s3_packs(&format!("scripts-cluster/{}", db.name())).await;
+    assert!(
+        packs >= 1,
+        "no pack object in the bucket under the cluster's prefix"
+    );
+
+    let token = std::fs::read_to_string(dir.path().join("admin-token")).unwrap();
+    let console: serde_json::Value = client
+        .get(format!("{}/v1/admin/console", urls[1]))
+        .bearer_auth(token.trim())
+        .send()
+        .await
+        .unwrap()
+        .error_for_status()
+        .expect("the console data answers the admin token")
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(console["summary"]["nodes"]["active"], 3, "{console}");
+
+    let pids: Vec<u32> = (1..=3)
+        .map(|i| {
+            std::fs::read_to_string(dir.path().join(format!("node-{i}.pid")))
+                .unwrap()
+                .trim()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    drop(down);
+    for pid in pids {
+        assert!(
+            process_gone(pid),
+            "node process {pid} still runs after scripts/cluster down"
+        );
+    }
+}
+
+/// Whether process `pid` has exited (no /proc entry, or a zombie nobody reaped yet).
+fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => {
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next())
+                == Some('Z')
+        }
+    }
+}
