@@ -182,3 +182,155 @@ fn process_gone(pid: u32) -> bool {
         }
     }
 }
+
+/// The step-by-step section of docs/deployment.md, run as written: its `sh` blocks in one
+/// bash, in a fresh home directory, with the one line the text asks the reader to adapt
+/// (`export PG=…`, the PostgreSQL server) set to the test server. It must start Garage,
+/// Redis and three nodes, download byte-exact from node-2 and node-3 what node-1
+/// took, answer the console's data with the admin token, and stop everything.
+#[test]
+fn the_step_by_step_cluster_in_docs_deployment_md_works_as_written() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let Some(garage) = std::env::var("GRAVITON_GARAGE_BIN")
+        .ok()
+        .filter(|g| std::path::Path::new(g).exists())
+    else {
+        support::missing_service(
+            "deploy_kit",
+            "garage binary (GRAVITON_GARAGE_BIN; run scripts/services.sh)",
+        );
+        return;
+    };
+    let server = std::env::var("GRAVITON_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| support::postgres::DEFAULT_ADMIN_URL.to_string());
+    let server = server.rsplit_once('/').map_or(server.as_str(), |(s, _)| s);
+    let doc = std::fs::read_to_string(format!("{root}/docs/deployment.md")).unwrap();
+    let script = walkthrough_script(&doc);
+    const PG_LINE: &str = "export PG=postgres://postgres@127.0.0.1:5432";
+    assert!(
+        script.lines().any(|l| l == PG_LINE),
+        "the walk-through no longer sets PG as this test expects:\n{script}"
+    );
+    let script = script.replace(PG_LINE, &format!("export PG={server}"));
+
+    // The database the walk-through creates must not exist yet (a previous run's is dropped).
+    let psql = |sql: &str| {
+        Command::new("psql")
+            .args([&format!("{server}/postgres"), "-qc", sql])
+            .output()
+            .expect("run psql")
+    };
+    let dropped = psql("DROP DATABASE IF EXISTS graviton WITH (FORCE)");
+    if !dropped.status.success() {
+        support::missing_service(
+            "deploy_kit",
+            &format!(
+                "PostgreSQL through psql: {}",
+                String::from_utf8_lossy(&dropped.stderr)
+            ),
+        );
+        return;
+    }
+    let home = tempfile::tempdir().unwrap();
+    let work = home.path().join("graviton-try");
+    // Stops what the walk-through started, however the test ends.
+    struct Stop<'a>(&'a std::path::Path);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            for name in ["node-1", "node-2", "node-3", "redis", "garage"] {
+                if let Ok(pid) = std::fs::read_to_string(self.0.join(format!("{name}.pid"))) {
+                    let _ = Command::new("kill")
+                        .args(["-9", pid.trim()])
+                        .stderr(std::process::Stdio::null())
+                        .status();
+                }
+            }
+        }
+    }
+    let _stop = Stop(&work);
+    let bin_dirs = [
+        std::path::Path::new(env!("CARGO_BIN_EXE_graviton"))
+            .parent()
+            .unwrap()
+            .to_path_buf(),
+        std::path::Path::new(&garage)
+            .parent()
+            .unwrap()
+            .to_path_buf(),
+    ];
+    let path = std::env::join_paths(bin_dirs.into_iter().chain(std::env::split_paths(
+        &std::env::var("PATH").unwrap_or_default(),
+    )))
+    .unwrap();
+    // Bounded: the text's wait loops would otherwise wait for ever on a broken step.
+    let output = Command::new("timeout")
+        .args(["300", "bash", "-euo", "pipefail", "-c", &script])
+        .env("HOME", home.path())
+        .env("PATH", path)
+        .env_remove("GRAVITON_ADMIN__TOKEN")
+        .env_remove("GRAVITON_CONTROL__INTERNAL_TOKEN")
+        .output()
+        .expect("run bash");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let logs: String = ["node-1.log", "node-2.log", "garage.log"]
+        .iter()
+        .map(|f| {
+            let text = std::fs::read_to_string(work.join(f)).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            format!(
+                "--- {f}\n{}\n",
+                lines[lines.len().saturating_sub(15)..].join("\n")
+            )
+        })
+        .collect();
+    assert!(
+        output.status.success(),
+        "the walk-through failed ({:?}):\n{stdout}\n{}\n{logs}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for expected in [
+        "node-2: byte-exact",
+        "node-3: byte-exact",
+        "\"summary\":{\"status\":\"",
+    ] {
+        assert!(stdout.contains(expected), "{expected:?} missing:\n{stdout}");
+    }
+    for name in ["node-1", "node-2", "node-3"] {
+        let pid = std::fs::read_to_string(work.join(format!("{name}.pid"))).unwrap();
+        assert!(
+            process_gone(pid.trim().parse().unwrap()),
+            "{name} still runs after step 8"
+        );
+    }
+    let _ = psql("DROP DATABASE IF EXISTS graviton WITH (FORCE)");
+}
+
+/// The `sh` blocks of the section "A 3-node cluster on S3 on one machine, step by step",
+/// in order, with the list indentation removed.
+fn walkthrough_script(doc: &str) -> String {
+    let start = doc
+        .find("## A 3-node cluster on S3 on one machine, step by step")
+        .expect("the step-by-step section");
+    let section = &doc[start..];
+    let end = section[3..].find("\n## ").map_or(section.len(), |e| e + 3);
+    let mut script = String::new();
+    let mut indent: Option<usize> = None;
+    for line in section[..end].lines() {
+        let trimmed = line.trim_start();
+        match indent {
+            None if trimmed == "```sh" => indent = Some(line.len() - trimmed.len()),
+            Some(_) if trimmed == "```" => indent = None,
+            Some(n) => {
+                script.push_str(line.get(n..).unwrap_or(""));
+                script.push('\n');
+            }
+            None => {}
+        }
+    }
+    assert!(
+        !script.is_empty(),
+        "no sh block in the step-by-step section"
+    );
+    script
+}
