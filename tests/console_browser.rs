@@ -79,8 +79,9 @@ async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() 
     let ready = support::wait_until(Duration::from_secs(60), || {
         let (client, urls) = (client.clone(), urls.clone());
         async move {
+            // Ready and settled (no shard moving), so the upload below is not re-routed.
             for url in &urls {
-                if !is_ready(&client, url).await {
+                if !is_ready(&client, url).await || !settled(&client, url).await {
                     return false;
                 }
             }
@@ -191,6 +192,15 @@ async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() 
     let text = data.to_string();
     assert!(!text.contains(support::cluster::TOKEN) && !text.contains(db.url()));
     nodes[0].kill9();
+}
+
+/// Whether the node's `/readyz` says `healthy`: every shard assigned and none moving.
+async fn settled(client: &reqwest::Client, url: &str) -> bool {
+    let Ok(response) = client.get(format!("{url}/readyz")).send().await else {
+        return false;
+    };
+    let body: serde_json::Value = response.json().await.unwrap_or_default();
+    body["placement"]["status"] == "healthy"
 }
 
 fn tail(text: &str) -> String {

@@ -206,7 +206,7 @@
         const c = a.snapshot.cluster.occupancy;
         const p = document.createElement("p");
         p.textContent = "Cluster (Redis): " + bytes(c.service_bytes) + " admitted in " + c.service_transfers +
-          " transfers; " + a.snapshot.cluster.waiters + " waiting; policy version " + a.snapshot.cluster.policy_version + ".";
+          " transfers; " + a.snapshot.cluster.waiters + " waiting; policy: " + policy(a.snapshot.cluster.policy_version) + ".";
         occ.appendChild(p);
       } else {
         const p = document.createElement("p"); p.className = "muted"; p.textContent = "Cluster admission (Redis) is not configured on this node.";
