@@ -213,24 +213,39 @@ fn the_step_by_step_cluster_in_docs_deployment_md_works_as_written() {
     );
     let script = script.replace(PG_LINE, &format!("export PG={server}"));
 
-    // The database the walk-through creates must not exist yet (a previous run's is dropped).
+    // The database the walk-through creates must not exist yet. One that does is never
+    // dropped here (it may be somebody's); the run that created it drops it at its end.
     let psql = |sql: &str| {
         Command::new("psql")
-            .args([&format!("{server}/postgres"), "-qc", sql])
+            .args([&format!("{server}/postgres"), "-qtAc", sql])
             .output()
             .expect("run psql")
     };
-    let dropped = psql("DROP DATABASE IF EXISTS graviton WITH (FORCE)");
-    if !dropped.status.success() {
+    let exists = psql("SELECT count(*) FROM pg_database WHERE datname = 'graviton'");
+    if !exists.status.success() {
         support::missing_service(
             "deploy_kit",
             &format!(
                 "PostgreSQL through psql: {}",
-                String::from_utf8_lossy(&dropped.stderr)
+                String::from_utf8_lossy(&exists.stderr)
             ),
         );
         return;
     }
+    assert_eq!(
+        String::from_utf8_lossy(&exists.stdout).trim(),
+        "0",
+        "a database named graviton exists on {server}; the walk-through creates it \
+         (drop it if it is a leftover of this test)"
+    );
+    // Drops the walk-through's database after the processes below are stopped.
+    struct DropDatabase<F: Fn(&str) -> std::process::Output>(F);
+    impl<F: Fn(&str) -> std::process::Output> Drop for DropDatabase<F> {
+        fn drop(&mut self) {
+            let _ = (self.0)("DROP DATABASE IF EXISTS graviton WITH (FORCE)");
+        }
+    }
+    let _drop_database = DropDatabase(&psql);
     let home = tempfile::tempdir().unwrap();
     let work = home.path().join("graviton-try");
     // Stops what the walk-through started, however the test ends.
@@ -303,7 +318,6 @@ fn the_step_by_step_cluster_in_docs_deployment_md_works_as_written() {
             "{name} still runs after step 8"
         );
     }
-    let _ = psql("DROP DATABASE IF EXISTS graviton WITH (FORCE)");
 }
 
 /// The `sh` blocks of the section "A 3-node cluster on S3 on one machine, step by step",
