@@ -141,6 +141,8 @@ async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() 
         "browser checks failed:\n{stdout}\n{stderr}\nnode-1 log tail:\n{}",
         tail(&nodes[0].log_text())
     );
+    // The checks and the widths measured, in the test's output.
+    println!("{stdout}");
     for check in [
         "decision events show a tenant hash, never the raw tenant id",
         "the drained node shows zero shards",
