@@ -40,8 +40,8 @@ fn deploy_kit_validates_against_schemas_promtool_and_a_live_node() {
 /// `scripts/cluster` as the docs use it: three nodes on free ports with their blocks on the
 /// S3 server of `scripts/services.sh`, ready when `up` returns; a blob uploaded through
 /// node-1 downloads byte-exact from node-2 and node-3, its pack is in the bucket under the
-/// cluster's prefix, the console data answers the admin token from `admin-token`, and
-/// `down` stops every node.
+/// cluster's prefix, `status` prints the three nodes, the console data answers the admin
+/// token from `admin-token`, and `down` stops every node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scripts_cluster_runs_three_nodes_on_s3_that_serve_each_others_uploads() {
     let root = env!("CARGO_MANIFEST_DIR");
@@ -137,6 +137,17 @@ async fn scripts_cluster_runs_three_nodes_on_s3_that_serve_each_others_uploads()
     assert!(
         packs >= 1,
         "no pack object in the bucket under the cluster's prefix"
+    );
+
+    let status = cluster("status");
+    let table = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        status.status.success()
+            && ["node-1", "node-2", "node-3"]
+                .iter()
+                .all(|n| table.contains(n)),
+        "scripts/cluster status:\n{table}\n{}",
+        String::from_utf8_lossy(&status.stderr)
     );
 
     let token = std::fs::read_to_string(dir.path().join("admin-token")).unwrap();
