@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::TestDatabase;
 use crate::support::node::random_bytes;
+use crate::support::pg_proxy::{PgProxy, upstream_of, url_through};
 use crate::support::postgres_server::PostgresServer;
 use history::{ShardSample, Violation};
 use load::{History, Target};
@@ -76,6 +77,8 @@ pub struct Cluster {
     _roles: Roles,
     /// The private PostgreSQL server the cluster runs on, if any (dropped last).
     pub server: Option<PostgresServer>,
+    /// The proxy in front of one node's PostgreSQL connections, if any, and that node.
+    pub proxy: Option<(usize, PgProxy)>,
 }
 
 fn admin_url() -> String {
@@ -98,6 +101,18 @@ impl Cluster {
         standalone_manager: bool,
         server: Option<PostgresServer>,
     ) -> Option<Self> {
+        Self::start_with(scenario, n, standalone_manager, server, None).await
+    }
+
+    /// [`Cluster::start_on`] with node `proxied` (an index) connected to PostgreSQL
+    /// through a [`PgProxy`] the scenario can make delay or black-hole its connections.
+    pub async fn start_with(
+        scenario: &str,
+        n: usize,
+        standalone_manager: bool,
+        server: Option<PostgresServer>,
+        proxied: Option<usize>,
+    ) -> Option<Self> {
         let admin = server
             .as_ref()
             .map(PostgresServer::admin_url)
@@ -119,11 +134,20 @@ impl Cluster {
         let storage = |id: &str| {
             crate::support::cluster::s3_storage_toml(scenario, &dir.path().join(id), &prefix, "")
         };
+        let proxy = match proxied {
+            Some(i) => Some((i, PgProxy::start(upstream_of(&pg.url)).await)),
+            None => None,
+        };
         let mut nodes = Vec::new();
         for i in 0..n {
             let id = format!("node-{}", (b'a' + i as u8) as char);
             let role = format!("gnem_{suffix}_{}", (b'a' + i as u8) as char);
-            let url = pg.create_role(&mut roles, &role).await;
+            let mut url = pg.create_role(&mut roles, &role).await;
+            if let Some((p, proxy)) = &proxy
+                && *p == i
+            {
+                url = url_through(&url, proxy.port);
+            }
             let kind = Kind::Node {
                 embedded_manager: !standalone_manager,
             };
@@ -177,6 +201,7 @@ impl Cluster {
             db,
             _roles: roles,
             server,
+            proxy,
         };
         if !cluster.converged(Duration::from_secs(60)).await {
             let logs: String = cluster
@@ -253,7 +278,7 @@ impl Cluster {
                 "NEMESIS {} standalone manager exited ({status}); restarting it",
                 self.scenario
             );
-            manager.kill9();
+            manager.reap();
             manager.spawn();
         }
     }
@@ -345,6 +370,40 @@ impl Cluster {
                 .map(|n| format!("{}:{:?}:{}", n.id, n.state, n.shards))
                 .collect::<Vec<_>>()),
         )
+    }
+
+    /// Stop the client load and collect every worker (a worker that panicked fails the
+    /// test), then require at least `min_acked` acknowledged uploads: a load-bearing
+    /// scenario cannot pass LOC-1, -2, -4, -5 or -6 with no load. Prints the count.
+    pub async fn stop_load(
+        &mut self,
+        stop: CancellationToken,
+        workers: Vec<tokio::task::JoinHandle<()>>,
+        min_acked: u64,
+    ) {
+        stop.cancel();
+        for (i, worker) in workers.into_iter().enumerate() {
+            if let Err(e) = worker.await {
+                panic!("{}: load worker {i} failed: {e}", self.scenario);
+            }
+        }
+        let acked = self
+            .history
+            .acked_ops
+            .load(std::sync::atomic::Ordering::Relaxed);
+        eprintln!(
+            "NEMESIS {} load: {acked} acknowledged uploads (at least {min_acked} required)",
+            self.scenario
+        );
+        if acked < min_acked {
+            self.violations.push(Violation::new(
+                "LOAD",
+                format!(
+                    "too little load to check anything: {acked} acknowledged uploads, at least \
+                     {min_acked} required"
+                ),
+            ));
+        }
     }
 
     /// LOC-7: no logical upload failed after the client's bounded retries of documented
