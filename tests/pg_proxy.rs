@@ -4,6 +4,7 @@
 mod support;
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use graviton::ids::{SessionId, SessionKey, TenantId};
@@ -98,7 +99,9 @@ const SHARDS: u32 = 16;
 // be fenced by it: it gets shards from the manager and acknowledges uploads as owner.
 // The stale delivery is confirmed from the node's own log line for an ignored refusal;
 // staging is retried (a fresh death each time) if the answer missed the heartbeat's
-// deadline (the node's self_fence, 400 ms in the test timings).
+// deadline (the node's self_fence, 400 ms in the test timings). The answer lands while
+// the re-registration's closing table read is held, so the re-registration is still
+// queued: the old code (no incarnation check on `Dead`) fenced the node for good there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_dead_heartbeat_reply_does_not_fence_a_reregistered_node() {
     let Some(db) = support::TestDatabase::create("a_stale_dead_heartbeat_reply").await else {
@@ -139,6 +142,7 @@ async fn a_stale_dead_heartbeat_reply_does_not_fence_a_reregistered_node() {
         s.log_text()
     );
 
+    let public = s.url.trim_start_matches("http://").to_string();
     const HB: &str = "graviton-heartbeat:node-s";
     const ACTOR: &str = "graviton-placement:node-s";
     const IGNORED: &str = "heartbeat refusal for an older incarnation ignored";
@@ -173,32 +177,68 @@ async fn a_stale_dead_heartbeat_reply_does_not_fence_a_reregistered_node() {
         .await;
         assert!(learned, "node-s never learned it was declared dead");
         // 3. Hold the answer of the next heartbeat: sent with the old incarnation,
-        //    answered `Dead` (the re-registration cannot reach the server yet).
-        proxy.set(HB, Direction::ToClient, Fault::Hold);
+        //    answered `Dead` (the re-registration cannot reach the server yet). Held from
+        //    the chunk that carries the row's state `dead` (a new connection's statement
+        //    preparation answers first and must pass).
+        proxy.set(
+            HB,
+            Direction::ToClient,
+            Fault::HoldFrom(Arc::new(b"dead".to_vec())),
+        );
         let caught = support::wait_until(Duration::from_secs(10), || async {
             proxy.held(HB, true) > 0
         })
         .await;
         assert!(caught, "no heartbeat answer was held");
         let held_at = Instant::now();
-        // 4. Let the re-registration through and wait until node-s has learned its new
-        //    incarnation (its log says so right after storing it) ...
+        // 4. Let the re-registration through (its INSERT binds node-s's public address),
+        //    up to its COMMIT; the statement after it, the table read that ends the
+        //    re-registration, is held, so the re-registration is still under way (queued)
+        //    when the stale answer lands (the window in which the old code fenced the node
+        //    for good). Wait until node-s has learned its new incarnation (its log says so
+        //    right after storing it) and that table read is caught ...
         proxy.set(ACTOR, Direction::Both, Fault::Pass);
+        proxy.set(
+            ACTOR,
+            Direction::ToServer,
+            Fault::HoldAfter(Arc::new(vec![
+                public.as_bytes().to_vec(),
+                b"COMMIT".to_vec(),
+            ])),
+        );
         let done = support::wait_until(Duration::from_secs(10), || async {
             count(&s, REREGISTERED) > reregistered
         })
         .await;
         assert!(done, "node-s never re-registered; log:\n{}", s.log_text());
+        let read_held = support::wait_until(Duration::from_millis(300), || async {
+            proxy.held(ACTOR, false) > 0
+        })
+        .await;
         // 5. ... then deliver the held `Dead` answer for the old incarnation.
-        proxy.heal();
+        proxy.set(HB, Direction::ToClient, Fault::Pass);
         let released_after = held_at.elapsed();
         let ignored =
             support::wait_until(Duration::from_secs(2), || async { count(&s, IGNORED) > 0 }).await;
+        let still_held = proxy.held(ACTOR, false) > 0;
+        proxy.heal();
         eprintln!(
             "attempt {attempt}: held answer released {released_after:?} after it was caught; \
-             stale refusal seen by the node: {ignored}"
+             stale refusal seen by the node: {ignored}; re-registration's table read held \
+             before: {read_held}, after: {still_held}"
         );
-        if ignored {
+        if !ignored {
+            let log = s.log_text();
+            let tail: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains("graviton::actors::placement"))
+                .collect();
+            eprintln!(
+                "node-s placement log tail:\n{}",
+                tail[tail.len().saturating_sub(8)..].join("\n")
+            );
+        }
+        if ignored && read_held && still_held {
             staged = true;
             break;
         }

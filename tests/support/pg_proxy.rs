@@ -14,6 +14,12 @@
 //!   and forwarded when the rule is lifted, as TCP would retransmit them after a
 //!   partition heals. [`PgProxy::held`] tells how many bytes are held now, so a test can
 //!   wait until a request or an answer is actually caught.
+//! - `HoldAfter(needles)`: chunks pass until the byte strings `needles` have been seen in
+//!   order (each in one chunk, the last chunk passes too), then everything after is held
+//!   like `Hold`: a connection cut right after a given statement (e.g. the `COMMIT` of a
+//!   re-registration, so the next statement on that connection hangs).
+//! - `HoldFrom(needle)`: chunks pass until one contains `needle`; that chunk and every
+//!   later one are held (e.g. the answer that carries a given value).
 //!
 //! Honest limit: the proxy's own kernel acknowledges the data and answers TCP keepalives
 //! on both sides, so a held connection looks alive at the TCP level. TCP keepalives and
@@ -31,11 +37,13 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 /// What happens to the bytes of matching connections.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Fault {
     Pass,
     Delay(Duration),
     Hold,
+    HoldAfter(Arc<Vec<Vec<u8>>>),
+    HoldFrom(Arc<Vec<u8>>),
 }
 
 /// Which way a rule acts.
@@ -53,6 +61,8 @@ struct Rule {
     pattern: String,
     direction: Direction,
     fault: Fault,
+    /// Which `set` made it (a `HoldAfter` counts its needles per rule and connection).
+    generation: u64,
 }
 
 /// One proxied connection's bookkeeping.
@@ -64,6 +74,8 @@ struct Conn {
     /// Chunks that waited for a `Delay` rule, per direction.
     delayed: [AtomicU64; 2],
     open: std::sync::atomic::AtomicBool,
+    /// `HoldAfter` progress per direction: (rule generation, needles seen).
+    progress: [Mutex<(u64, usize)>; 2],
 }
 
 struct Shared {
@@ -74,7 +86,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn fault(&self, label: Option<&str>, to_client: bool) -> Fault {
+    fn fault(&self, label: Option<&str>, to_client: bool) -> (Fault, u64) {
         let rules = self.rules.lock().unwrap();
         rules
             .iter()
@@ -87,8 +99,8 @@ impl Shared {
                 };
                 way && label.is_some_and(|l| l.contains(&r.pattern))
             })
-            .map(|r| r.fault)
-            .unwrap_or(Fault::Pass)
+            .map(|r| (r.fault.clone(), r.generation))
+            .unwrap_or((Fault::Pass, 0))
     }
 }
 
@@ -174,6 +186,7 @@ impl PgProxy {
     /// matches every labelled connection); replaces an earlier rule for the same pattern
     /// and direction.
     pub fn set(&self, pattern: &str, direction: Direction, fault: Fault) {
+        let generation = *self.shared.changed.borrow() + 1;
         {
             let mut rules = self.shared.rules.lock().unwrap();
             rules.retain(|r| !(r.pattern == pattern && r.direction == direction));
@@ -181,9 +194,10 @@ impl PgProxy {
                 pattern: pattern.to_string(),
                 direction,
                 fault,
+                generation,
             });
         }
-        self.shared.changed.send_modify(|n| *n += 1);
+        self.shared.changed.send_modify(|n| *n = generation);
     }
 
     /// Drop every rule: held bytes flow again, in order.
@@ -280,6 +294,7 @@ async fn proxy(shared: Arc<Shared>, client: TcpStream, server: TcpStream) {
         forwarded: [AtomicU64::new(0), AtomicU64::new(0)],
         delayed: [AtomicU64::new(0), AtomicU64::new(0)],
         open: std::sync::atomic::AtomicBool::new(true),
+        progress: [Mutex::new((0, 0)), Mutex::new((0, 0))],
     });
     shared.conns.lock().unwrap().push(conn.clone());
     let (client_read, client_write) = client.into_split();
@@ -338,13 +353,60 @@ async fn pump(
             let len = chunk.as_ref().map_or(0, Vec::len);
             let mut holding = false;
             let mut waited = false;
+            // A `HoldAfter` rule decides each chunk once, when it first sees it.
+            let mut decided: Option<(u64, bool)> = None;
             loop {
                 // Marked seen before the rules are read: a change after this wakes us.
                 changed.borrow_and_update();
                 let label = conn.label.lock().unwrap().clone();
-                let fault = shared.fault(label.as_deref(), to_client);
+                let (fault, generation) = shared.fault(label.as_deref(), to_client);
+                let fault = match fault {
+                    Fault::HoldFrom(needle) => {
+                        let hold = match decided {
+                            Some((g, hold)) if g == generation => hold,
+                            _ => {
+                                let mut progress = conn.progress[i].lock().unwrap();
+                                if progress.0 != generation {
+                                    *progress = (generation, 0);
+                                }
+                                if chunk.as_deref().is_some_and(|c| {
+                                    c.windows(needle.len()).any(|w| w == &needle[..])
+                                }) {
+                                    progress.1 = 1;
+                                }
+                                decided = Some((generation, progress.1 == 1));
+                                progress.1 == 1
+                            }
+                        };
+                        if hold { Fault::Hold } else { Fault::Pass }
+                    }
+                    Fault::HoldAfter(needles) => {
+                        let hold = match decided {
+                            Some((g, hold)) if g == generation => hold,
+                            _ => {
+                                let mut progress = conn.progress[i].lock().unwrap();
+                                if progress.0 != generation {
+                                    *progress = (generation, 0);
+                                }
+                                let hold = progress.1 >= needles.len();
+                                if !hold
+                                    && chunk.as_deref().is_some_and(|c| {
+                                        let needle = &needles[progress.1];
+                                        c.windows(needle.len()).any(|w| w == &needle[..])
+                                    })
+                                {
+                                    progress.1 += 1;
+                                }
+                                decided = Some((generation, hold));
+                                hold
+                            }
+                        };
+                        if hold { Fault::Hold } else { Fault::Pass }
+                    }
+                    other => other,
+                };
                 let wait = match fault {
-                    Fault::Pass => None,
+                    Fault::Pass | Fault::HoldAfter(_) | Fault::HoldFrom(_) => None,
                     Fault::Delay(d) if Instant::now() >= read_at + d => None,
                     Fault::Delay(d) => Some(Some(read_at + d)),
                     Fault::Hold => Some(None),
