@@ -58,6 +58,10 @@ pub fn url_for_role(url: &str, role: &str) -> String {
     format!("{scheme}://{role}@{host}")
 }
 
+/// A backend idle inside a transaction: `(pid, application_name, [(relation, mode)])`,
+/// the relations it holds a granted lock on.
+pub type OpenTransaction = (i32, String, Vec<(String, String)>);
+
 /// Superuser connections to the test database.
 #[derive(Clone)]
 pub struct Pg {
@@ -176,7 +180,7 @@ impl Pg {
     /// The backends of `role` on the test database that are idle inside a transaction,
     /// with the relations each holds a granted lock on: `(pid, application_name,
     /// [(relation, mode)])`.
-    pub async fn open_transactions(&self, role: &str) -> Vec<(i32, String, Vec<(String, String)>)> {
+    pub async fn open_transactions(&self, role: &str) -> Vec<OpenTransaction> {
         let mut conn = self.conn().await;
         let rows: Vec<(i32, String, Option<String>, Option<String>)> = sqlx::query_as(
             "SELECT a.pid, a.application_name, l.relation::regclass::text, l.mode \
@@ -190,7 +194,7 @@ impl Pg {
         .await
         .expect("read pg_stat_activity");
         let _ = conn.close().await;
-        let mut out: Vec<(i32, String, Vec<(String, String)>)> = Vec::new();
+        let mut out: Vec<OpenTransaction> = Vec::new();
         for (pid, name, relation, mode) in rows {
             let i = match out.iter().position(|(p, _, _)| *p == pid) {
                 Some(i) => i,
