@@ -706,7 +706,10 @@ const PG_DELAY: Duration = Duration::from_millis(50);
 // connections behind a TCP proxy (issue 25 item 3 and what-to-build 5): delayed by
 // `PG_DELAY` each way the cluster keeps working (the node stays registered with its shards
 // and uploads are acknowledged), black-holed (held, not closed) the node loses its shards
-// to the others, and healed it rejoins; no acknowledged upload is lost.
+// to the others, and healed it rejoins; no acknowledged upload is lost. Then a stale
+// `Dead` heartbeat answer for its old incarnation is delivered after its re-registration
+// (issue 25 item 5, `support::pg_proxy::stage_stale_dead_reply`): it must not stay fenced
+// (it gets shards back and acknowledges uploads as owner).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemesis_postgres_connection_delayed_and_black_holed() {
     let scenario = "pg_proxy";
@@ -805,6 +808,62 @@ async fn nemesis_postgres_connection_delayed_and_black_holed() {
             .check_manager(Duration::from_secs(30), "after the black hole healed")
             .await;
         cluster.fault(format!("converged with {p_id} back"));
+
+        // A stale heartbeat answer (issue 25 item 5): `Dead` for p's old incarnation,
+        // delivered after its re-registration committed (confirmed from p's own log).
+        let public = cluster.nodes[p]
+            .url
+            .trim_start_matches("http://")
+            .to_string();
+        let log_path = cluster.nodes[p].log_path().to_path_buf();
+        let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+        let db_url = cluster.pg.url.clone();
+        let declared_dead = || {
+            let (db_url, p_id) = (db_url.clone(), p_id.clone());
+            async move {
+                graviton::cli::cluster_status(&db_url).await.is_ok_and(|s| {
+                    s.nodes
+                        .iter()
+                        .any(|n| n.id.as_str() == p_id && n.state.as_str() == "dead")
+                })
+            }
+        };
+        let proxy = &cluster.proxy.as_ref().unwrap().1;
+        let staged = support::pg_proxy::stage_stale_dead_reply(
+            proxy,
+            &p_id,
+            &public,
+            &log,
+            declared_dead,
+            6,
+        )
+        .await
+        .unwrap_or_else(|why| panic!("the stale heartbeat fault was not applied: {why}"));
+        cluster.fault(format!(
+            "stale Dead heartbeat answer delivered to {p_id} after its re-registration (attempt {staged})"
+        ));
+        let since = cluster.history.t0.elapsed();
+        cluster
+            .check_manager(Duration::from_secs(30), "after the stale heartbeat answer")
+            .await;
+        // Not fenced by it: p acknowledges uploads as owner again.
+        let owner_again = support::wait_until(Duration::from_secs(20), || async {
+            cluster
+                .history
+                .snapshot()
+                .iter()
+                .any(|a| a.start >= since && a.created().is_some_and(|(_, o)| o == p_id))
+        })
+        .await;
+        cluster.fault(format!(
+            "{p_id} acknowledged an upload as owner after the stale answer: {owner_again}"
+        ));
+        if !owner_again {
+            cluster.violations.push(nemesis_util::history::Violation::new(
+                "LOC-3",
+                format!("{p_id} never acknowledged an upload as owner after a stale heartbeat answer"),
+            ));
+        }
         tokio::time::sleep(Duration::from_secs(1)).await;
         cluster.stop_load(stop, workers, MIN_ACKED).await;
         cluster.finish(seed, iteration).await;

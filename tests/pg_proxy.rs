@@ -4,7 +4,6 @@
 mod support;
 
 use std::str::FromStr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use graviton::ids::{SessionId, SessionKey, TenantId};
@@ -82,11 +81,6 @@ async fn the_proxy_holds_and_delays_one_labelled_connection() {
     );
 }
 
-/// How many times `needle` occurs in the node's log.
-fn count(node: &NodeProcess, needle: &str) -> usize {
-    node.log_text().matches(needle).count()
-}
-
 async fn status(url: &str) -> Option<graviton::cli::ClusterStatus> {
     graviton::cli::cluster_status(url).await.ok()
 }
@@ -143,110 +137,29 @@ async fn a_stale_dead_heartbeat_reply_does_not_fence_a_reregistered_node() {
     );
 
     let public = s.url.trim_start_matches("http://").to_string();
-    const HB: &str = "graviton-heartbeat:node-s";
-    const ACTOR: &str = "graviton-placement:node-s";
-    const IGNORED: &str = "heartbeat refusal for an older incarnation ignored";
-    const REREGISTERED: &str = "re-registered; fenced until the table is re-read";
-    let mut staged = false;
-    for attempt in 1..=6 {
-        // 1. Cut node-s's heartbeats and its placement actor (registration, table reads)
-        //    until the manager declared it dead.
-        proxy.set(HB, Direction::Both, Fault::Hold);
-        proxy.set(ACTOR, Direction::Both, Fault::Hold);
-        let dead = support::wait_until(Duration::from_secs(30), || {
-            let url = url.clone();
-            async move {
-                status(&url).await.is_some_and(|st| {
-                    st.nodes
-                        .iter()
-                        .any(|n| n.id.as_str() == "node-s" && n.state.as_str() == "dead")
-                })
-            }
-        })
-        .await;
-        assert!(dead, "node-s was never declared dead while cut off");
-        // 2. Heartbeats through, answers held; then let the held answers go once, so a
-        //    live heartbeat learns `Dead` and queues the re-registration (held: the actor
-        //    is cut off).
-        let refused = count(&s, "heartbeat refused");
-        let reregistered = count(&s, REREGISTERED);
-        proxy.set(HB, Direction::Both, Fault::Pass);
-        let learned = support::wait_until(Duration::from_secs(10), || async {
-            count(&s, "heartbeat refused") > refused
-        })
-        .await;
-        assert!(learned, "node-s never learned it was declared dead");
-        // 3. Hold the answer of the next heartbeat: sent with the old incarnation,
-        //    answered `Dead` (the re-registration cannot reach the server yet). Held from
-        //    the chunk that carries the row's state `dead` (a new connection's statement
-        //    preparation answers first and must pass).
-        proxy.set(
-            HB,
-            Direction::ToClient,
-            Fault::HoldFrom(Arc::new(b"dead".to_vec())),
-        );
-        let caught = support::wait_until(Duration::from_secs(10), || async {
-            proxy.held(HB, true) > 0
-        })
-        .await;
-        assert!(caught, "no heartbeat answer was held");
-        let held_at = Instant::now();
-        // 4. Let the re-registration through (its INSERT binds node-s's public address),
-        //    up to its COMMIT; the statement after it, the table read that ends the
-        //    re-registration, is held, so the re-registration is still under way (queued)
-        //    when the stale answer lands (the window in which the old code fenced the node
-        //    for good). Wait until node-s has learned its new incarnation (its log says so
-        //    right after storing it) and that table read is caught ...
-        proxy.set(ACTOR, Direction::Both, Fault::Pass);
-        proxy.set(
-            ACTOR,
-            Direction::ToServer,
-            Fault::HoldAfter(Arc::new(vec![
-                public.as_bytes().to_vec(),
-                b"COMMIT".to_vec(),
-            ])),
-        );
-        let done = support::wait_until(Duration::from_secs(10), || async {
-            count(&s, REREGISTERED) > reregistered
-        })
-        .await;
-        assert!(done, "node-s never re-registered; log:\n{}", s.log_text());
-        let read_held = support::wait_until(Duration::from_millis(300), || async {
-            proxy.held(ACTOR, false) > 0
-        })
-        .await;
-        // 5. ... then deliver the held `Dead` answer for the old incarnation.
-        proxy.set(HB, Direction::ToClient, Fault::Pass);
-        let released_after = held_at.elapsed();
-        let ignored =
-            support::wait_until(Duration::from_secs(2), || async { count(&s, IGNORED) > 0 }).await;
-        let still_held = proxy.held(ACTOR, false) > 0;
-        proxy.heal();
-        eprintln!(
-            "attempt {attempt}: held answer released {released_after:?} after it was caught; \
-             stale refusal seen by the node: {ignored}; re-registration's table read held \
-             before: {read_held}, after: {still_held}"
-        );
-        if !ignored {
-            let log = s.log_text();
-            let tail: Vec<&str> = log
-                .lines()
-                .filter(|l| l.contains("graviton::actors::placement"))
-                .collect();
-            eprintln!(
-                "node-s placement log tail:\n{}",
-                tail[tail.len().saturating_sub(8)..].join("\n")
-            );
+    let log = || s.log_text();
+    let declared_dead = || {
+        let url = url.clone();
+        async move {
+            status(&url).await.is_some_and(|st| {
+                st.nodes
+                    .iter()
+                    .any(|n| n.id.as_str() == "node-s" && n.state.as_str() == "dead")
+            })
         }
-        if ignored && read_held && still_held {
-            staged = true;
-            break;
-        }
+    };
+    let staged = support::pg_proxy::stage_stale_dead_reply(
+        &proxy,
+        "node-s",
+        &public,
+        &log,
+        declared_dead,
+        6,
+    )
+    .await;
+    if let Err(why) = &staged {
+        panic!("{why}; log:\n{}", s.log_text());
     }
-    assert!(
-        staged,
-        "a stale Dead answer never reached node-s within its heartbeat deadline in 6 attempts"
-    );
 
     // Not fenced: the manager gives node-s shards, and it acknowledges uploads as owner.
     assert!(

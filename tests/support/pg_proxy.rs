@@ -451,3 +451,114 @@ async fn pump(
     };
     tokio::join!(reader, writer);
 }
+
+/// Stage a stale `Dead` heartbeat answer (issue 25 item 5) for node `node`, whose
+/// PostgreSQL connections go through `proxy`: its heartbeat, sent with its old
+/// incarnation, is answered `Dead` by the server before its re-registration commits, and
+/// is delivered after the node learned its new incarnation, while the re-registration's
+/// closing table read is still held (the window in which a node without an incarnation
+/// check on `Dead` fenced itself for good). `public_addr` is the node's public
+/// `host:port` (its re-registration binds it); `log` reads the node's log;
+/// `declared_dead` tells whether the manager declared the node dead.
+///
+/// Each attempt: cut the node's heartbeat and placement connections until it is declared
+/// dead; let one `Dead` answer through (the node queues its re-registration, which the
+/// held placement connection keeps from the server); hold the next heartbeat answer from
+/// the chunk carrying `dead`; let the re-registration through up to its `COMMIT` and hold
+/// what follows; once the node logged its new incarnation, deliver the held answer. An
+/// attempt counts only if the node logged the refusal as stale ("heartbeat refusal for an
+/// older incarnation ignored") while the table read was held, before and after; it fails
+/// if the held answer missed the heartbeat's deadline. Returns the attempt that staged it.
+pub async fn stage_stale_dead_reply<F, Fut>(
+    proxy: &PgProxy,
+    node: &str,
+    public_addr: &str,
+    log: &dyn Fn() -> String,
+    declared_dead: F,
+    attempts: usize,
+) -> Result<usize, String>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    const IGNORED: &str = "heartbeat refusal for an older incarnation ignored";
+    const REFUSED: &str = "heartbeat refused";
+    const REREGISTERED: &str = "re-registered; fenced until the table is re-read";
+    let heartbeat = format!("graviton-heartbeat:{node}");
+    let actor = format!("graviton-placement:{node}");
+    let count = |needle: &str| log().matches(needle).count();
+    let ignored_before = count(IGNORED);
+    for attempt in 1..=attempts {
+        proxy.set(&heartbeat, Direction::Both, Fault::Hold);
+        proxy.set(&actor, Direction::Both, Fault::Hold);
+        let dead = super::wait_until(Duration::from_secs(30), &declared_dead).await;
+        if !dead {
+            proxy.heal();
+            return Err(format!("{node} was never declared dead while cut off"));
+        }
+        let (refused, reregistered) = (count(REFUSED), count(REREGISTERED));
+        proxy.set(&heartbeat, Direction::Both, Fault::Pass);
+        let learned = super::wait_until(Duration::from_secs(10), || async {
+            count(REFUSED) > refused
+        })
+        .await;
+        if !learned {
+            proxy.heal();
+            return Err(format!("{node} never learned it was declared dead"));
+        }
+        proxy.set(
+            &heartbeat,
+            Direction::ToClient,
+            Fault::HoldFrom(Arc::new(b"dead".to_vec())),
+        );
+        let caught = super::wait_until(Duration::from_secs(10), || async {
+            proxy.held(&heartbeat, true) > 0
+        })
+        .await;
+        if !caught {
+            proxy.heal();
+            return Err(format!("no heartbeat answer of {node} was held"));
+        }
+        let held_at = Instant::now();
+        proxy.set(&actor, Direction::Both, Fault::Pass);
+        proxy.set(
+            &actor,
+            Direction::ToServer,
+            Fault::HoldAfter(Arc::new(vec![
+                public_addr.as_bytes().to_vec(),
+                b"COMMIT".to_vec(),
+            ])),
+        );
+        let done = super::wait_until(Duration::from_secs(10), || async {
+            count(REREGISTERED) > reregistered
+        })
+        .await;
+        if !done {
+            proxy.heal();
+            return Err(format!("{node} never re-registered"));
+        }
+        let read_held = super::wait_until(Duration::from_millis(300), || async {
+            proxy.held(&actor, false) > 0
+        })
+        .await;
+        proxy.set(&heartbeat, Direction::ToClient, Fault::Pass);
+        let released_after = held_at.elapsed();
+        let ignored = super::wait_until(Duration::from_secs(2), || async {
+            count(IGNORED) > ignored_before
+        })
+        .await;
+        let still_held = proxy.held(&actor, false) > 0;
+        proxy.heal();
+        eprintln!(
+            "stale heartbeat answer for {node}, attempt {attempt}: released {released_after:?} \
+             after it was caught; seen as stale: {ignored}; re-registration's table read \
+             held before: {read_held}, after: {still_held}"
+        );
+        if ignored && read_held && still_held {
+            return Ok(attempt);
+        }
+    }
+    Err(format!(
+        "a stale Dead answer never reached {node} within its heartbeat deadline in {attempts} attempts"
+    ))
+}
