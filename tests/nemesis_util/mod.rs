@@ -27,7 +27,7 @@ use crate::support::TestDatabase;
 use crate::support::node::random_bytes;
 use crate::support::pg_proxy::{PgProxy, upstream_of, url_through};
 use crate::support::postgres_server::PostgresServer;
-use history::{ShardSample, Violation};
+use history::{ShardSample, TxSnapshot, Violation};
 use load::{History, Target};
 use pg::{Pg, Roles};
 use procs::{Kind, Proc};
@@ -68,10 +68,13 @@ pub struct Cluster {
     pub pg: Pg,
     pub history: History,
     pub samples: Arc<Mutex<Vec<ShardSample>>>,
+    /// Transaction snapshots of the test's own connection (LOC-1's commit windows).
+    pub snapshots: Arc<Mutex<Vec<TxSnapshot>>>,
     pub faults: Vec<String>,
     pub violations: Vec<Violation>,
     pub stop: CancellationToken,
     sampler: Option<tokio::task::JoinHandle<()>>,
+    snapshot_sampler: Option<tokio::task::JoinHandle<()>>,
     _dir: tempfile::TempDir,
     db: TestDatabase,
     _roles: Roles,
@@ -179,6 +182,7 @@ impl Cluster {
         };
         let history = History::new(SHARDS);
         let samples = Arc::new(Mutex::new(Vec::new()));
+        let snapshots = Arc::new(Mutex::new(Vec::new()));
         let stop = CancellationToken::new();
         let sampler = pg.sampler(
             history.t0,
@@ -186,6 +190,7 @@ impl Cluster {
             samples.clone(),
             stop.clone(),
         );
+        let (pg_for_snapshots, stop_for_snapshots, t0) = (pg.clone(), stop.clone(), history.t0);
         let mut cluster = Self {
             scenario: scenario.to_string(),
             nodes,
@@ -193,10 +198,17 @@ impl Cluster {
             pg,
             history,
             samples,
+            snapshots: snapshots.clone(),
             faults: Vec::new(),
             violations: Vec::new(),
             stop,
             sampler: Some(sampler),
+            snapshot_sampler: Some(pg_for_snapshots.snapshot_sampler(
+                t0,
+                Duration::from_millis(5),
+                snapshots,
+                stop_for_snapshots,
+            )),
             _dir: dir,
             db,
             _roles: roles,
@@ -486,13 +498,19 @@ impl Cluster {
         if let Some(sampler) = self.sampler.take() {
             let _ = sampler.await;
         }
+        if let Some(sampler) = self.snapshot_sampler.take() {
+            let _ = sampler.await;
+        }
         self.check_reads().await;
         let attempts = self.history.snapshot();
         let samples = self.samples.lock().unwrap().clone();
         let logs: Vec<&std::path::Path> = self.nodes.iter().map(|n| n.log_path()).collect();
         let records = records::read_logs(&logs);
         let t0_us = self.history.t0_unix_us;
-        let windows = records::commit_windows(&records, t0_us);
+        // LOC-1's windows from the stores and the clients (not the nodes' records).
+        let rows = self.pg.manifest_rows(t0_us).await;
+        let snapshots = self.snapshots.lock().unwrap().clone();
+        let windows = history::store_windows(&attempts, &rows, &snapshots);
         let mut violations = history::check(&attempts, &samples, &windows);
         violations.extend(records::check(&attempts, &records, t0_us));
         violations.append(&mut self.violations);

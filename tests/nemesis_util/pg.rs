@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::{Connection, Executor, PgConnection, Row};
 use tokio::time::Instant;
 
-use super::history::{ShardRow, ShardSample};
+use super::history::{ManifestRow, ShardRow, ShardSample, TxSnapshot};
 
 /// Roles created for one test, dropped (after the test database) when this is dropped.
 /// Declare it before the `TestDatabase` so it is dropped after it.
@@ -229,6 +229,72 @@ impl Pg {
         .await;
         let _ = conn.close().await;
         held.unwrap_or(false)
+    }
+
+    /// Take `pg_current_snapshot()` every `every` until `stop` (it reads no table, so a
+    /// held table lock never delays it); snapshots are timed from `t0`.
+    pub fn snapshot_sampler(
+        &self,
+        t0: Instant,
+        every: Duration,
+        snapshots: Arc<Mutex<Vec<TxSnapshot>>>,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        let pg = self.clone();
+        tokio::spawn(async move {
+            let mut conn: Option<PgConnection> = None;
+            while !stop.is_cancelled() {
+                if conn.is_none() {
+                    conn = PgConnection::connect(&pg.url).await.ok();
+                }
+                if let Some(c) = conn.as_mut() {
+                    let sent = t0.elapsed();
+                    match sqlx::query_scalar::<_, String>("SELECT pg_current_snapshot()::text")
+                        .fetch_one(&mut *c)
+                        .await
+                    {
+                        Ok(text) => {
+                            if let Some(s) = TxSnapshot::parse(&text, sent, t0.elapsed()) {
+                                snapshots.lock().unwrap().push(s);
+                            }
+                        }
+                        Err(_) => conn = None,
+                    }
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = stop.cancelled() => {}
+                }
+            }
+        })
+    }
+
+    /// Every manifest row by blob key (`blake3:<hex>:<size>`): its writing transaction and
+    /// that transaction's start in run time (`t0_unix_us` is the run's start on the wall
+    /// clock; the server runs on this machine).
+    pub async fn manifest_rows(&self, t0_unix_us: u64) -> HashMap<String, ManifestRow> {
+        let mut conn = self.conn().await;
+        let rows: Vec<(Vec<u8>, i64, i64, i64)> = sqlx::query_as(
+            "SELECT blob_hash, blob_size, (xmin::text)::bigint, \
+             (extract(epoch FROM created_at) * 1000000)::bigint FROM manifests",
+        )
+        .fetch_all(&mut conn)
+        .await
+        .expect("read manifests");
+        let _ = conn.close().await;
+        rows.into_iter()
+            .map(|(hash, size, xid, created_us)| {
+                let hex: String = hash.iter().map(|b| format!("{b:02x}")).collect();
+                let begun = Duration::from_micros((created_us as u64).saturating_sub(t0_unix_us));
+                (
+                    format!("blake3:{hex}:{size}"),
+                    ManifestRow {
+                        begun,
+                        xid: xid as u32,
+                    },
+                )
+            })
+            .collect()
     }
 
     /// Sample `placement_shards` every `every` until `stop`; samples are timed from `t0`.
