@@ -11,6 +11,8 @@
 //!   `GRAVITON_TEST_DATABASE_URL` (default: the local server on 127.0.0.1:5432), dropped
 //!   again when the test ends.
 //! * [`garage::Garage`]: a private Garage (S3) process for tests that stop or kill it.
+//! * [`pg_proxy::PgProxy`]: a TCP proxy for one process's PostgreSQL connections that
+//!   delays or black-holes live connections (by pool label and direction) on command.
 //! * [`postgres_server::PostgresServer`]: a private PostgreSQL server (initdb + pg_ctl on a
 //!   free port) for faults the shared server must not see: restarts and stops.
 //!
@@ -25,6 +27,7 @@ pub mod cluster;
 pub mod garage;
 pub mod lazyfs;
 pub mod node;
+pub mod pg_proxy;
 pub mod pki;
 pub mod placement;
 pub mod postgres;
