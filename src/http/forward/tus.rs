@@ -249,9 +249,12 @@ fn refusal_from_head(status: StatusCode, headers: &reqwest::header::HeaderMap) -
         .filter(|c| c.len() <= 64 && c.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'))
         .unwrap_or("owner_refused")
         .to_string();
+    // The owner's reason when it sent one (`X-Graviton-Error-Message`).
+    let message = crate::http::internal::relayed_message(headers)
+        .unwrap_or_else(|| "the owner node refused the upload".to_string());
     let body = serde_json::json!({
         "error": code,
-        "message": "the owner node refused the upload",
+        "message": message,
     });
     let mut answer = (status, axum::Json(body)).into_response();
     for (name, value) in relayed_headers(headers) {
