@@ -107,22 +107,25 @@ pub async fn connect_pool(
         .map_err(PlacementStoreError::Database)
 }
 
-/// How long the first connection of [`connect_pool`] may take: the statement timeout,
-/// at least 1 s and at most 10 s.
+/// How long the first connection of [`connect_pool`] may take, retries included: the
+/// statement timeout, at least 1 s and at most 5 s.
 fn first_connection_bound(statement_timeout: Duration) -> Duration {
-    statement_timeout.clamp(Duration::from_secs(1), Duration::from_secs(10))
+    statement_timeout.clamp(Duration::from_secs(1), Duration::from_secs(5))
 }
 
-/// Open and close one connection, so a server that is down, a database that does not
-/// exist or a refused password fails at once, once, naming the server (never the
+/// Open and close one connection, so that a server that is down, a database that does
+/// not exist or a refused password fails promptly and once, naming the server (never the
 /// password), the cause and `cluster.database_url` (a pool would retry until its acquire
-/// timeout and report only "pool timed out").
+/// timeout and report only "pool timed out"). A server that refuses or drops the
+/// connection is tried again within [`first_connection_bound`] (one starting beside us);
+/// an answer from PostgreSQL itself (no such database, a refused password) is final.
 async fn first_connection(
     options: &PgConnectOptions,
     statement_timeout: Duration,
 ) -> Result<(), PlacementStoreError> {
     use sqlx::Connection;
     let bound = first_connection_bound(statement_timeout);
+    let deadline = tokio::time::Instant::now() + bound;
     let unreachable = |cause: String| PlacementStoreError::Unreachable {
         endpoint: format!(
             "{}:{} (database {:?})",
@@ -132,16 +135,28 @@ async fn first_connection(
         ),
         cause,
     };
-    match tokio::time::timeout(bound, sqlx::PgConnection::connect_with(options)).await {
-        Ok(Ok(conn)) => {
-            let _ = conn.close().await;
-            Ok(())
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match tokio::time::timeout_at(deadline, sqlx::PgConnection::connect_with(options)).await {
+            Ok(Ok(conn)) => {
+                let _ = conn.close().await;
+                return Ok(());
+            }
+            Ok(Err(err)) => {
+                let transient = matches!(err, sqlx::Error::Io(_));
+                if !transient || tokio::time::Instant::now() + pause >= deadline {
+                    return Err(unreachable(connect_cause(&err)));
+                }
+            }
+            Err(_) => {
+                return Err(unreachable(format!(
+                    "no answer within {} ms (is the host reachable, and the port PostgreSQL's?)",
+                    bound.as_millis()
+                )));
+            }
         }
-        Ok(Err(err)) => Err(unreachable(connect_cause(&err))),
-        Err(_) => Err(unreachable(format!(
-            "no answer within {} s (is the host reachable, and the port PostgreSQL's?)",
-            bound.as_secs()
-        ))),
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
     }
 }
 
