@@ -272,7 +272,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }),
             };
             // The same validation as `check-config`, flags included.
-            let config = Config::load_with(config.as_deref(), &overrides)?;
+            let config = Config::load_to_serve(config.as_deref(), &overrides)?;
             graviton::telemetry::init(config.log.format, &config.log.level);
             let node = graviton::node::start(config).await?;
             match node.run_until_signal().await {
@@ -410,7 +410,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Some(path) => format!("{}", path.display()),
                 None => "defaults and environment".to_string(),
             };
-            match Config::load(config.as_deref()) {
+            // Exactly what `serve` checks before it starts (flags aside).
+            match Config::load_to_serve(config.as_deref(), &Default::default()) {
                 Ok(_) => {
                     println!("{shown}: ok");
                     Ok(ExitCode::SUCCESS)

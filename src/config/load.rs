@@ -1,5 +1,5 @@
 //! The one validation of a configuration, shared by `graviton serve` and
-//! `graviton check-config` (and every other subcommand that loads one).
+//! `graviton check-config` (the tool subcommands run it without the file checks).
 //!
 //! Owns: merging the layers (defaults, the TOML file, `GRAVITON_<SECTION>__<KEY>`
 //! variables, `serve` flags), collecting **every** problem of the result in one pass, and
@@ -37,6 +37,8 @@ pub enum Source {
     Env(String),
     /// A command-line flag of `serve`.
     Flag(&'static str),
+    /// A configuration built by a program (tests, embedders), not loaded.
+    Code,
 }
 
 impl std::fmt::Display for Source {
@@ -46,6 +48,7 @@ impl std::fmt::Display for Source {
             Source::File(path) => write!(f, "in {}", path.display()),
             Source::Env(name) => write!(f, "from environment variable {name}"),
             Source::Flag(flag) => write!(f, "from flag {flag}"),
+            Source::Code => f.write_str("built in code"),
         }
     }
 }

@@ -280,14 +280,26 @@ pub enum ConfigError {
 
 impl Config {
     /// Load defaults, then `file` (when given; it must exist, and may be empty, as
-    /// `/dev/null` is), then the environment, and validate the result, including the
-    /// files it names. Every problem is reported at once.
+    /// `/dev/null` is), then the environment, and validate the values and their
+    /// combinations. Every problem is reported at once. For the tool subcommands (`gc`,
+    /// `migrate`, `drain`, ...), which may run on another host than the node and do not
+    /// open its certificates: `serve` and `check-config` use [`Config::load_to_serve`].
     pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
-        Self::load_with(file, &Overrides::default())
+        Self::load_inner(file, &Overrides::default(), false)
     }
 
-    /// [`Config::load`] with `serve`'s flags applied over every other layer.
-    pub fn load_with(file: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
+    /// The one validation of `serve` and `check-config`: [`Config::load`] with `serve`'s
+    /// flags applied over every other layer, plus the checks of the local files the
+    /// configuration names (`config::files`).
+    pub fn load_to_serve(file: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
+        Self::load_inner(file, overrides, true)
+    }
+
+    fn load_inner(
+        file: Option<&Path>,
+        overrides: &Overrides,
+        check_files: bool,
+    ) -> Result<Self, ConfigError> {
         let text = match file {
             Some(path) => Some(read_file(path)?),
             None => None,
@@ -300,11 +312,11 @@ impl Config {
             .filter_map(|(k, v)| Some((k.into_string().ok()?, v.to_string_lossy().into_owned())))
             .filter(|(k, _)| load::env_key(k).is_some())
             .collect();
-        load::collect(layer, &env, overrides, true).map_err(ConfigError::Invalid)
+        load::collect(layer, &env, overrides, check_files).map_err(ConfigError::Invalid)
     }
 
     /// Parse a TOML document (no environment) and validate it. Used by tests and tools.
-    /// The files it names are not read: see [`Config::load`].
+    /// The files it names are not read: see [`Config::load_to_serve`].
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
         let layer = load::FileLayer {
             path: Path::new("(inline TOML)"),
@@ -421,7 +433,7 @@ impl Config {
                     .into_iter()
                     .map(|p| Finding {
                         key: p.key.to_string(),
-                        source: Source::Default,
+                        source: Source::Code,
                         message: p.message,
                     })
                     .collect(),
