@@ -52,6 +52,7 @@ fn cluster_config(dir: &std::path::Path, database_url: &str) -> std::path::PathB
     path
 }
 
+// Checks OPS-10.
 #[test]
 fn postgresql_down_at_start_names_the_server_the_cause_and_the_key_once() {
     let dir = tempfile::tempdir().unwrap();
@@ -82,6 +83,7 @@ fn postgresql_down_at_start_names_the_server_the_cause_and_the_key_once() {
     }
 }
 
+// Checks OPS-10.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_database_is_reported_once() {
     let test = "a_missing_database_is_reported_once";
@@ -102,6 +104,7 @@ async fn a_missing_database_is_reported_once() {
     assert!(text.contains("cluster.database_url"), "{text}");
 }
 
+// Checks OPS-10.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_bucket_names_the_bucket_the_endpoint_and_the_key_once() {
     let test = "a_missing_bucket_names_the_bucket_the_endpoint_and_the_key_once";
@@ -143,6 +146,7 @@ async fn a_missing_bucket_names_the_bucket_the_endpoint_and_the_key_once() {
     assert!(!text.contains(&secret), "{text}");
 }
 
+// Checks OPS-10.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gc_and_verify_on_a_running_node_say_to_stop_it_or_use_the_admin_endpoint() {
     let dir = tempfile::tempdir().unwrap();
