@@ -379,7 +379,7 @@ fn check_config_refuses_what_serve_refuses() {
         &file,
         format!(
             "[cluster]\nenabled = true\ndatabase_url = \"postgres://graviton@127.0.0.1:1/graviton\"\ninternal_addr = \"localhost:7071\"\n\
-             [control]\ninternal_token = \"0123456789abcdef0123456789\"\n\
+             [control]\ninternal_token = \"test-internal-token-0123456789abcdefghijkl\"\n\
              [storage]\ndata_dir = \"{}\"\n[storage.s3]\nbucket = \"packs\"\nendpoint = \"http://127.0.0.1:1\"\ncredentials_file = \"{}\"\n",
             dir.path().join("data").display(),
             dir.path().join("missing.cred").display()
@@ -402,6 +402,10 @@ fn check_config_refuses_what_serve_refuses() {
         assert!(checked.contains(key), "check-config: {key}: {checked}");
         assert!(served_err.contains(key), "serve: {key}: {served_err}");
     }
+    // Those two and nothing else, in both.
+    let problems = |text: &str| text.lines().filter(|l| l.starts_with("  - ")).count();
+    assert_eq!(problems(&checked), 2, "{checked}");
+    assert_eq!(problems(&served_err), 2, "{served_err}");
     // serve refused before touching the network: no PostgreSQL error.
     assert!(!served_err.contains("PostgreSQL"), "{served_err}");
 }
