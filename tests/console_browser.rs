@@ -25,7 +25,7 @@ const ADMIN_TOKEN: &str = "console-browser-admin-token-0123";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() {
-    // Checks OPS-20 and OPS-21.
+    // Checks OPS-11 and OPS-12.
     let root = env!("CARGO_MANIFEST_DIR");
     let deps = Command::new(format!("{root}/scripts/console-test-deps"))
         .current_dir(root)

@@ -543,7 +543,7 @@ mod tests {
         }
     }
 
-    // Checks OPS-20.
+    // Checks OPS-11.
     #[test]
     fn a_dead_node_or_a_failing_dependency_degrades_a_healthy_placement() {
         use crate::health::Dependency;
@@ -624,7 +624,7 @@ mod tests {
         );
     }
 
-    // Checks OPS-20.
+    // Checks OPS-11.
     #[test]
     fn http_totals_sum_every_series_and_the_5xx_ones() {
         let metrics = crate::metrics::Metrics::new();
