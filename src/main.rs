@@ -68,10 +68,12 @@ enum Command {
         #[arg(long, env = "GRAVITON_CONFIG")]
         config: Option<PathBuf>,
     },
-    /// Validate a configuration file without starting anything.
+    /// Validate a configuration without starting anything: the same checks as `serve`
+    /// (without the network), every problem at once. With no `--config`, the defaults
+    /// plus the environment are checked.
     CheckConfig {
-        #[arg(long)]
-        config: PathBuf,
+        #[arg(long, env = "GRAVITON_CONFIG")]
+        config: Option<PathBuf>,
     },
     /// Upload a file; prints its key and deduplication figures.
     Put {
@@ -226,10 +228,28 @@ fn main() -> ExitCode {
     match runtime.block_on(run(cli)) {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", describe(&err));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes on one line, each cause once: many of our errors already
+/// show their source in their own message (`"{op}: {source}"`), and printing the chain
+/// as well would repeat it ("pack missing: pack missing").
+fn describe(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let message = cause.to_string();
+        if text.contains(&message) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&message);
+    }
+    text
 }
 
 async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -240,21 +260,19 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             data_dir,
             log_format,
         } => {
-            let mut config = Config::load(config.as_deref())?;
-            if let Some(listen) = listen {
-                config.node.listen = listen;
-            }
-            if let Some(dir) = data_dir {
-                config.storage.data_dir = dir;
-            }
-            if let Some(format) = log_format {
-                config.log.format = if format == "json" {
-                    LogFormat::Json
-                } else {
-                    LogFormat::Human
-                };
-            }
-            config.validate()?;
+            let overrides = graviton::config::Overrides {
+                listen,
+                data_dir,
+                log_format: log_format.map(|format| {
+                    if format == "json" {
+                        LogFormat::Json
+                    } else {
+                        LogFormat::Human
+                    }
+                }),
+            };
+            // The same validation as `check-config`, flags included.
+            let config = Config::load_to_serve(config.as_deref(), &overrides)?;
             graviton::telemetry::init(config.log.format, &config.log.level);
             let node = graviton::node::start(config).await?;
             match node.run_until_signal().await {
@@ -387,16 +405,23 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("moved {moved} blocks into packs");
             Ok(ExitCode::SUCCESS)
         }
-        Command::CheckConfig { config } => match Config::load(Some(&config)) {
-            Ok(_) => {
-                println!("{}: ok", config.display());
-                Ok(ExitCode::SUCCESS)
+        Command::CheckConfig { config } => {
+            let shown = match &config {
+                Some(path) => format!("{}", path.display()),
+                None => "defaults and environment".to_string(),
+            };
+            // Exactly what `serve` checks before it starts (flags aside).
+            match Config::load_to_serve(config.as_deref(), &Default::default()) {
+                Ok(_) => {
+                    println!("{shown}: ok");
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(err) => {
+                    eprintln!("{shown}: {err}");
+                    Ok(ExitCode::from(2))
+                }
             }
-            Err(err) => {
-                eprintln!("{}: {err}", config.display());
-                Ok(ExitCode::from(2))
-            }
-        },
+        }
         Command::Put {
             file,
             server,
@@ -472,7 +497,26 @@ async fn manager_signal() {
 
 #[cfg(test)]
 mod tests {
-    use super::shard_bar;
+    use super::{describe, shard_bar};
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("open storage under /d: {source}")]
+    struct Outer {
+        #[source]
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn an_error_chain_prints_each_cause_once() {
+        let inner = std::io::Error::other("probe the S3 bucket: pack missing");
+        let err = anyhow::Error::from(Outer { source: inner });
+        assert_eq!(
+            describe(&err),
+            "open storage under /d: probe the S3 bucket: pack missing"
+        );
+        let err = anyhow::anyhow!("root cause").context("outer step");
+        assert_eq!(describe(&err), "outer step: root cause");
+    }
 
     #[test]
     fn shard_bars_are_proportional_and_fixed_width() {

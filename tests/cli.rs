@@ -293,3 +293,119 @@ fn environment_overrides_the_config_file() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("sessions.max_hot"));
 }
+
+/// `graviton check-config` with `args`, no inherited `GRAVITON_*` configuration, plus
+/// `env`: (exit code, stderr).
+fn check_config(args: &[&std::ffi::OsStr], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut command = Command::new(BIN);
+    command.arg("check-config").args(args);
+    for (name, _) in std::env::vars() {
+        if name.starts_with("GRAVITON_") {
+            command.env_remove(name);
+        }
+    }
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let out = command.output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+// Checks OPS-7.
+#[test]
+fn check_config_reports_every_mistake_in_one_run_with_its_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("three.toml");
+    // Three mistakes: an unknown key, a value that does not parse, a value out of range;
+    // and a fourth, an unknown key set by an environment variable.
+    std::fs::write(
+        &file,
+        "[node]\nlisten_typo = \"127.0.0.1:9000\"\n[upload]\nmax_blob_size = \"lots\"\n[sessions]\nmax_hot = 0\n",
+    )
+    .unwrap();
+    let (code, stderr) = check_config(
+        &["--config".as_ref(), file.as_os_str()],
+        &[("GRAVITON_STORAGE__BOGUS", "1")],
+    );
+    assert_eq!(code, Some(2), "{stderr}");
+    let shown = file.display().to_string();
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.starts_with("  - ")).collect();
+    assert_eq!(lines.len(), 4, "{stderr}");
+    for key in [
+        "node.listen_typo",
+        "upload.max_blob_size",
+        "sessions.max_hot",
+    ] {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains(&format!("{key} (in {shown})"))),
+            "{key} not blamed on the file: {stderr}"
+        );
+    }
+    assert!(
+        lines.iter().any(
+            |l| l.contains("storage.bogus (from environment variable GRAVITON_STORAGE__BOGUS)")
+        ),
+        "unknown env key not blamed on its variable: {stderr}"
+    );
+}
+
+#[test]
+fn check_config_runs_without_a_file_and_with_an_empty_one() {
+    let (code, stderr) = check_config(&[], &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let (code, stderr) = check_config(&[], &[("GRAVITON_SESSIONS__MAX_HOT", "0")]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("sessions.max_hot (from environment variable GRAVITON_SESSIONS__MAX_HOT)"),
+        "{stderr}"
+    );
+    let (code, stderr) = check_config(&["--config".as_ref(), "/dev/null".as_ref()], &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+}
+
+/// What `serve` and `check-config` refuse is the same: a host name as
+/// `cluster.internal_addr` and a `storage.s3.credentials_file` that does not exist.
+// Checks OPS-7.
+#[test]
+fn check_config_refuses_what_serve_refuses() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cluster.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "[cluster]\nenabled = true\ndatabase_url = \"postgres://graviton@127.0.0.1:1/graviton\"\ninternal_addr = \"localhost:7071\"\n\
+             [control]\ninternal_token = \"test-internal-token-0123456789abcdefghijkl\"\n\
+             [storage]\ndata_dir = \"{}\"\n[storage.s3]\nbucket = \"packs\"\nendpoint = \"http://127.0.0.1:1\"\ncredentials_file = \"{}\"\n",
+            dir.path().join("data").display(),
+            dir.path().join("missing.cred").display()
+        ),
+    )
+    .unwrap();
+    let (code, checked) = check_config(&["--config".as_ref(), file.as_os_str()], &[]);
+    assert_eq!(code, Some(2), "{checked}");
+    let mut serve = Command::new(BIN);
+    serve.arg("serve").arg("--config").arg(&file);
+    for (name, _) in std::env::vars() {
+        if name.starts_with("GRAVITON_") {
+            serve.env_remove(name);
+        }
+    }
+    let served = serve.output().unwrap();
+    let served_err = String::from_utf8_lossy(&served.stderr);
+    assert_eq!(served.status.code(), Some(1), "{served_err}");
+    for key in ["cluster.internal_addr", "storage.s3.credentials_file"] {
+        assert!(checked.contains(key), "check-config: {key}: {checked}");
+        assert!(served_err.contains(key), "serve: {key}: {served_err}");
+    }
+    // Those two and nothing else, in both.
+    let problems = |text: &str| text.lines().filter(|l| l.starts_with("  - ")).count();
+    assert_eq!(problems(&checked), 2, "{checked}");
+    assert_eq!(problems(&served_err), 2, "{served_err}");
+    // serve refused before touching the network: no PostgreSQL error.
+    assert!(!served_err.contains("PostgreSQL"), "{served_err}");
+}

@@ -2,9 +2,13 @@
 //! playwright-core (tests/console/console.cjs), against a live cluster of three
 //! `graviton serve` processes on one PostgreSQL database, with blocks on the test S3
 //! server and Redis admission. The script signs in with the admin token, checks the nodes
-//! and the shard map, drains one node (its row must show zero shards) and kills another
-//! (its row must turn dead).
-//! Screenshots are kept under target/console-screenshots/.
+//! and the shard map, drains one node (its row must show zero shards), kills another (its
+//! row must turn dead) and shuts the Redis server down; the health summary must then name
+//! the dead node, the draining node and Redis, and show the 5xx rate. At 1280 and 1920 px
+//! the page must not overflow horizontally (`scrollWidth <= innerWidth`), before and after
+//! the faults; every time on the page is UTC ISO 8601; event rows are one line each.
+//! Screenshots are kept under target/console-screenshots/, and the last one (the faults
+//! shown at 1280 px) is copied to docs/console.png, the picture in docs/operations.md.
 //!
 //! `scripts/console-test-deps` installs chromium (apt) and playwright-core (npm) when they
 //! are missing; if it cannot, the test fails under GRAVITON_REQUIRE_SERVICES=1.
@@ -21,6 +25,7 @@ const ADMIN_TOKEN: &str = "console-browser-admin-token-0123";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() {
+    // Checks OPS-11 and OPS-12.
     let root = env!("CARGO_MANIFEST_DIR");
     let deps = Command::new(format!("{root}/scripts/console-test-deps"))
         .current_dir(root)
@@ -40,13 +45,14 @@ async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() 
     let Some(db) = support::TestDatabase::create("console_browser").await else {
         return;
     };
+    // Stopped by the browser script (SHUTDOWN NOSAVE); killed on drop if it still runs.
     let Some(redis) = support::RedisServer::start("console_browser") else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
     let prefix = format!("console-browser-{}", support::unique_suffix());
     let extra = format!(
-        "[admin]\ntoken = \"{ADMIN_TOKEN}\"\n\n[admission.redis]\nurl = \"{}\"\n",
+        "[admin]\ntoken = \"{ADMIN_TOKEN}\"\n\n[admission.redis]\nurl = \"{}\"\n\n[health]\nprobe_interval = \"1s\"\nprobe_timeout = \"1s\"\n",
         redis.url()
     );
     let names = ["node-1", "node-2", "node-3"];
@@ -73,8 +79,9 @@ async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() 
     let ready = support::wait_until(Duration::from_secs(60), || {
         let (client, urls) = (client.clone(), urls.clone());
         async move {
+            // Ready and settled (no shard moving), so the upload below is not re-routed.
             for url in &urls {
-                if !is_ready(&client, url).await {
+                if !is_ready(&client, url).await || !settled(&client, url).await {
                     return false;
                 }
             }
@@ -105,6 +112,7 @@ async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() 
         let _ = std::fs::remove_file(old.path());
     }
     let kill_pid = nodes[1].pid().expect("node-2 runs");
+    let redis_port = redis.port();
     let output = tokio::task::spawn_blocking({
         let (url, screenshots) = (nodes[0].url.clone(), screenshots.clone());
         move || {
@@ -117,6 +125,7 @@ async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() 
                 .env("DRAIN_NODE", "node-3")
                 .env("KILL_NODE", "node-2")
                 .env("KILL_PID", kill_pid.to_string())
+                .env("REDIS_PORT", redis_port.to_string())
                 .env("SCREENSHOTS", screenshots)
                 .env("RAW_TENANT", tenant)
                 .output()
@@ -132,10 +141,23 @@ async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() 
         "browser checks failed:\n{stdout}\n{stderr}\nnode-1 log tail:\n{}",
         tail(&nodes[0].log_text())
     );
+    // The checks and the widths measured, in the test's output.
+    println!("{stdout}");
     for check in [
         "decision events show a tenant hash, never the raw tenant id",
         "the drained node shows zero shards",
         "the killed node turns dead",
+        "three nodes: no horizontal overflow at 1280 px",
+        "three nodes: no horizontal overflow at 1920 px",
+        "dead node and Redis down: no horizontal overflow at 1280 px",
+        "dead node and Redis down: no horizontal overflow at 1920 px",
+        "one time format, UTC ISO 8601",
+        "compact event rows, one line each",
+        "the policy version is readable",
+        "the health summary shows the dead node",
+        "the health summary shows the draining node",
+        "the health summary shows the failing dependency",
+        "the summary shows the 5xx rate",
         "no request leaves the node",
     ] {
         assert!(
@@ -153,6 +175,12 @@ async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() 
             .unwrap_or(0);
         assert!(len > 0, "screenshot {shot} missing");
     }
+    // The picture in docs/operations.md is this run's last screenshot.
+    std::fs::copy(
+        format!("{screenshots}/console-3-killed.png"),
+        format!("{root}/docs/console.png"),
+    )
+    .expect("copy the screenshot to docs/console.png");
     // The page never showed the internal token or database URL either.
     let data: serde_json::Value = client
         .get(format!("{}/v1/admin/console", nodes[0].url))
@@ -166,6 +194,15 @@ async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() 
     let text = data.to_string();
     assert!(!text.contains(support::cluster::TOKEN) && !text.contains(db.url()));
     nodes[0].kill9();
+}
+
+/// Whether the node's `/readyz` says `healthy`: every shard assigned and none moving.
+async fn settled(client: &reqwest::Client, url: &str) -> bool {
+    let Ok(response) = client.get(format!("{url}/readyz")).send().await else {
+        return false;
+    };
+    let body: serde_json::Value = response.json().await.unwrap_or_default();
+    body["placement"]["status"] == "healthy"
 }
 
 fn tail(text: &str) -> String {

@@ -38,6 +38,9 @@ enum BrokenReads {
     Stall,
 }
 
+/// Acknowledged uploads every scenario needs before its checks mean anything.
+const MIN_ACKED: u64 = 10;
+
 /// How long the stalled-reads variant holds the shard table lock.
 const STALL: Duration = Duration::from_secs(10);
 
@@ -114,10 +117,10 @@ async fn cut_off_node_returns(scenario: &str, reads: BrokenReads) {
             }
             BrokenReads::Stall => {
                 // Longer than the nodes' statement_timeout (2 s): A's reads time out.
-                let handle = cluster.pg.lock_shards_for(STALL);
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                // Recorded only once the lock is confirmed held (pg_locks).
+                let handle = cluster.pg.lock_shards_for(STALL).await;
                 cluster.fault(format!(
-                    "LOCK TABLE placement_shards IN ACCESS EXCLUSIVE MODE for {STALL:?}"
+                    "LOCK TABLE placement_shards IN ACCESS EXCLUSIVE MODE for {STALL:?} (held)"
                 ));
                 Some(handle)
             }
@@ -160,7 +163,11 @@ async fn cut_off_node_returns(scenario: &str, reads: BrokenReads) {
         // Heal.
         match lock {
             Some(handle) => {
-                let _ = handle.await;
+                handle
+                    .await
+                    .expect("lock task")
+                    .expect("the placement_shards lock was held and released");
+                cluster.fault("placement_shards lock released");
             }
             None => {
                 cluster
@@ -171,10 +178,7 @@ async fn cut_off_node_returns(scenario: &str, reads: BrokenReads) {
             }
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
-        stop.cancel();
-        for w in workers {
-            let _ = w.await;
-        }
+        cluster.stop_load(stop, workers, MIN_ACKED).await;
         cluster.finish(seed, iteration).await;
     }
 }
@@ -235,9 +239,12 @@ async fn inject(cluster: &mut Cluster, rng: &mut StdRng, fault: Fault) {
         }
         Fault::LockShardTable => {
             let hold = Duration::from_millis(rng.random_range(1000..3500));
-            let handle = cluster.pg.lock_shards_for(hold);
-            cluster.fault(format!("LOCK TABLE placement_shards for {hold:?}"));
-            let _ = handle.await;
+            let handle = cluster.pg.lock_shards_for(hold).await;
+            cluster.fault(format!("LOCK TABLE placement_shards for {hold:?} (held)"));
+            handle
+                .await
+                .expect("lock task")
+                .expect("the placement_shards lock was held and released");
             cluster.fault("placement_shards lock released");
         }
         Fault::CutOff => {
@@ -275,10 +282,7 @@ async fn nemesis_random_node_and_postgres_faults() {
             inject(&mut cluster, &mut rng, fault).await;
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
-        stop.cancel();
-        for w in workers {
-            let _ = w.await;
-        }
+        cluster.stop_load(stop, workers, MIN_ACKED).await;
         cluster.finish(seed, iteration).await;
     }
 }
@@ -363,10 +367,7 @@ async fn nemesis_standalone_manager_faults() {
             cluster.fault(format!("restart {victim_id}"));
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
-        stop.cancel();
-        for w in workers {
-            let _ = w.await;
-        }
+        cluster.stop_load(stop, workers, MIN_ACKED).await;
         cluster.finish(seed, iteration).await;
     }
 }
@@ -404,10 +405,7 @@ async fn nemesis_rolling_restart() {
             cluster.fault(format!("{id} back, cluster converged={back}"));
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
-        stop.cancel();
-        for w in workers {
-            let _ = w.await;
-        }
+        cluster.stop_load(stop, workers, MIN_ACKED).await;
         // LOC-7: no upload failed once the client's retries are counted.
         cluster.check_no_failed_uploads();
         cluster.finish(seed, iteration).await;
@@ -484,10 +482,390 @@ async fn nemesis_postgres_restart() {
             cluster.fault(format!("converged after {what}"));
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
-        stop.cancel();
-        for w in workers {
-            let _ = w.await;
+        cluster.stop_load(stop, workers, MIN_ACKED).await;
+        cluster.finish(seed, iteration).await;
+    }
+}
+
+/// Wait (bounded by `within`) until `node` owns no shard; a LOC-3 violation otherwise
+/// (no acting manager moved them). Returns how long it took.
+async fn wait_moved(cluster: &mut Cluster, node: &str, within: Duration, when: &str) -> Duration {
+    let started = std::time::Instant::now();
+    let moved = support::wait_until(within, || async {
+        cluster.shards_of(node).await.is_empty()
+    })
+    .await;
+    if !moved {
+        cluster
+            .violations
+            .push(nemesis_util::history::Violation::new(
+                "LOC-3",
+                format!("{when}: shards of {node} not moved within {within:?}"),
+            ));
+    }
+    started.elapsed()
+}
+
+/// Wait until process `proc` is stopped (SIGSTOP by its own test hook, announced on its
+/// log as `stopping after <step>`); panics after `within`: a fault that did not happen.
+async fn wait_hook_stop(proc: &nemesis_util::procs::Proc, step: &str, within: Duration) {
+    let pid = proc.pid().expect("a running process");
+    let stopped =
+        support::wait_until(within, || async move { support::process_stopped(pid) }).await;
+    assert!(
+        stopped,
+        "{} never stopped at {step} within {within:?}; log tail:\n{}",
+        proc.id,
+        proc.log_tail(20)
+    );
+    let log = std::fs::read_to_string(proc.log_path()).unwrap_or_default();
+    assert!(
+        log.contains(&format!("stopping after {step} (GRAVITON_TEST_STOP_AFTER)")),
+        "{} stopped, but not at {step}",
+        proc.id
+    );
+}
+
+/// The backend of `role` idle inside a transaction that holds a granted `mode` lock on
+/// `table`, or a panic naming what the role's open transactions hold (the fault must be
+/// confirmed before the scenario relies on it).
+async fn held_transaction(cluster: &Cluster, role: &str, table: &str, mode: &str) -> i32 {
+    let open = cluster.pg.open_transactions(role).await;
+    open.iter()
+        .find(|(_, _, locks)| locks.iter().any(|(r, m)| r == table && m == mode))
+        .map(|(pid, _, _)| *pid)
+        .unwrap_or_else(|| {
+            panic!("no open transaction of {role} holds {mode} on {table}: {open:?}")
+        })
+}
+
+// Checks PG-1 and LOC-3 (and LOC-1, LOC-2, LOC-4, LOC-5, LOC-6) under load, what-to-build 5
+// of issue 25: an owner stopped inside its fenced commit (`commit fenced`: the shard row
+// held FOR SHARE, the deduplicated blocks' rows locked) while another node is killed, then
+// the standalone manager stopped inside its round's fenced transaction (`manager round
+// fenced`: placement_meta held FOR SHARE) while a standby starts. Each stop is confirmed
+// from the process state and each held lock from pg_locks before the scenario relies on
+// it; the killed node's shards must move, and the standby must take over and act.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nemesis_owner_and_manager_paused_inside_transactions() {
+    let scenario = "paused_in_transaction";
+    for iteration in 1..=iterations() {
+        let (seed, mut rng) = scenario_rng(scenario, iteration);
+        banner(scenario, iteration, seed);
+        let Some(mut cluster) = Cluster::start(scenario, 3, true).await else {
+            return;
+        };
+        let stop = CancellationToken::new();
+        let pool = Arc::new(load::sessions(&mut rng, 16));
+        let workers =
+            cluster
+                .history
+                .spawn_workers(3, rng.random(), pool, cluster.targets(), stop.clone());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+
+        // An owner stopped inside its commit.
+        let o = rng.random_range(0..cluster.nodes.len());
+        let (o_id, o_role) = (cluster.nodes[o].id.clone(), cluster.nodes[o].role.clone());
+        cluster.nodes[o].kill9();
+        cluster.nodes[o].spawn_with_env(&[("GRAVITON_TEST_STOP_AFTER", "commit fenced")]);
+        cluster.fault(format!(
+            "kill -9 {o_id}, restarted to stop inside its next commit"
+        ));
+        wait_hook_stop(&cluster.nodes[o], "commit fenced", Duration::from_secs(60)).await;
+        let pid = held_transaction(&cluster, &o_role, "placement_shards", "RowShareLock").await;
+        cluster.fault(format!(
+            "{o_id} stopped inside its commit (backend {pid} idle in transaction, placement_shards FOR SHARE)"
+        ));
+        let v = (o + 1 + rng.random_range(0..cluster.nodes.len() - 1)) % cluster.nodes.len();
+        let v_id = cluster.nodes[v].id.clone();
+        cluster.nodes[v].kill9();
+        cluster.fault(format!(
+            "kill -9 {v_id} while {o_id} is stopped in its commit"
+        ));
+        let took = wait_moved(
+            &mut cluster,
+            &v_id,
+            Duration::from_secs(15),
+            "owner stopped in commit",
+        )
+        .await;
+        cluster.fault(format!("{v_id}'s shards moved after {took:?}"));
+        let took = wait_moved(
+            &mut cluster,
+            &o_id,
+            Duration::from_secs(15),
+            "owner stopped in commit",
+        )
+        .await;
+        cluster.fault(format!("stopped {o_id}'s shards moved after {took:?}"));
+        // Resumed it would stop at its next commit again: killed and restarted clean.
+        cluster.nodes[o].kill9();
+        cluster.nodes[o].spawn();
+        cluster.nodes[v].spawn();
+        cluster.fault(format!(
+            "kill -9 stopped {o_id}; {o_id} and {v_id} restarted"
+        ));
+        cluster
+            .check_manager(Duration::from_secs(30), "after the owner stop")
+            .await;
+
+        // The manager stopped inside its round; a standby must take over.
+        let manager = cluster.manager.as_mut().expect("standalone manager");
+        let m_role = manager.role.clone();
+        manager.kill9();
+        manager.spawn_with_env(&[("GRAVITON_TEST_STOP_AFTER", "manager round fenced")]);
+        cluster.fault("kill -9 standalone manager, restarted to stop inside its next round");
+        wait_hook_stop(
+            cluster.manager.as_ref().unwrap(),
+            "manager round fenced",
+            Duration::from_secs(60),
+        )
+        .await;
+        let pid = held_transaction(&cluster, &m_role, "placement_meta", "RowShareLock").await;
+        cluster.fault(format!(
+            "standalone manager stopped inside its round (backend {pid}, placement_meta FOR SHARE)"
+        ));
+        // A standalone manager refuses to start while the lock is held (exit 3): the test
+        // plays the supervisor and starts it again until it acts. The stopped manager's
+        // lock session ends by its idle_session_timeout; its round transaction (holding
+        // placement_meta FOR SHARE, which the new term's bump waits on) by the session
+        // bounds (PG-1).
+        let mut standby = cluster.manager.as_ref().unwrap().sibling("manager-2");
+        cluster.fault("standby manager-2 started (restarted whenever it exits)");
+        let started = std::time::Instant::now();
+        let mut restarts = 0;
+        let mut took_over = false;
+        while started.elapsed() < Duration::from_secs(20) {
+            if standby.exited().is_some() {
+                standby.reap();
+                standby.spawn();
+                restarts += 1;
+            }
+            if cluster
+                .status()
+                .await
+                .is_some_and(|s| s.manager_node.as_deref() == Some("manager-2"))
+            {
+                took_over = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        cluster.fault(format!(
+            "manager-2 acting: {took_over}, {:?} after its first start ({restarts} restarts)",
+            started.elapsed()
+        ));
+        if !took_over {
+            let tail = standby.log_tail(20);
+            cluster
+                .violations
+                .push(nemesis_util::history::Violation::new(
+                    "LOC-3",
+                    format!(
+                        "the standby never took over from a manager stopped inside its round; \
+                         manager-2 log tail:\n{tail}"
+                    ),
+                ));
+        }
+        // The stopped manager is killed; the standby is the cluster's manager from now on.
+        cluster.manager.as_mut().unwrap().kill9();
+        cluster.manager = Some(standby);
+        cluster.fault("kill -9 the stopped manager; manager-2 is the manager");
+        // It acts: a killed node's shards move.
+        let victim = rng.random_range(0..cluster.nodes.len());
+        let victim_id = cluster.nodes[victim].id.clone();
+        cluster.nodes[victim].kill9();
+        cluster.fault(format!(
+            "kill -9 {victim_id} (manager-2 must move its shards)"
+        ));
+        let took = wait_moved(
+            &mut cluster,
+            &victim_id,
+            Duration::from_secs(15),
+            "after the manager stop",
+        )
+        .await;
+        cluster.fault(format!("{victim_id}'s shards moved after {took:?}"));
+        cluster.nodes[victim].spawn();
+        cluster.fault(format!("restart {victim_id}"));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        cluster.stop_load(stop, workers, MIN_ACKED).await;
+        cluster.finish(seed, iteration).await;
+    }
+}
+
+/// How long each way the proxy delays the node's PostgreSQL traffic in the delay phase.
+/// Found with this scenario (issue 25, open): at 100 ms each way (200 ms round trip) and at
+/// 150 ms the delayed node stops acknowledging uploads as owner within ~5 s while keeping
+/// its shards (its heartbeats start missing the 800 ms deadline, it fences itself, and only
+/// after the node TTL do its shards move); the scenario runs at 50 ms, which the cluster
+/// rides out.
+const PG_DELAY: Duration = Duration::from_millis(50);
+
+// Checks LOC-3 and LOC-2 (and LOC-1, LOC-4, LOC-5, LOC-6) with one node's PostgreSQL
+// connections behind a TCP proxy (issue 25 item 3 and what-to-build 5): delayed by
+// `PG_DELAY` each way the cluster keeps working (the node stays registered with its shards
+// and uploads are acknowledged), black-holed (held, not closed) the node loses its shards
+// to the others, and healed it rejoins; no acknowledged upload is lost. Then a stale
+// `Dead` heartbeat answer for its old incarnation is delivered after its re-registration
+// (issue 25 item 5, `support::pg_proxy::stage_stale_dead_reply`): it must not stay fenced
+// (it gets shards back and acknowledges uploads as owner).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nemesis_postgres_connection_delayed_and_black_holed() {
+    let scenario = "pg_proxy";
+    for iteration in 1..=iterations() {
+        let (seed, mut rng) = scenario_rng(scenario, iteration);
+        banner(scenario, iteration, seed);
+        let p = rng.random_range(0..3);
+        let Some(mut cluster) = Cluster::start_with(scenario, 3, false, None, Some(p)).await else {
+            return;
+        };
+        let p_id = cluster.nodes[p].id.clone();
+        let stop = CancellationToken::new();
+        let pool = Arc::new(load::sessions(&mut rng, 16));
+        let workers =
+            cluster
+                .history
+                .spawn_workers(3, rng.random(), pool, cluster.targets(), stop.clone());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+
+        // Delay: the proxy must actually be delaying before the phase counts.
+        let proxy = &cluster.proxy.as_ref().unwrap().1;
+        proxy.set(
+            "",
+            support::pg_proxy::Direction::Both,
+            support::pg_proxy::Fault::Delay(PG_DELAY),
+        );
+        let delaying = support::wait_until(Duration::from_secs(10), || async {
+            let proxy = &cluster.proxy.as_ref().unwrap().1;
+            proxy.delayed("", true) > 0 && proxy.delayed("", false) > 0
+        })
+        .await;
+        assert!(
+            delaying,
+            "the proxy never delayed {p_id}'s PostgreSQL traffic"
+        );
+        cluster.fault(format!(
+            "{p_id}'s PostgreSQL connections delayed {PG_DELAY:?} each way"
+        ));
+        let before = cluster
+            .history
+            .acked_ops
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let phase_start = cluster.history.t0.elapsed();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let acked = cluster
+            .history
+            .acked_ops
+            .load(std::sync::atomic::Ordering::Relaxed)
+            - before;
+        let by_p = cluster
+            .history
+            .snapshot()
+            .iter()
+            .filter(|a| a.start >= phase_start && a.created().is_some_and(|(_, o)| o == p_id))
+            .count();
+        let kept = !cluster.shards_of(&p_id).await.is_empty();
+        cluster.fault(format!(
+            "delay phase: {acked} uploads acknowledged, {by_p} by {p_id} as owner; {p_id} kept its shards: {kept}"
+        ));
+        if acked == 0 || by_p == 0 || !kept {
+            cluster.violations.push(nemesis_util::history::Violation::new(
+                "LOC-3",
+                format!(
+                    "the cluster stopped working with {p_id}'s PostgreSQL delayed {PG_DELAY:?}: \
+                     {acked} acknowledged, {by_p} by {p_id}, {p_id} kept its shards: {kept}"
+                ),
+            ));
+        }
+
+        // Black hole: held, not closed; the proxy must be holding the node's bytes.
+        let proxy = &cluster.proxy.as_ref().unwrap().1;
+        proxy.set(
+            "",
+            support::pg_proxy::Direction::Both,
+            support::pg_proxy::Fault::Hold,
+        );
+        let holding = support::wait_until(Duration::from_secs(10), || async {
+            let proxy = &cluster.proxy.as_ref().unwrap().1;
+            proxy.held("graviton-heartbeat", false) + proxy.held("graviton-heartbeat", true) > 0
+        })
+        .await;
+        assert!(holding, "the proxy never caught a heartbeat of {p_id}");
+        cluster.fault(format!(
+            "{p_id}'s PostgreSQL connections black-holed (a heartbeat held)"
+        ));
+        let took = wait_moved(&mut cluster, &p_id, Duration::from_secs(20), "black-holed").await;
+        cluster.fault(format!(
+            "{p_id}'s shards moved {took:?} after the black hole"
+        ));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        cluster.proxy.as_ref().unwrap().1.heal();
+        cluster.fault(format!(
+            "{p_id}'s PostgreSQL connections healed (held bytes flow)"
+        ));
+        cluster
+            .check_manager(Duration::from_secs(30), "after the black hole healed")
+            .await;
+        cluster.fault(format!("converged with {p_id} back"));
+
+        // A stale heartbeat answer (issue 25 item 5): `Dead` for p's old incarnation,
+        // delivered after its re-registration committed (confirmed from p's own log).
+        let public = cluster.nodes[p]
+            .url
+            .trim_start_matches("http://")
+            .to_string();
+        let log_path = cluster.nodes[p].log_path().to_path_buf();
+        let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+        let db_url = cluster.pg.url.clone();
+        let declared_dead = || {
+            let (db_url, p_id) = (db_url.clone(), p_id.clone());
+            async move {
+                graviton::cli::cluster_status(&db_url).await.is_ok_and(|s| {
+                    s.nodes
+                        .iter()
+                        .any(|n| n.id.as_str() == p_id && n.state.as_str() == "dead")
+                })
+            }
+        };
+        let proxy = &cluster.proxy.as_ref().unwrap().1;
+        let staged = support::pg_proxy::stage_stale_dead_reply(
+            proxy,
+            &p_id,
+            &public,
+            &log,
+            declared_dead,
+            6,
+        )
+        .await
+        .unwrap_or_else(|why| panic!("the stale heartbeat fault was not applied: {why}"));
+        cluster.fault(format!(
+            "stale Dead heartbeat answer delivered to {p_id} after its re-registration (attempt {staged})"
+        ));
+        let since = cluster.history.t0.elapsed();
+        cluster
+            .check_manager(Duration::from_secs(30), "after the stale heartbeat answer")
+            .await;
+        // Not fenced by it: p acknowledges uploads as owner again.
+        let owner_again = support::wait_until(Duration::from_secs(20), || async {
+            cluster
+                .history
+                .snapshot()
+                .iter()
+                .any(|a| a.start >= since && a.created().is_some_and(|(_, o)| o == p_id))
+        })
+        .await;
+        cluster.fault(format!(
+            "{p_id} acknowledged an upload as owner after the stale answer: {owner_again}"
+        ));
+        if !owner_again {
+            cluster.violations.push(nemesis_util::history::Violation::new(
+                "LOC-3",
+                format!("{p_id} never acknowledged an upload as owner after a stale heartbeat answer"),
+            ));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        cluster.stop_load(stop, workers, MIN_ACKED).await;
         cluster.finish(seed, iteration).await;
     }
 }

@@ -495,7 +495,11 @@ async fn readiness_follows_placement() {
         settled(&[&a, &b, &c], &["a", "b", "c"]) && [&a, &b, &c].iter().all(|n| n.health().ready)
     })
     .await;
-    assert!(a.drain_self(GENEROUS).await.unwrap(), "a drained itself");
+    assert_eq!(
+        a.drain_self(GENEROUS).await.unwrap(),
+        graviton::placement::DrainEnd::Drained,
+        "a drained itself"
+    );
     eventually(GENEROUS, "a unassigned after its drain", || {
         a.health().status == HealthStatus::Unassigned
     })

@@ -17,7 +17,17 @@
   function text(el, value) { el.textContent = value; return el; }
   function cell(row, value) { const td = document.createElement("td"); td.textContent = value; row.appendChild(td); return td; }
   function badge(value) { const s = document.createElement("span"); s.className = "badge " + value; s.textContent = value; return s; }
-  function time(ms) { return ms ? new Date(Number(ms)).toISOString().replace("T", " ").replace(/\.\d+Z$/, " UTC") : "never"; }
+  // One time format everywhere: UTC, ISO 8601, to the second ("2026-12-05T07:52:35Z").
+  function iso(ms) { return new Date(Number(ms)).toISOString().replace(/\.\d+Z$/, "Z"); }
+  function time(ms) { return ms ? iso(ms) : "never"; }
+  // Admission's policy version is max(previous + 1, Redis time in ms) (docs/admission.md):
+  // shown as the time of the last policy change; 0 means no override was ever set.
+  function policy(v) {
+    const n = Number(v);
+    if (!n) return "default limits (no override set yet)";
+    if (n > 1e12) return "last changed " + iso(n);
+    return "version " + n;
+  }
   function age(ms) { return ms < 1000 ? ms + " ms" : (ms / 1000).toFixed(1) + " s"; }
   function bytes(n) {
     const units = ["B", "KiB", "MiB", "GiB", "TiB"]; let i = 0; let v = Number(n);
@@ -53,28 +63,70 @@
       const data = await response.json();
       signedIn(true);
       render(data);
-      text($("status-line"), "Updated " + new Date().toLocaleTimeString() + " from " + data.node + "; refreshes every 2 s.");
+      text($("status-line"), "Updated " + iso(Date.now()) + " from " + data.node + "; refreshes every 2 s.");
     } catch (err) {
       text($("status-line"), "Refresh failed (" + err.message + "); retrying.");
     }
     timer = setTimeout(refresh, REFRESH_MS);
   }
 
+  // The 5xx share of this node's requests between two refreshes (null before the second).
+  function recent5xx(d) {
+    if (!previous || previous.node !== d.node) return null;
+    const requests = d.summary.http.requests - previous.http.requests;
+    const errors = d.summary.http.errors_5xx - previous.http.errors_5xx;
+    const seconds = (performance.now() - previous.at) / 1000;
+    return { requests: Math.max(0, requests), errors: Math.max(0, errors), seconds };
+  }
+
+  function renderSummary(d) {
+    const sum = d.summary;
+    let shown = sum.status;
+    const problems = sum.problems.map((p) => ({ text: p, level: /dead|down|fenced|not ready|unassigned/.test(p) ? "bad" : "warn" }));
+    const recent = recent5xx(d);
+    let http = "HTTP 5xx on this node: " + sum.http.errors_5xx + " of " + sum.http.requests + " requests since start";
+    if (recent) {
+      const share = recent.requests ? recent.errors / recent.requests : 0;
+      http += "; " + (recent.errors / Math.max(recent.seconds, 0.001)).toFixed(2) + "/s, " + (100 * share).toFixed(1) +
+        "% of " + recent.requests + " requests in the last " + recent.seconds.toFixed(0) + " s";
+      // The same threshold as the GravitonHighErrorRate alert (5%).
+      if (recent.errors > 0 && share > 0.05) {
+        problems.push({ text: (100 * share).toFixed(1) + "% of requests answered 5xx in the last " + recent.seconds.toFixed(0) + " s", level: "bad" });
+        if (shown === "healthy" || shown === "rebalancing") shown = "degraded";
+      }
+    }
+    text($("summary-http"), http + ".");
+    const badgeEl = $("summary-status"); badgeEl.className = "badge " + shown; badgeEl.textContent = shown;
+    badgeEl.dataset.status = shown;
+    const ul = $("summary-problems"); ul.replaceChildren();
+    if (!problems.length) {
+      const li = document.createElement("li"); li.className = "none";
+      li.textContent = "No problem: " + sum.nodes.active + " of " + sum.nodes.total + " nodes active, every dependency up.";
+      ul.appendChild(li);
+    }
+    for (const p of problems) { const li = document.createElement("li"); li.className = p.level; li.textContent = p.text; ul.appendChild(li); }
+    return shown;
+  }
+
   function render(d) {
     text($("node-name"), "· node " + d.node);
+    const shown = renderSummary(d);
     const h = d.health;
-    // A healthy placement with a failing dependency is "degraded" (as /readyz says).
-    const shown = h.status === "healthy" && d.degraded.length > 0 ? "degraded" : h.status;
-    const status = $("health-status"); status.className = "badge " + shown; status.textContent = shown;
-    status.dataset.status = shown;
-    text($("health-detail"), (d.ready ? "ready" : "not ready") + (d.fenced ? ", self-fenced" : "") + ": " + h.detail +
-      (d.degraded.length > 0 ? "; unreachable: " + d.degraded.join(", ") : ""));
-    text($("health-dependencies"), Object.entries(d.dependencies).map(([name, s]) =>
-      name + " " + (s.up ? "up" : "down (" + (s.error || "no answer") + ")") + " at " + s.address).join("; ") || "none probed");
+    const status = $("health-status"); status.className = "badge " + h.status; status.textContent = h.status;
+    status.dataset.status = h.status;
+    text($("health-detail"), (d.ready ? "ready" : "not ready") + (d.fenced ? ", self-fenced" : "") + ": " + h.detail);
+    const deps = $("health-dependencies"); deps.replaceChildren();
+    const entries = Object.entries(d.dependencies);
+    if (!entries.length) { const li = document.createElement("li"); li.textContent = "none probed"; deps.appendChild(li); }
+    for (const [name, s] of entries) {
+      const li = document.createElement("li"); li.dataset.dependency = name; li.dataset.up = s.up;
+      li.append(badge(s.up ? "up" : "down"), " " + name + " at " + s.address + (s.up ? "" : ": " + (s.error || "no answer")));
+      deps.appendChild(li);
+    }
     text($("health-checked"), time(h.checked_at_ms));
     text($("health-success"), time(h.last_successful_at_ms));
     if (lastHealth !== shown) {
-      transitions.unshift(new Date().toLocaleTimeString() + ": " + (lastHealth || "(page opened)") + " → " + shown);
+      transitions.unshift(iso(Date.now()) + ": " + (lastHealth || "(page opened)") + " → " + shown);
       transitions.length = Math.min(transitions.length, 20);
       lastHealth = shown;
       const ol = $("transitions"); ol.replaceChildren();
@@ -95,11 +147,11 @@
       sw.setAttribute("aria-hidden", "true");
       th.append(sw, n.id); tr.appendChild(th);
       cell(tr, "").appendChild(badge(n.state));
-      cell(tr, age(n.heartbeat_age_ms));
-      cell(tr, n.incarnation);
+      cell(tr, age(n.heartbeat_age_ms)).className = "num";
+      cell(tr, n.incarnation).className = "num";
       cell(tr, n.version);
-      cell(tr, n.shards).className = "shards";
-      cell(tr, n.incoming);
+      cell(tr, n.shards).className = "num shards";
+      cell(tr, n.incoming).className = "num";
       rows.appendChild(tr);
     });
 
@@ -154,7 +206,7 @@
         const c = a.snapshot.cluster.occupancy;
         const p = document.createElement("p");
         p.textContent = "Cluster (Redis): " + bytes(c.service_bytes) + " admitted in " + c.service_transfers +
-          " transfers; " + a.snapshot.cluster.waiters + " waiting; policy version " + a.snapshot.cluster.policy_version + ".";
+          " transfers; " + a.snapshot.cluster.waiters + " waiting; policy: " + policy(a.snapshot.cluster.policy_version) + ".";
         occ.appendChild(p);
       } else {
         const p = document.createElement("p"); p.className = "muted"; p.textContent = "Cluster admission (Redis) is not configured on this node.";
@@ -166,13 +218,19 @@
 
     const ev = $("event-rows"); ev.replaceChildren();
     if (!d.events.length) {
-      const tr = document.createElement("tr"); const td = cell(tr, "no events (or no Redis admission)"); td.colSpan = 6; ev.appendChild(tr);
+      const tr = document.createElement("tr"); const td = cell(tr, "no events (or no Redis admission)"); td.colSpan = 5; ev.appendChild(tr);
     }
     for (const e of d.events.slice().reverse()) {
-      const tr = document.createElement("tr");
-      cell(tr, e.at_ms ? time(Number(e.at_ms) * (Number(e.at_ms) < 1e11 ? 1000 : 1)) : "");
-      cell(tr, e.kind || ""); cell(tr, e.operation || ""); cell(tr, e.outcome || "");
-      cell(tr, e.bytes ? bytes(e.bytes) : ""); cell(tr, e.tenant || "");
+      const tr = document.createElement("tr"); tr.className = "event";
+      // at_ms is in milliseconds; older streams wrote seconds.
+      const at = Number(e.at_ms);
+      cell(tr, e.at_ms ? iso(at * (at < 1e11 ? 1000 : 1)) : "").className = "time";
+      // kind and outcome are usually the same word; show the outcome only when it differs.
+      const kind = e.kind || "";
+      cell(tr, kind + (e.outcome && e.outcome !== kind ? " (" + e.outcome + ")" : ""));
+      cell(tr, e.operation || "");
+      cell(tr, e.bytes ? bytes(e.bytes) : "").className = "num";
+      cell(tr, e.tenant || "").className = "tenant";
       ev.appendChild(tr);
     }
 
@@ -181,17 +239,17 @@
     for (const [name, value] of Object.entries(d.counters)) {
       const tr = document.createElement("tr"); tr.dataset.counter = name;
       cell(tr, name.replace(/_/g, " "));
-      cell(tr, name.endsWith("bytes") ? bytes(value) : value);
+      cell(tr, name.endsWith("bytes") ? bytes(value) : value).className = "num";
       let rate = "";
       if (previous && previous.node === d.node && name in previous.counters) {
         const dt = (now - previous.at) / 1000;
         const r = Math.max(0, value - previous.counters[name]) / dt;
         rate = name.endsWith("bytes") ? bytes(Math.round(r)) + "/s" : r.toFixed(2);
       }
-      cell(tr, rate);
+      cell(tr, rate).className = "num";
       cr.appendChild(tr);
     }
-    previous = { node: d.node, at: now, counters: d.counters };
+    previous = { node: d.node, at: now, counters: d.counters, http: d.summary.http };
   }
 
   document.addEventListener("DOMContentLoaded", () => {

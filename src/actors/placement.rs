@@ -15,7 +15,11 @@
 //!   because another process registered the same node id fences this process for good;
 //!   a newer registration made by this process itself (a re-registration that committed
 //!   after its deadline fired, so its incarnation was never learned) is told apart by the
-//!   registration's process token and registers again.
+//!   registration's process token and registers again. A refusal answered for an older
+//!   incarnation (a heartbeat the server answered before the re-registration committed,
+//!   delivered after it) is stale: it is ignored, and logged at INFO as "heartbeat refusal
+//!   for an older incarnation ignored" (`pg_proxy::a_stale_dead_heartbeat_reply_does_not_fence_a_reregistered_node`
+//!   stages it on real connections).
 //! - Acks: after each refresh, and whenever the last permit on a shard is dropped, the
 //!   node acknowledges revocations of its shards that have no ingest in flight.
 //!
@@ -308,6 +312,13 @@ fn spawn_heartbeats(hb: Heartbeats) -> JoinHandle<()> {
                 ) => {
                     let current = hb.incarnation.load(Ordering::SeqCst);
                     let queued = hb.reregister_queued.load(Ordering::SeqCst);
+                    if incarnation != current
+                        && matches!(reply, HeartbeatReply::Dead | HeartbeatReply::Missing)
+                    {
+                        // A refusal of the registration this node already replaced
+                        // (answered before the re-registration committed): stale.
+                        tracing::info!(component = "placement", node_id = %node, incarnation, current, reply = ?reply, "heartbeat refusal for an older incarnation ignored");
+                    }
                     if lost_registration(reply, incarnation, current, queued) {
                         last_state = None;
                         if !hb.fence_and_reregister(|| tracing::warn!(component = "placement", node_id = %node, incarnation, reply = ?reply, "heartbeat refused (declared dead, missing or registered again unconfirmed); fenced, re-registering")) {

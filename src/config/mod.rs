@@ -4,8 +4,12 @@
 //! with no file is a complete single node. Loading merges, in order: built-in defaults,
 //! the TOML file (if given), then environment variables whose names contain `__`
 //! (`GRAVITON_NODE__LISTEN=0.0.0.0:7070`, `GRAVITON_SESSIONS__MAX_HOT=10000`). Unknown
-//! keys are errors, and every error names the offending key.
+//! keys are errors, and every error names the offending key and where it was set.
+//! The loading and the one validation `serve` and `check-config` share live in [`load`]
+//! (all problems in one run) and [`files`] (the checks that read local files).
 
+pub mod files;
+pub mod load;
 pub mod problem;
 pub mod secret;
 pub mod units;
@@ -13,10 +17,9 @@ pub mod units;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use figment::Figment;
-use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Serialize};
 
+pub use load::{Finding, Overrides, Source};
 pub use problem::Problem;
 pub use secret::Secret;
 pub use units::{ByteSize, HumanDuration, UnitError};
@@ -270,50 +273,56 @@ pub struct AdminConfig {
 pub enum ConfigError {
     #[error("config file {path}: {message}")]
     File { path: PathBuf, message: String },
-    #[error("{0}")]
-    Parse(String),
+    /// Every problem found, each naming its key and where the key was set.
     #[error("invalid configuration:\n{}", .0.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
-    Invalid(Vec<Problem>),
+    Invalid(Vec<Finding>),
 }
 
 impl Config {
-    /// Load defaults, then `file` (when given; it must exist), then the environment, and
-    /// validate the result.
+    /// Load defaults, then `file` (when given; it must exist, and may be empty, as
+    /// `/dev/null` is), then the environment, and validate the values and their
+    /// combinations. Every problem is reported at once. For the tool subcommands (`gc`,
+    /// `migrate`, `drain`, ...), which may run on another host than the node and do not
+    /// open its certificates: `serve` and `check-config` use [`Config::load_to_serve`].
     pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
-        let mut figment = Figment::from(Serialized::defaults(Config::default()));
-        if let Some(path) = file {
-            if !path.is_file() {
-                return Err(ConfigError::File {
-                    path: path.to_path_buf(),
-                    message: "no such file".to_string(),
-                });
-            }
-            figment = figment.merge(Toml::file_exact(path));
-        }
-        figment = figment.merge(Self::env_provider());
-        let config: Config = figment
-            .extract()
-            .map_err(|err| ConfigError::Parse(describe(err)))?;
-        config.validate()?;
-        Ok(config)
+        Self::load_inner(file, &Overrides::default(), false)
+    }
+
+    /// The one validation of `serve` and `check-config`: [`Config::load`] with `serve`'s
+    /// flags applied over every other layer, plus the checks of the local files the
+    /// configuration names (`config::files`).
+    pub fn load_to_serve(file: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
+        Self::load_inner(file, overrides, true)
+    }
+
+    fn load_inner(
+        file: Option<&Path>,
+        overrides: &Overrides,
+        check_files: bool,
+    ) -> Result<Self, ConfigError> {
+        let text = match file {
+            Some(path) => Some(read_file(path)?),
+            None => None,
+        };
+        let layer = match (file, &text) {
+            (Some(path), Some(text)) => Some(load::FileLayer { path, text }),
+            _ => None,
+        };
+        let env: Vec<(String, String)> = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.to_string_lossy().into_owned())))
+            .filter(|(k, _)| load::env_key(k).is_some())
+            .collect();
+        load::collect(layer, &env, overrides, check_files).map_err(ConfigError::Invalid)
     }
 
     /// Parse a TOML document (no environment) and validate it. Used by tests and tools.
+    /// The files it names are not read: see [`Config::load_to_serve`].
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
-        let config: Config = Figment::from(Serialized::defaults(Config::default()))
-            .merge(Toml::string(text))
-            .extract()
-            .map_err(|err| ConfigError::Parse(describe(err)))?;
-        config.validate()?;
-        Ok(config)
-    }
-
-    fn env_provider() -> Env {
-        // Only variables with a section separator are config keys; GRAVITON_REQUIRE_SERVICES
-        // and friends belong to the test harness.
-        Env::prefixed("GRAVITON_")
-            .filter(|key| key.as_str().contains("__"))
-            .split("__")
+        let layer = load::FileLayer {
+            path: Path::new("(inline TOML)"),
+            text,
+        };
+        load::collect(Some(layer), &[], &Overrides::default(), false).map_err(ConfigError::Invalid)
     }
 
     /// Every validation problem at once, so an operator fixes the file in one pass.
@@ -399,23 +408,36 @@ impl Config {
         }
         problems.extend(self.control.problems_in(self.cluster.enabled));
         // cluster.internal_addr defaults to control.internal_listen when that is a concrete
-        // address peers can dial; only a wildcard bind needs it spelled out.
+        // address peers can dial; only a wildcard bind needs it spelled out. A value that
+        // is set is checked whatever the listener (a host name is refused here as at start).
         let internal_listen_dialable = !self.control.internal_listen.ip().is_unspecified();
+        let defaulted = self.cluster.internal_addr.trim().is_empty() && internal_listen_dialable;
         problems.extend(
             self.cluster
                 .problems()
                 .into_iter()
-                .filter(|p| !(p.key == "cluster.internal_addr" && internal_listen_dialable)),
+                .filter(|p| !(p.key == "cluster.internal_addr" && defaulted)),
         );
         problems
     }
 
+    /// [`Config::problems`] as an error (sources unknown: for a configuration built in
+    /// code; a loaded one was validated with its sources by [`Config::load`]).
     pub fn validate(&self) -> Result<(), ConfigError> {
         let problems = self.problems();
         if problems.is_empty() {
             Ok(())
         } else {
-            Err(ConfigError::Invalid(problems))
+            Err(ConfigError::Invalid(
+                problems
+                    .into_iter()
+                    .map(|p| Finding {
+                        key: p.key.to_string(),
+                        source: Source::Code,
+                        message: p.message,
+                    })
+                    .collect(),
+            ))
         }
     }
 
@@ -430,22 +452,23 @@ impl Config {
     }
 }
 
-fn describe(err: figment::Error) -> String {
-    err.into_iter()
-        .map(|e| {
-            let key = e.path.join(".");
-            let mut kind = e.kind.to_string();
-            // figment phrases custom errors without the key; we always name it.
-            if !key.is_empty() {
-                kind = format!("{key}: {kind}");
-            }
-            match e.metadata.as_ref().and_then(|m| m.source.as_ref()) {
-                Some(source) => format!("{kind} (from {source})"),
-                None => kind,
-            }
+/// The text of the configuration file; empty (`/dev/null`) is the defaults.
+fn read_file(path: &Path) -> Result<String, ConfigError> {
+    let error = |message: String| ConfigError::File {
+        path: path.to_path_buf(),
+        message,
+    };
+    if path.is_dir() {
+        return Err(error("is a directory, not a file".into()));
+    }
+    std::fs::read(path)
+        .map_err(|e| {
+            error(match e.kind() {
+                std::io::ErrorKind::NotFound => "no such file".into(),
+                _ => format!("cannot be read ({e})"),
+            })
         })
-        .collect::<Vec<_>>()
-        .join("; ")
+        .and_then(|bytes| String::from_utf8(bytes).map_err(|_| error("is not UTF-8 text".into())))
 }
 
 #[cfg(test)]

@@ -8,6 +8,13 @@
 //! equals the metric. It never carries tenant or session ids: decision events keep only
 //! the keyed tenant hash that admission writes to Redis (shortened), and a value that
 //! looks like a raw UUID is dropped.
+//!
+//! The health summary at the top of the page is [`summarize`] (pure): the placement
+//! status, made `degraded` by a dead node, a failing dependency or a self-fence, with one
+//! line per problem; draining nodes are listed without degrading (an operator's act).
+//! The 5xx rate comes from this node's `graviton_http_requests_total` ([`http_totals`]
+//! reads the encoded registry, so the numbers are the scrape's); the page turns two
+//! refreshes' totals into a rate.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -71,6 +78,8 @@ pub struct ConsoleData {
     pub dependencies: BTreeMap<crate::health::Dependency, crate::health::DependencyState>,
     pub degraded: Vec<crate::health::Dependency>,
     pub fenced: bool,
+    /// The health summary the page shows first ([`summarize`]).
+    pub summary: Summary,
     pub manager: Manager,
     pub nodes: Vec<ConsoleNode>,
     pub shards: Shards,
@@ -116,6 +125,145 @@ pub struct AdmissionView {
     pub snapshot: Option<crate::admission::AdmissionSnapshot>,
     /// Set when the snapshot could not be read (fixed text).
     pub error: Option<&'static str>,
+}
+
+/// The health summary: one status for the page's badge and the problems behind it.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct Summary {
+    /// The placement status (`starting`, `healthy`, `rebalancing`, `unassigned`,
+    /// `unavailable`), or `degraded` when a ready placement has a dead node, a failing
+    /// dependency or a self-fence.
+    pub status: &'static str,
+    /// One line per problem or notable state, most serious first (fixed text plus node
+    /// ids, dependency names and probe errors, which carry no secret).
+    pub problems: Vec<String>,
+    pub nodes: NodeCounts,
+    /// This node's HTTP requests since start, all and 5xx (`graviton_http_requests_total`).
+    pub http: HttpTotals,
+}
+
+#[derive(Debug, Default, Serialize, PartialEq, Eq)]
+pub struct NodeCounts {
+    pub total: usize,
+    pub active: usize,
+    pub joining: usize,
+    pub draining: usize,
+    pub dead: usize,
+}
+
+#[derive(Debug, Default, Serialize, PartialEq, Eq, Clone, Copy)]
+pub struct HttpTotals {
+    pub requests: u64,
+    pub errors_5xx: u64,
+}
+
+/// Sum `graviton_http_requests_total` over its series, all and `status="5xx"`, from the
+/// text exposition of the registry.
+pub fn http_totals(exposition: &str) -> HttpTotals {
+    let mut totals = HttpTotals::default();
+    for line in exposition.lines() {
+        let Some(rest) = line.strip_prefix("graviton_http_requests_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        // Counters may carry a created timestamp after the value.
+        let value = value.split_whitespace().next().unwrap_or("");
+        let Ok(value) = value.parse::<f64>() else {
+            continue;
+        };
+        let value = value as u64;
+        totals.requests += value;
+        if labels.split(',').any(|l| l == "status=\"5xx\"") {
+            totals.errors_5xx += value;
+        }
+    }
+    totals
+}
+
+/// The page's health summary from what this node knows: its placement snapshot, whether
+/// it fenced itself, the node rows of its shard table and its dependency probes.
+pub fn summarize(
+    placement: &crate::placement::HealthSnapshot,
+    fenced: bool,
+    nodes: &[ConsoleNode],
+    dependencies: &BTreeMap<crate::health::Dependency, crate::health::DependencyState>,
+    http: HttpTotals,
+) -> Summary {
+    use crate::placement::NodeState;
+    let mut counts = NodeCounts {
+        total: nodes.len(),
+        ..NodeCounts::default()
+    };
+    let mut dead = Vec::new();
+    let mut draining = Vec::new();
+    for node in nodes {
+        match node.state {
+            NodeState::Active => counts.active += 1,
+            NodeState::Joining => counts.joining += 1,
+            NodeState::Draining => {
+                counts.draining += 1;
+                draining.push(node.id.as_str());
+            }
+            NodeState::Dead => {
+                counts.dead += 1;
+                dead.push(node.id.as_str());
+            }
+        }
+    }
+    let mut problems = Vec::new();
+    if fenced {
+        problems.push("this node has fenced itself (no recent heartbeat)".to_string());
+    }
+    if !placement.status.is_ready() {
+        problems.push(format!("not ready: {}", placement.detail));
+    }
+    for (dependency, state) in dependencies.iter().filter(|(_, s)| !s.up) {
+        problems.push(format!(
+            "{} down at {}: {}",
+            dependency.as_str(),
+            state.address,
+            state.error.as_deref().unwrap_or("no answer")
+        ));
+    }
+    if !dead.is_empty() {
+        problems.push(format!(
+            "{} of {} nodes dead: {}",
+            dead.len(),
+            counts.total,
+            dead.join(", ")
+        ));
+    }
+    if !draining.is_empty() {
+        problems.push(format!(
+            "{} of {} nodes draining: {}",
+            draining.len(),
+            counts.total,
+            draining.join(", ")
+        ));
+    }
+    if placement.moving_shards > 0 {
+        problems.push(format!("{} shards moving", placement.moving_shards));
+    }
+    let unassigned = placement
+        .configured_shards
+        .saturating_sub(placement.assigned_shards);
+    if unassigned > 0 && placement.checked_at_ms.is_some() {
+        problems.push(format!("{unassigned} shards unassigned"));
+    }
+    let failing = dependencies.values().any(|s| !s.up);
+    let status = if placement.status.is_ready() && (fenced || failing || counts.dead > 0) {
+        "degraded"
+    } else {
+        placement.status.as_str()
+    };
+    Summary {
+        status,
+        problems,
+        nodes: counts,
+        http,
+    }
 }
 
 /// Tenant hash prefix shown on the page.
@@ -197,7 +345,7 @@ pub async fn data(
         .enumerate()
         .map(|(i, id)| (*id, i as i32))
         .collect();
-    let nodes = ids
+    let nodes: Vec<ConsoleNode> = ids
         .iter()
         .map(|id| {
             let row = table.nodes.get(*id);
@@ -299,6 +447,15 @@ pub async fn data(
         ("download_bytes", m.download_bytes.get()),
     ]);
 
+    let dependencies = app.dependencies.snapshot();
+    let summary = summarize(
+        &placement.health,
+        placement.fenced,
+        &nodes,
+        &dependencies,
+        http_totals(&m.encode()),
+    );
+
     Ok(Json(ConsoleData {
         node: app.node_id.to_string(),
         mode: if clustered { "cluster" } else { "embedded" },
@@ -306,9 +463,14 @@ pub async fn data(
         ready: app.readiness.is_ready() && placement.health.ready,
         uptime_seconds: app.started_at.elapsed().as_secs(),
         health: placement.health.clone(),
-        dependencies: app.dependencies.snapshot(),
-        degraded: app.dependencies.failing(),
+        degraded: dependencies
+            .iter()
+            .filter(|(_, s)| !s.up)
+            .map(|(d, _)| *d)
+            .collect(),
+        dependencies,
         fenced: placement.fenced,
+        summary,
         manager,
         nodes,
         shards,
@@ -349,5 +511,146 @@ mod tests {
         let raw = "2f1c7a8e-35eb-4cd0-8c35-74a5381818eb";
         let view = event_view(BTreeMap::from([("tenant".to_string(), raw.to_string())]));
         assert!(!view.contains_key("tenant"));
+    }
+
+    fn placement(status: crate::placement::HealthStatus) -> crate::placement::HealthSnapshot {
+        let mut snapshot = crate::placement::HealthSnapshot::starting(64);
+        snapshot.status = status;
+        snapshot.ready = status.is_ready();
+        snapshot.assigned_shards = 64;
+        snapshot.checked_at_ms = Some(1);
+        snapshot.detail = "placement is settled";
+        snapshot
+    }
+
+    fn node(id: &str, state: crate::placement::NodeState) -> ConsoleNode {
+        ConsoleNode {
+            id: id.into(),
+            state,
+            heartbeat_age_ms: 10,
+            incarnation: 1,
+            version: "0.1.0".into(),
+            shards: 0,
+            incoming: 0,
+        }
+    }
+
+    fn dependency(up: bool) -> crate::health::DependencyState {
+        crate::health::DependencyState {
+            up,
+            address: "redis://127.0.0.1:6379".into(),
+            error: (!up).then(|| "connection refused".into()),
+        }
+    }
+
+    // Checks OPS-11.
+    #[test]
+    fn a_dead_node_or_a_failing_dependency_degrades_a_healthy_placement() {
+        use crate::health::Dependency;
+        use crate::placement::{HealthStatus, NodeState};
+        let healthy = placement(HealthStatus::Healthy);
+        let up = BTreeMap::from([(Dependency::Redis, dependency(true))]);
+        let nodes = [
+            node("node-1", NodeState::Active),
+            node("node-2", NodeState::Active),
+        ];
+        let all_well = summarize(&healthy, false, &nodes, &up, HttpTotals::default());
+        assert_eq!(all_well.status, "healthy");
+        assert!(all_well.problems.is_empty(), "{:?}", all_well.problems);
+
+        let nodes = [
+            node("node-1", NodeState::Active),
+            node("node-2", NodeState::Dead),
+            node("node-3", NodeState::Draining),
+        ];
+        let summary = summarize(&healthy, false, &nodes, &up, HttpTotals::default());
+        assert_eq!(summary.status, "degraded");
+        assert_eq!((summary.nodes.dead, summary.nodes.draining), (1, 1));
+        assert!(
+            summary
+                .problems
+                .contains(&"1 of 3 nodes dead: node-2".to_string())
+        );
+        assert!(
+            summary
+                .problems
+                .contains(&"1 of 3 nodes draining: node-3".to_string())
+        );
+
+        let down = BTreeMap::from([(Dependency::Redis, dependency(false))]);
+        let summary = summarize(&healthy, false, &nodes[..1], &down, HttpTotals::default());
+        assert_eq!(summary.status, "degraded");
+        assert_eq!(
+            summary.problems,
+            ["redis down at redis://127.0.0.1:6379: connection refused"]
+        );
+    }
+
+    #[test]
+    fn draining_alone_does_not_degrade_and_a_worse_placement_status_stays() {
+        use crate::placement::{HealthStatus, NodeState};
+        let nodes = [
+            node("node-1", NodeState::Active),
+            node("node-3", NodeState::Draining),
+        ];
+        let summary = summarize(
+            &placement(HealthStatus::Healthy),
+            false,
+            &nodes,
+            &BTreeMap::new(),
+            HttpTotals::default(),
+        );
+        assert_eq!(summary.status, "healthy");
+        assert_eq!(summary.problems, ["1 of 2 nodes draining: node-3"]);
+
+        // Not ready stays what placement says, with the reason first.
+        let mut unavailable = placement(HealthStatus::Unavailable);
+        unavailable.detail = "placement unreadable";
+        let dead = [node("node-2", NodeState::Dead)];
+        let summary = summarize(
+            &unavailable,
+            true,
+            &dead,
+            &BTreeMap::new(),
+            HttpTotals::default(),
+        );
+        assert_eq!(summary.status, "unavailable");
+        assert_eq!(
+            summary.problems[..2],
+            [
+                "this node has fenced itself (no recent heartbeat)".to_string(),
+                "not ready: placement unreadable".to_string()
+            ]
+        );
+    }
+
+    // Checks OPS-11.
+    #[test]
+    fn http_totals_sum_every_series_and_the_5xx_ones() {
+        let metrics = crate::metrics::Metrics::new();
+        for (route, status, n) in [
+            ("/v1/blobs", 201, 5),
+            ("/v1/blobs/{key}", 200, 3),
+            ("/v1/blobs/{key}", 503, 2),
+            ("/readyz", 500, 1),
+            ("/v1/blobs", 404, 4),
+        ] {
+            metrics
+                .http_requests
+                .get_or_create(&crate::metrics::HttpLabels {
+                    route: route.into(),
+                    method: "GET".into(),
+                    status: crate::metrics::status_class(status),
+                })
+                .inc_by(n);
+        }
+        assert_eq!(
+            http_totals(&metrics.encode()),
+            HttpTotals {
+                requests: 15,
+                errors_5xx: 3
+            }
+        );
+        assert_eq!(http_totals(""), HttpTotals::default());
     }
 }

@@ -60,6 +60,11 @@ pub const CURRENT_EPOCH_HEADER: &str = "x-graviton-current-epoch";
 pub const RESERVATION_HEADER: &str = "x-graviton-admission-reservation";
 /// On a refused pre-flight (HEAD has no body): the error code the POST would answer.
 pub const ERROR_CODE_HEADER: &str = "x-graviton-error";
+/// On a refused pre-flight: the message the POST would answer (printable ASCII, at most
+/// [`ERROR_MESSAGE_MAX`] bytes), so a forwarding node relays the reason, not only the code.
+pub const ERROR_MESSAGE_HEADER: &str = "x-graviton-error-message";
+/// Longest relayed error message, in bytes.
+pub const ERROR_MESSAGE_MAX: usize = 512;
 /// Stable error code of a stale epoch.
 pub const STALE_EPOCH: &str = "stale_epoch";
 
@@ -189,9 +194,39 @@ pub(crate) fn reservation_header(headers: &HeaderMap) -> Result<Option<String>, 
 /// JSON error the POST would answer.
 pub(crate) fn refused_preflight(error: ApiError) -> Response {
     let code = HeaderValue::from_static(error.code);
+    let message = message_header(&error.message);
     let mut response = error.into_response();
     response.headers_mut().insert(ERROR_CODE_HEADER, code);
+    if let Some(message) = message {
+        response.headers_mut().insert(ERROR_MESSAGE_HEADER, message);
+    }
     response
+}
+
+/// `message` as a header value: printable ASCII (anything else becomes `?`), cut at
+/// [`ERROR_MESSAGE_MAX`] bytes.
+pub(crate) fn message_header(message: &str) -> Option<HeaderValue> {
+    let text: String = message
+        .chars()
+        .map(|c| {
+            if c == ' ' || c.is_ascii_graphic() {
+                c
+            } else {
+                '?'
+            }
+        })
+        .take(ERROR_MESSAGE_MAX)
+        .collect();
+    HeaderValue::from_str(text.trim()).ok()
+}
+
+/// The message an owner sent with a refused pre-flight, when it is well formed.
+pub(crate) fn relayed_message(headers: &reqwest::header::HeaderMap) -> Option<String> {
+    let text = headers.get(ERROR_MESSAGE_HEADER)?.to_str().ok()?;
+    (!text.is_empty()
+        && text.len() <= ERROR_MESSAGE_MAX
+        && text.bytes().all(|b| b == b' ' || b.is_ascii_graphic()))
+    .then(|| text.to_string())
 }
 
 /// Everything the internal router needs.

@@ -623,9 +623,16 @@ impl RunningNode {
         if self.cluster_parts.is_some() {
             // Uploads in flight get the handoff grace to finish before their shards move.
             let handoff = self.state.config.cluster.handoff_grace.get() + Duration::from_secs(1);
+            use crate::placement::DrainEnd;
             match self.state.cluster.drain_self(grace.max(handoff)).await {
-                Ok(true) => tracing::info!("shards drained to other nodes"),
-                Ok(false) => tracing::warn!("drain did not complete before the grace period"),
+                Ok(DrainEnd::Drained) => tracing::info!("shards drained to other nodes"),
+                // Every node stopping together: nothing to hand over, nothing to wait for.
+                Ok(DrainEnd::NoTarget) => tracing::info!(
+                    "no other node can take shards (all draining or gone); stopping without a hand-over"
+                ),
+                Ok(DrainEnd::TimedOut) => {
+                    tracing::warn!("drain did not complete before the grace period")
+                }
                 Err(err) => {
                     tracing::warn!(error = %err, "drain failed; shards move after the node TTL")
                 }

@@ -63,7 +63,7 @@ pub use health::{HealthSnapshot, HealthStatus};
 pub use model::{Epoch, NodeInfo, NodeState, ShardEntry, ShardId, ShardTable, Term};
 pub use routing::{EpochVerdict, LocalRoute, OwnerTarget, Route, RouteError, StaleEpoch};
 pub use runtime::{
-    Cluster, ClusterError, ClusterHandle, NodeSummary, PlacementChild, PlacementSnapshot,
+    Cluster, ClusterError, ClusterHandle, DrainEnd, NodeSummary, PlacementChild, PlacementSnapshot,
     StandaloneManager, connect, run_standalone_manager,
 };
 pub use view::{CounterSnapshot, IngestPermit, LocalView, Owner, ResolveError};

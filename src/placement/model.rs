@@ -148,6 +148,15 @@ impl ShardTable {
             .count()
     }
 
+    /// Whether a node other than `node` can take shards (`joining` or `active`): when
+    /// none can, a drain of `node` has nowhere to move them and ends at once (every node
+    /// of a cluster stopped together).
+    pub fn others_take_shards(&self, node: &NodeId) -> bool {
+        self.nodes
+            .values()
+            .any(|n| &n.id != node && n.state.accepts_shards())
+    }
+
     /// Shards with an owner.
     pub fn assigned(&self) -> usize {
         self.shards.iter().filter(|s| s.owner.is_some()).count()
@@ -213,5 +222,57 @@ mod tests {
         assert_eq!(table.held_by(&a), 1);
         table.shards[1] = entry(1, Some("node-b"), None);
         assert_eq!(table.held_by(&a), 0);
+    }
+
+    // Checks OPS-9.
+    #[test]
+    fn a_drain_has_a_target_only_while_another_node_takes_shards() {
+        let node = |id: &str, state| {
+            let id = NodeId::parse(id.to_string()).unwrap();
+            (
+                id.clone(),
+                NodeInfo {
+                    id,
+                    public_addr: String::new(),
+                    internal_addr: String::new(),
+                    control_addr: String::new(),
+                    version: String::new(),
+                    state,
+                    incarnation: 1,
+                    heartbeat_age_ms: 0,
+                },
+            )
+        };
+        let a = NodeId::parse("node-a".to_string()).unwrap();
+        let mut table = ShardTable {
+            nodes: [
+                node("node-a", NodeState::Draining),
+                node("node-b", NodeState::Active),
+                node("node-c", NodeState::Draining),
+            ]
+            .into_iter()
+            .collect(),
+            ..ShardTable::default()
+        };
+        assert!(table.others_take_shards(&a));
+        table.nodes.insert(
+            node("node-b", NodeState::Dead).0,
+            node("node-b", NodeState::Dead).1,
+        );
+        assert!(!table.others_take_shards(&a), "all others draining or dead");
+        table.nodes.insert(
+            node("node-d", NodeState::Joining).0,
+            node("node-d", NodeState::Joining).1,
+        );
+        assert!(table.others_take_shards(&a), "a joining node takes shards");
+        // The draining node itself never counts, whatever its state says.
+        table
+            .nodes
+            .remove(&NodeId::parse("node-d".to_string()).unwrap());
+        table.nodes.insert(
+            node("node-a", NodeState::Active).0,
+            node("node-a", NodeState::Active).1,
+        );
+        assert!(!table.others_take_shards(&a));
     }
 }

@@ -48,6 +48,18 @@ pub enum ClusterError {
     Spawn(String),
 }
 
+/// How [`ClusterHandle::drain_self`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrainEnd {
+    /// This node owns no shard.
+    Drained,
+    /// No other node can take shards (all draining, dead or gone): the shards stay, and
+    /// move when a node that can take them appears.
+    NoTarget,
+    /// The timeout passed first.
+    TimedOut,
+}
+
 /// Entry points.
 pub struct Cluster;
 
@@ -454,23 +466,29 @@ impl ClusterHandle {
         }
     }
 
-    /// Drain this node and wait (up to `timeout`) until it owns no shard. True when empty.
-    pub async fn drain_self(&self, timeout: Duration) -> Result<bool, ClusterError> {
+    /// Drain this node and wait (up to `timeout`) until it owns no shard, or until no
+    /// other node can take shards (every other node draining, dead or gone: nothing will
+    /// move, so waiting would only spend the timeout).
+    pub async fn drain_self(&self, timeout: Duration) -> Result<DrainEnd, ClusterError> {
         if self.store.is_none() {
-            return Ok(false);
+            return Ok(DrainEnd::TimedOut);
         }
         self.drain(self.view.node()).await?;
         let deadline = tokio::time::Instant::now() + timeout;
         let mut changes = self.view.subscribe();
         loop {
-            if self.view.table().owned_by(self.view.node()) == 0 {
-                return Ok(true);
+            let table = self.view.table();
+            if table.owned_by(self.view.node()) == 0 {
+                return Ok(DrainEnd::Drained);
+            }
+            if !table.others_take_shards(self.view.node()) {
+                return Ok(DrainEnd::NoTarget);
             }
             if tokio::time::timeout_at(deadline, changes.changed())
                 .await
                 .is_err()
             {
-                return Ok(false);
+                return Ok(DrainEnd::TimedOut);
             }
         }
     }

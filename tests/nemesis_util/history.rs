@@ -7,9 +7,11 @@
 //! invariants of docs/locality.md §13 (ids of docs/invariants.md):
 //!
 //! - **LOC-1 (double ownership)**: two 201s for the same session whose request intervals
-//!   overlap, answered as owner by two different nodes, unless the owners' own commit
-//!   windows (`[begun, committed]` from their ownership records, [`CommitWindows`]) inside
-//!   those requests show one commit ended before the other began. A 201 can leave its node
+//!   overlap, answered as owner by two different nodes, unless the commit windows inside
+//!   those requests show one commit ended before the other began. The windows come from
+//!   what the stores and the clients observed ([`store_windows`]: the manifest row's
+//!   transaction start, the test's own transaction snapshots, the 201's arrival), not from
+//!   the product's own log. A 201 can leave its node
 //!   seconds after the commit (a node paused between its commit and its answer, or a
 //!   request that waited at a paused node while the shard moved on under the handoff
 //!   protocol), so overlapping requests alone do not prove two owners at once; overlapping
@@ -157,7 +159,7 @@ fn describe(a: &Attempt) -> String {
 }
 
 /// The owner-side commit windows `[begun, committed]` of every `(node, session tag)`, in
-/// run time (from the nodes' ownership records; `records::commit_windows`).
+/// run time ([`store_windows`]; the nodes' own records give the same shape, `records::commit_windows`).
 pub type CommitWindows = HashMap<(String, String), Vec<(Duration, Duration)>>;
 
 /// How far apart the nodes' wall clock and the test's run clock may be when a commit
@@ -293,8 +295,93 @@ pub fn unexpected_5xx(attempts: &[Attempt]) -> Vec<Violation> {
         .collect()
 }
 
-/// Every check on the client's history (double ownership also reads the owners' commit
-/// windows).
+/// A transaction snapshot of the test's own connection (`pg_current_snapshot()`), sent
+/// at `sent` and answered at `received`: which transactions had completed by then.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TxSnapshot {
+    pub sent: Duration,
+    pub received: Duration,
+    pub xmin: u64,
+    pub xmax: u64,
+    pub xip: Vec<u64>,
+}
+
+impl TxSnapshot {
+    /// Parse `xmin:xmax:xip,xip,…` (the text form of `pg_current_snapshot()`).
+    pub fn parse(text: &str, sent: Duration, received: Duration) -> Option<Self> {
+        let mut parts = text.trim().split(':');
+        let xmin = parts.next()?.parse().ok()?;
+        let xmax = parts.next()?.parse().ok()?;
+        let xip = match parts.next()? {
+            "" => Vec::new(),
+            list => list
+                .split(',')
+                .map(|x| x.parse().ok())
+                .collect::<Option<Vec<u64>>>()?,
+        };
+        Some(Self {
+            sent,
+            received,
+            xmin,
+            xmax,
+            xip,
+        })
+    }
+
+    /// Whether transaction `xid` (a row's 32-bit `xmin`, placed in this snapshot's epoch)
+    /// had completed when this snapshot was taken.
+    pub fn completed(&self, xid: u32) -> bool {
+        let mut full = (self.xmax & !0xffff_ffff) | u64::from(xid);
+        if full > self.xmax {
+            full = full.saturating_sub(1 << 32);
+        }
+        full < self.xmin || (full < self.xmax && !self.xip.contains(&full))
+    }
+}
+
+/// One acknowledged manifest as the store holds it: its row's writing transaction `xid`
+/// and that transaction's start (`created_at`, the database clock, in run time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ManifestRow {
+    pub begun: Duration,
+    pub xid: u32,
+}
+
+/// The commit windows of LOC-1's overlap check, from what the clients and the stores
+/// observed (not from the product's own log): for every 201, the window of the manifest
+/// row of its key, from its transaction's start (`created_at`) to the first snapshot of
+/// the test's own connection that shows the transaction completed (answered at
+/// `received`), and no later than the 201's arrival (the commit preceded the answer). A
+/// key without a row, or whose row's transaction began before the request (an earlier
+/// attempt wrote it), gets no window inside the request, so it cannot excuse an overlap.
+pub fn store_windows(
+    attempts: &[Attempt],
+    rows: &HashMap<String, ManifestRow>,
+    snapshots: &[TxSnapshot],
+) -> CommitWindows {
+    let mut out = CommitWindows::new();
+    for a in attempts {
+        let Some((key, owner)) = a.created() else {
+            continue;
+        };
+        let Some(row) = rows.get(key) else {
+            continue;
+        };
+        let seen = snapshots
+            .iter()
+            .filter(|s| s.sent >= row.begun && s.completed(row.xid))
+            .map(|s| s.received)
+            .min();
+        let committed = seen.map_or(a.end, |at| at.min(a.end));
+        out.entry((owner.to_string(), a.tag.clone()))
+            .or_default()
+            .push((row.begun, committed));
+    }
+    out
+}
+
+/// Every check on the client's history (double ownership also reads the commit
+/// windows, [`store_windows`]).
 pub fn check(
     attempts: &[Attempt],
     samples: &[ShardSample],
@@ -355,6 +442,82 @@ mod tests {
 
     fn at(ms: u64) -> Duration {
         Duration::from_millis(ms)
+    }
+
+    // Checks LOC-1: the windows that excuse overlapping 201s come from the stores (the
+    // manifest rows' transactions and the test's own snapshots) and the clients, and
+    // excuse only commits the snapshots show one after the other.
+    #[test]
+    fn store_windows_excuse_only_commits_the_snapshots_order() {
+        let a = attempt("t/s", "node-a", 5000, 5400, created("node-b", "k1"));
+        let b = attempt("t/s", "node-c", 5100, 5500, created("node-c", "k2"));
+        let rows = HashMap::from([
+            (
+                "k1".to_string(),
+                ManifestRow {
+                    begun: at(5130),
+                    xid: 100,
+                },
+            ),
+            (
+                "k2".to_string(),
+                ManifestRow {
+                    begun: at(5300),
+                    xid: 101,
+                },
+            ),
+        ]);
+        let snap = |sent: u64, xmin: u64, xmax: u64, xip: &[u64]| TxSnapshot {
+            sent: at(sent),
+            received: at(sent + 2),
+            xmin,
+            xmax,
+            xip: xip.to_vec(),
+        };
+        let attempts = vec![a.clone(), b.clone()];
+        // k1's transaction completed by 5200, before k2's began at 5300: sequential.
+        let ordered = vec![snap(5150, 100, 101, &[100]), snap(5200, 101, 102, &[101])];
+        let windows = store_windows(&attempts, &rows, &ordered);
+        assert!(double_ownership(&attempts, &windows).is_empty());
+        // Still in progress at 5350, after k2 began: the commits may overlap.
+        let late = vec![snap(5350, 100, 102, &[100, 101]), snap(5450, 102, 102, &[])];
+        let windows = store_windows(&attempts, &rows, &late);
+        assert_eq!(double_ownership(&attempts, &windows).len(), 1);
+        // No snapshot at all: the window ends at the 201 (5400), after k2 began.
+        let windows = store_windows(&attempts, &rows, &[]);
+        assert_eq!(double_ownership(&attempts, &windows).len(), 1);
+        // A row written before the request (an earlier attempt): no window inside it.
+        let early = HashMap::from([
+            (
+                "k1".to_string(),
+                ManifestRow {
+                    begun: at(4000),
+                    xid: 100,
+                },
+            ),
+            (
+                "k2".to_string(),
+                ManifestRow {
+                    begun: at(5300),
+                    xid: 101,
+                },
+            ),
+        ]);
+        let windows = store_windows(&attempts, &early, &ordered);
+        assert_eq!(double_ownership(&attempts, &windows).len(), 1);
+    }
+
+    #[test]
+    fn snapshots_parse_and_tell_completed_transactions() {
+        let s = TxSnapshot::parse("100:105:101,103", at(0), at(1)).unwrap();
+        assert!(s.completed(99) && s.completed(100) && s.completed(102) && s.completed(104));
+        assert!(!s.completed(101) && !s.completed(103) && !s.completed(105));
+        let empty = TxSnapshot::parse("7:7:", at(0), at(1)).unwrap();
+        assert!(empty.completed(6) && !empty.completed(7));
+        // A 32-bit xid placed in the snapshot's epoch.
+        let epoch = (3u64 << 32) | 10;
+        let s = TxSnapshot::parse(&format!("{epoch}:{}:", epoch + 5), at(0), at(1)).unwrap();
+        assert!(s.completed(12) && !s.completed(15));
     }
 
     fn attempt(session: &str, node: &str, start: u64, end: u64, outcome: Outcome) -> Attempt {

@@ -25,8 +25,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::TestDatabase;
 use crate::support::node::random_bytes;
+use crate::support::pg_proxy::{PgProxy, upstream_of, url_through};
 use crate::support::postgres_server::PostgresServer;
-use history::{ShardSample, Violation};
+use history::{ShardSample, TxSnapshot, Violation};
 use load::{History, Target};
 use pg::{Pg, Roles};
 use procs::{Kind, Proc};
@@ -67,15 +68,20 @@ pub struct Cluster {
     pub pg: Pg,
     pub history: History,
     pub samples: Arc<Mutex<Vec<ShardSample>>>,
+    /// Transaction snapshots of the test's own connection (LOC-1's commit windows).
+    pub snapshots: Arc<Mutex<Vec<TxSnapshot>>>,
     pub faults: Vec<String>,
     pub violations: Vec<Violation>,
     pub stop: CancellationToken,
     sampler: Option<tokio::task::JoinHandle<()>>,
+    snapshot_sampler: Option<tokio::task::JoinHandle<()>>,
     _dir: tempfile::TempDir,
     db: TestDatabase,
     _roles: Roles,
     /// The private PostgreSQL server the cluster runs on, if any (dropped last).
     pub server: Option<PostgresServer>,
+    /// The proxy in front of one node's PostgreSQL connections, if any, and that node.
+    pub proxy: Option<(usize, PgProxy)>,
 }
 
 fn admin_url() -> String {
@@ -98,6 +104,18 @@ impl Cluster {
         standalone_manager: bool,
         server: Option<PostgresServer>,
     ) -> Option<Self> {
+        Self::start_with(scenario, n, standalone_manager, server, None).await
+    }
+
+    /// [`Cluster::start_on`] with node `proxied` (an index) connected to PostgreSQL
+    /// through a [`PgProxy`] the scenario can make delay or black-hole its connections.
+    pub async fn start_with(
+        scenario: &str,
+        n: usize,
+        standalone_manager: bool,
+        server: Option<PostgresServer>,
+        proxied: Option<usize>,
+    ) -> Option<Self> {
         let admin = server
             .as_ref()
             .map(PostgresServer::admin_url)
@@ -119,11 +137,20 @@ impl Cluster {
         let storage = |id: &str| {
             crate::support::cluster::s3_storage_toml(scenario, &dir.path().join(id), &prefix, "")
         };
+        let proxy = match proxied {
+            Some(i) => Some((i, PgProxy::start(upstream_of(&pg.url)).await)),
+            None => None,
+        };
         let mut nodes = Vec::new();
         for i in 0..n {
             let id = format!("node-{}", (b'a' + i as u8) as char);
             let role = format!("gnem_{suffix}_{}", (b'a' + i as u8) as char);
-            let url = pg.create_role(&mut roles, &role).await;
+            let mut url = pg.create_role(&mut roles, &role).await;
+            if let Some((p, proxy)) = &proxy
+                && *p == i
+            {
+                url = url_through(&url, proxy.port);
+            }
             let kind = Kind::Node {
                 embedded_manager: !standalone_manager,
             };
@@ -155,6 +182,7 @@ impl Cluster {
         };
         let history = History::new(SHARDS);
         let samples = Arc::new(Mutex::new(Vec::new()));
+        let snapshots = Arc::new(Mutex::new(Vec::new()));
         let stop = CancellationToken::new();
         let sampler = pg.sampler(
             history.t0,
@@ -162,6 +190,7 @@ impl Cluster {
             samples.clone(),
             stop.clone(),
         );
+        let (pg_for_snapshots, stop_for_snapshots, t0) = (pg.clone(), stop.clone(), history.t0);
         let mut cluster = Self {
             scenario: scenario.to_string(),
             nodes,
@@ -169,14 +198,22 @@ impl Cluster {
             pg,
             history,
             samples,
+            snapshots: snapshots.clone(),
             faults: Vec::new(),
             violations: Vec::new(),
             stop,
             sampler: Some(sampler),
+            snapshot_sampler: Some(pg_for_snapshots.snapshot_sampler(
+                t0,
+                Duration::from_millis(5),
+                snapshots,
+                stop_for_snapshots,
+            )),
             _dir: dir,
             db,
             _roles: roles,
             server,
+            proxy,
         };
         if !cluster.converged(Duration::from_secs(60)).await {
             let logs: String = cluster
@@ -253,7 +290,7 @@ impl Cluster {
                 "NEMESIS {} standalone manager exited ({status}); restarting it",
                 self.scenario
             );
-            manager.kill9();
+            manager.reap();
             manager.spawn();
         }
     }
@@ -347,6 +384,40 @@ impl Cluster {
         )
     }
 
+    /// Stop the client load and collect every worker (a worker that panicked fails the
+    /// test), then require at least `min_acked` acknowledged uploads: a load-bearing
+    /// scenario cannot pass LOC-1, -2, -4, -5 or -6 with no load. Prints the count.
+    pub async fn stop_load(
+        &mut self,
+        stop: CancellationToken,
+        workers: Vec<tokio::task::JoinHandle<()>>,
+        min_acked: u64,
+    ) {
+        stop.cancel();
+        for (i, worker) in workers.into_iter().enumerate() {
+            if let Err(e) = worker.await {
+                panic!("{}: load worker {i} failed: {e}", self.scenario);
+            }
+        }
+        let acked = self
+            .history
+            .acked_ops
+            .load(std::sync::atomic::Ordering::Relaxed);
+        eprintln!(
+            "NEMESIS {} load: {acked} acknowledged uploads (at least {min_acked} required)",
+            self.scenario
+        );
+        if acked < min_acked {
+            self.violations.push(Violation::new(
+                "LOAD",
+                format!(
+                    "too little load to check anything: {acked} acknowledged uploads, at least \
+                     {min_acked} required"
+                ),
+            ));
+        }
+    }
+
     /// LOC-7: no logical upload failed after the client's bounded retries of documented
     /// retryable answers (`load::MAX_ATTEMPTS`). Prints the count either way.
     pub fn check_no_failed_uploads(&mut self) {
@@ -427,13 +498,19 @@ impl Cluster {
         if let Some(sampler) = self.sampler.take() {
             let _ = sampler.await;
         }
+        if let Some(sampler) = self.snapshot_sampler.take() {
+            let _ = sampler.await;
+        }
         self.check_reads().await;
         let attempts = self.history.snapshot();
         let samples = self.samples.lock().unwrap().clone();
         let logs: Vec<&std::path::Path> = self.nodes.iter().map(|n| n.log_path()).collect();
         let records = records::read_logs(&logs);
         let t0_us = self.history.t0_unix_us;
-        let windows = records::commit_windows(&records, t0_us);
+        // LOC-1's windows from the stores and the clients (not the nodes' records).
+        let rows = self.pg.manifest_rows(t0_us).await;
+        let snapshots = self.snapshots.lock().unwrap().clone();
+        let windows = history::store_windows(&attempts, &rows, &snapshots);
         let mut violations = history::check(&attempts, &samples, &windows);
         violations.extend(records::check(&attempts, &records, t0_us));
         violations.append(&mut self.violations);

@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::{Connection, Executor, PgConnection, Row};
 use tokio::time::Instant;
 
-use super::history::{ShardRow, ShardSample};
+use super::history::{ManifestRow, ShardRow, ShardSample, TxSnapshot};
 
 /// Roles created for one test, dropped (after the test database) when this is dropped.
 /// Declare it before the `TestDatabase` so it is dropped after it.
@@ -57,6 +57,10 @@ pub fn url_for_role(url: &str, role: &str) -> String {
     let host = rest.split_once('@').map(|(_, h)| h).unwrap_or(rest);
     format!("{scheme}://{role}@{host}")
 }
+
+/// A backend idle inside a transaction: `(pid, application_name, [(relation, mode)])`,
+/// the relations it holds a granted lock on.
+pub type OpenTransaction = (i32, String, Vec<(String, String)>);
 
 /// Superuser connections to the test database.
 #[derive(Clone)]
@@ -118,18 +122,92 @@ impl Pg {
         self.exec(&format!("ALTER ROLE {role} LOGIN")).await;
     }
 
-    /// Hold `LOCK TABLE placement_shards IN ACCESS EXCLUSIVE MODE` for `hold` from a task.
-    pub fn lock_shards_for(&self, hold: Duration) -> tokio::task::JoinHandle<()> {
+    /// Take `LOCK TABLE placement_shards IN ACCESS EXCLUSIVE MODE` on a connection of its
+    /// own and hold it for `hold` from a task. Returns only once the lock is confirmed held
+    /// from another connection (`pg_locks`, granted, by the holder's backend pid); a
+    /// failure to take it fails the test. Await the handle: it fails if the release did.
+    pub async fn lock_shards_for(
+        &self,
+        hold: Duration,
+    ) -> tokio::task::JoinHandle<Result<(), String>> {
         let pg = self.clone();
-        tokio::spawn(async move {
+        let (locked, taken) = tokio::sync::oneshot::channel::<i32>();
+        let handle = tokio::spawn(async move {
             let mut conn = pg.conn().await;
-            let mut tx = conn.begin().await.expect("begin");
+            let mut tx = conn.begin().await.map_err(|e| format!("begin: {e}"))?;
             tx.execute("LOCK TABLE placement_shards IN ACCESS EXCLUSIVE MODE")
                 .await
-                .expect("lock placement_shards");
+                .map_err(|e| format!("LOCK TABLE placement_shards: {e}"))?;
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(|e| format!("pg_backend_pid: {e}"))?;
+            let _ = locked.send(pid);
             tokio::time::sleep(hold).await;
-            let _ = tx.commit().await;
-        })
+            tx.commit()
+                .await
+                .map_err(|e| format!("release placement_shards: {e}"))
+        });
+        let Ok(pid) = taken.await else {
+            let error = handle.await.map_err(|e| e.to_string()).and_then(|r| r);
+            panic!("the LOCK TABLE fault was not applied: {error:?}");
+        };
+        assert!(
+            self.holds_lock(pid, "placement_shards", "AccessExclusiveLock")
+                .await,
+            "LOCK TABLE placement_shards: backend {pid} holds no granted AccessExclusiveLock"
+        );
+        handle
+    }
+
+    /// Whether backend `pid` holds a granted `mode` lock on `table` (from `pg_locks`).
+    pub async fn holds_lock(&self, pid: i32, table: &str, mode: &str) -> bool {
+        let mut conn = self.conn().await;
+        let held: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND locktype = 'relation' \
+             AND relation = $2::regclass AND mode = $3 AND granted)",
+        )
+        .bind(pid)
+        .bind(table)
+        .bind(mode)
+        .fetch_one(&mut conn)
+        .await
+        .expect("read pg_locks");
+        let _ = conn.close().await;
+        held
+    }
+
+    /// The backends of `role` on the test database that are idle inside a transaction,
+    /// with the relations each holds a granted lock on: `(pid, application_name,
+    /// [(relation, mode)])`.
+    pub async fn open_transactions(&self, role: &str) -> Vec<OpenTransaction> {
+        let mut conn = self.conn().await;
+        let rows: Vec<(i32, String, Option<String>, Option<String>)> = sqlx::query_as(
+            "SELECT a.pid, a.application_name, l.relation::regclass::text, l.mode \
+             FROM pg_stat_activity a LEFT JOIN pg_locks l \
+               ON l.pid = a.pid AND l.granted AND l.locktype = 'relation' \
+             WHERE a.usename = $1 AND a.datname = $2 AND a.state = 'idle in transaction'",
+        )
+        .bind(role)
+        .bind(&self.db)
+        .fetch_all(&mut conn)
+        .await
+        .expect("read pg_stat_activity");
+        let _ = conn.close().await;
+        let mut out: Vec<OpenTransaction> = Vec::new();
+        for (pid, name, relation, mode) in rows {
+            let i = match out.iter().position(|(p, _, _)| *p == pid) {
+                Some(i) => i,
+                None => {
+                    out.push((pid, name, Vec::new()));
+                    out.len() - 1
+                }
+            };
+            if let (Some(relation), Some(mode)) = (relation, mode) {
+                out[i].2.push((relation, mode));
+            }
+        }
+        out
     }
 
     /// Whether some session holds the manager's advisory lock on the test database.
@@ -151,6 +229,72 @@ impl Pg {
         .await;
         let _ = conn.close().await;
         held.unwrap_or(false)
+    }
+
+    /// Take `pg_current_snapshot()` every `every` until `stop` (it reads no table, so a
+    /// held table lock never delays it); snapshots are timed from `t0`.
+    pub fn snapshot_sampler(
+        &self,
+        t0: Instant,
+        every: Duration,
+        snapshots: Arc<Mutex<Vec<TxSnapshot>>>,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        let pg = self.clone();
+        tokio::spawn(async move {
+            let mut conn: Option<PgConnection> = None;
+            while !stop.is_cancelled() {
+                if conn.is_none() {
+                    conn = PgConnection::connect(&pg.url).await.ok();
+                }
+                if let Some(c) = conn.as_mut() {
+                    let sent = t0.elapsed();
+                    match sqlx::query_scalar::<_, String>("SELECT pg_current_snapshot()::text")
+                        .fetch_one(&mut *c)
+                        .await
+                    {
+                        Ok(text) => {
+                            if let Some(s) = TxSnapshot::parse(&text, sent, t0.elapsed()) {
+                                snapshots.lock().unwrap().push(s);
+                            }
+                        }
+                        Err(_) => conn = None,
+                    }
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(every) => {}
+                    _ = stop.cancelled() => {}
+                }
+            }
+        })
+    }
+
+    /// Every manifest row by blob key (`blake3:<hex>:<size>`): its writing transaction and
+    /// that transaction's start in run time (`t0_unix_us` is the run's start on the wall
+    /// clock; the server runs on this machine).
+    pub async fn manifest_rows(&self, t0_unix_us: u64) -> HashMap<String, ManifestRow> {
+        let mut conn = self.conn().await;
+        let rows: Vec<(Vec<u8>, i64, i64, i64)> = sqlx::query_as(
+            "SELECT blob_hash, blob_size, (xmin::text)::bigint, \
+             (extract(epoch FROM created_at) * 1000000)::bigint FROM manifests",
+        )
+        .fetch_all(&mut conn)
+        .await
+        .expect("read manifests");
+        let _ = conn.close().await;
+        rows.into_iter()
+            .map(|(hash, size, xid, created_us)| {
+                let hex: String = hash.iter().map(|b| format!("{b:02x}")).collect();
+                let begun = Duration::from_micros((created_us as u64).saturating_sub(t0_unix_us));
+                (
+                    format!("blake3:{hex}:{size}"),
+                    ManifestRow {
+                        begun,
+                        xid: xid as u32,
+                    },
+                )
+            })
+            .collect()
     }
 
     /// Sample `placement_shards` every `every` until `stop`; samples are timed from `t0`.

@@ -29,6 +29,11 @@ pub struct Proc {
     child: Option<Child>,
     log: PathBuf,
     stopped: bool,
+    /// What [`Proc::start`] was given, for [`Proc::sibling`].
+    dir: PathBuf,
+    database_url: String,
+    shard_count: u32,
+    storage: String,
 }
 
 impl Proc {
@@ -96,12 +101,40 @@ internal_token = "{TOKEN}"
             child: None,
             log: dir.join(format!("{id}.log")),
             stopped: false,
+            dir: dir.to_path_buf(),
+            database_url: database_url.to_string(),
+            shard_count,
+            storage: storage.to_string(),
         };
         proc.spawn();
         proc
     }
 
+    /// Another process like this one (same kind, role, database and storage) under `id`,
+    /// on ports of its own, started.
+    pub fn sibling(&self, id: &str) -> Self {
+        let storage = self.storage.replace(
+            &format!("{}", self.dir.join(&self.id).display()),
+            &format!("{}", self.dir.join(id).display()),
+        );
+        Self::start(
+            &self.dir,
+            id,
+            &self.role,
+            &self.database_url,
+            self.shard_count,
+            self.kind,
+            &storage,
+        )
+    }
+
     pub fn spawn(&mut self) {
+        self.spawn_with_env(&[]);
+    }
+
+    /// Start the process with `env` added (e.g. a test hook of
+    /// `src/storage/pack/pause.rs`: `GRAVITON_TEST_STOP_AFTER=<step>`).
+    pub fn spawn_with_env(&mut self, env: &[(&str, &str)]) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -115,6 +148,7 @@ internal_token = "{TOKEN}"
             .args([command, "--config"])
             .arg(&self.config)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -123,15 +157,58 @@ internal_token = "{TOKEN}"
         self.stopped = false;
     }
 
+    /// Send `sig` through `kill(1)`; the delivery must succeed (the process exists).
     fn signal(&self, sig: &str) {
-        if let Some(child) = &self.child {
-            let _ = Command::new("kill")
-                .args([sig, &child.id().to_string()])
-                .status();
-        }
+        let child = self
+            .child
+            .as_ref()
+            .unwrap_or_else(|| panic!("{}: kill {sig} with no process running", self.id));
+        let status = Command::new("kill")
+            .args([sig, &child.id().to_string()])
+            .status()
+            .expect("run kill(1)");
+        assert!(
+            status.success(),
+            "{}: kill {sig} {} was not delivered ({status})",
+            self.id,
+            child.id()
+        );
     }
 
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// kill -9, confirmed: the process must have been running and must end by SIGKILL
+    /// (not exited on its own before the fault).
     pub fn kill9(&mut self) {
+        use std::os::unix::process::ExitStatusExt;
+        let mut child = self
+            .child
+            .take()
+            .unwrap_or_else(|| panic!("{}: kill -9 with no process running", self.id));
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "{}: exited on its own ({status}) before kill -9; log tail:\n{}",
+                self.id,
+                self.log_tail(20)
+            );
+        }
+        child
+            .kill()
+            .unwrap_or_else(|e| panic!("{}: kill -9 failed: {e}", self.id));
+        let status = child.wait().expect("reap after kill -9");
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGKILL),
+            "{}: ended by {status}, not by the kill -9",
+            self.id
+        );
+        self.stopped = false;
+    }
+
+    /// Reap a process that exited on its own (no fault is recorded).
+    pub fn reap(&mut self) {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -139,14 +216,36 @@ internal_token = "{TOKEN}"
         self.stopped = false;
     }
 
+    /// SIGSTOP, confirmed from the process state (`T` in /proc) before it returns.
     pub fn sigstop(&mut self) {
         self.signal("-STOP");
         self.stopped = true;
+        let pid = self.pid().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !crate::support::process_stopped(pid) {
+            assert!(
+                Instant::now() < deadline,
+                "{}: not stopped 10 s after SIGSTOP",
+                self.id
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
+    /// SIGCONT, confirmed: the process leaves the stopped state before it returns.
     pub fn sigcont(&mut self) {
         self.signal("-CONT");
         self.stopped = false;
+        let pid = self.pid().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while crate::support::process_stopped(pid) {
+            assert!(
+                Instant::now() < deadline,
+                "{}: still stopped 10 s after SIGCONT",
+                self.id
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// SIGTERM and wait (bounded) for the exit; kill -9 past the bound.
@@ -198,9 +297,7 @@ internal_token = "{TOKEN}"
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        if self.stopped {
-            self.sigcont();
-        }
-        self.kill9();
+        // No assertions here: a drop may run while a test is already failing.
+        self.reap();
     }
 }

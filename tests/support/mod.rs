@@ -12,6 +12,8 @@
 //!   again when the test ends.
 //! * [`garage::Garage`]: a private Garage (S3) process for tests that stop or kill it.
 //! * [`metrics`]: the one exact reader of a `/metrics` scrape (whole series, never a prefix).
+//! * [`pg_proxy::PgProxy`]: a TCP proxy for one process's PostgreSQL connections that
+//!   delays or black-holes live connections (by pool label and direction) on command.
 //! * [`postgres_server::PostgresServer`]: a private PostgreSQL server (initdb + pg_ctl on a
 //!   free port) for faults the shared server must not see: restarts and stops.
 //!
@@ -27,6 +29,7 @@ pub mod garage;
 pub mod lazyfs;
 pub mod metrics;
 pub mod node;
+pub mod pg_proxy;
 pub mod pki;
 pub mod placement;
 pub mod postgres;

@@ -56,7 +56,7 @@ use crate::http::error::RETRY_OWNERSHIP;
 use crate::http::headers::{CONTENT_DIGEST_HEADER, CONTENT_HASH_HEADER, parse_digits};
 use crate::http::internal::{
     CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, ERROR_CODE_HEADER, INTERNAL_TOKEN_HEADER,
-    RESERVATION_HEADER, SHARD_EPOCH_HEADER, SHARD_HEADER, ingest_path,
+    RESERVATION_HEADER, SHARD_EPOCH_HEADER, SHARD_HEADER, ingest_path, relayed_message,
 };
 use crate::ids::{NodeId, SessionKey};
 use crate::placement::{ClusterHandle, Epoch, OwnerTarget, RouteError, StaleEpoch};
@@ -341,11 +341,32 @@ impl Forwarder {
                 Preflight::Refuse(error.into_response())
             }
             status => {
-                tracing::error!(owner = %target.node, %status, "forward: owner refused the pre-flight");
-                Preflight::Refuse(self.unavailable(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "the owner node refused the upload",
-                ))
+                let headers = response.headers();
+                let code = headers
+                    .get(ERROR_CODE_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .filter(|c| {
+                        c.len() <= 64 && c.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+                    })
+                    .unwrap_or("no code");
+                tracing::error!(owner = %target.node, %status, code, "forward: owner refused the pre-flight");
+                // Not a code the client may act on as ours: still say what the owner said.
+                let reason = match relayed_message(headers) {
+                    Some(message) => format!(
+                        "the owner node refused the upload ({} {code}: {message})",
+                        status.as_u16()
+                    ),
+                    None => format!(
+                        "the owner node refused the upload ({} {code})",
+                        status.as_u16()
+                    ),
+                };
+                self.stats.owner_failures.fetch_add(1, Ordering::Relaxed);
+                Preflight::Refuse(
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "owner_unavailable", reason)
+                        .with_retry_after(RETRY_OWNERSHIP)
+                        .into_response(),
+                )
             }
         }
     }
@@ -499,7 +520,10 @@ fn relayed_refusal(status: StatusCode, headers: &HeaderMap) -> Option<ApiError> 
         .iter()
         .copied()
         .find(|c| c.as_bytes() == presented)?;
-    let mut error = ApiError::new(status, code, "the owner node refused the upload");
+    // The owner's own message (the reason), or a generic one from an older owner.
+    let message =
+        relayed_message(headers).unwrap_or_else(|| "the owner node refused the upload".to_string());
+    let mut error = ApiError::new(status, code, message);
     if let Some(secs) = headers
         .get(header::RETRY_AFTER)
         .and_then(|v| parse_digits(v.as_bytes()))
@@ -585,6 +609,7 @@ fn kind(error: &reqwest::Error) -> &'static str {
 mod tests {
     use super::*;
 
+    // Checks OPS-8.
     #[test]
     fn owner_refusals_keep_their_status_code_and_retry_after() {
         let mut headers = HeaderMap::new();
@@ -597,6 +622,20 @@ mod tests {
         assert_eq!(error.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(error.code, "transfer_admission_busy");
         assert_eq!(error.retry_after, Some(Duration::from_secs(3)));
+        // No message from the owner (an older one): the generic reason.
+        assert_eq!(error.message, "the owner node refused the upload");
+        // The owner's message is its reason, relayed as it is.
+        let owner = crate::http::internal::message_header("transfer capacity is busy; retry later")
+            .unwrap();
+        headers.insert(crate::http::internal::ERROR_MESSAGE_HEADER, owner);
+        let error = relayed_refusal(StatusCode::SERVICE_UNAVAILABLE, &headers).unwrap();
+        assert_eq!(error.message, "transfer capacity is busy; retry later");
+        // Only printable ASCII crosses: anything else is replaced, never dropped silently.
+        assert_eq!(
+            crate::http::internal::message_header("caf\u{e9}\nx").unwrap(),
+            "caf??x"
+        );
+        headers.remove(crate::http::internal::ERROR_MESSAGE_HEADER);
         // Token refusals and stale epochs are not relayed; unknown codes neither.
         assert!(relayed_refusal(StatusCode::UNAUTHORIZED, &headers).is_none());
         assert!(relayed_refusal(StatusCode::CONFLICT, &headers).is_none());

@@ -249,9 +249,12 @@ fn refusal_from_head(status: StatusCode, headers: &reqwest::header::HeaderMap) -
         .filter(|c| c.len() <= 64 && c.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'))
         .unwrap_or("owner_refused")
         .to_string();
+    // The owner's reason when it sent one (`X-Graviton-Error-Message`).
+    let message = crate::http::internal::relayed_message(headers)
+        .unwrap_or_else(|| "the owner node refused the upload".to_string());
     let body = serde_json::json!({
         "error": code,
-        "message": "the owner node refused the upload",
+        "message": message,
     });
     let mut answer = (status, axum::Json(body)).into_response();
     for (name, value) in relayed_headers(headers) {
@@ -260,4 +263,41 @@ fn refusal_from_head(status: StatusCode, headers: &reqwest::header::HeaderMap) -
         }
     }
     answer
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn body_of(response: Response) -> serde_json::Value {
+        let bytes = axum::body::to_bytes(response.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    // Checks OPS-8.
+    #[tokio::test]
+    async fn a_refused_part_pre_flight_keeps_the_owners_code_and_reason() {
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.insert(
+            ERROR_CODE_HEADER,
+            HeaderValue::from_static("transfer_admission_limited"),
+        );
+        headers.insert(
+            crate::http::internal::ERROR_MESSAGE_HEADER,
+            HeaderValue::from_static("the transfer exceeds an admission ceiling"),
+        );
+        headers.insert("retry-after", HeaderValue::from_static("2"));
+        let answer = refusal_from_head(StatusCode::TOO_MANY_REQUESTS, &headers);
+        assert_eq!(answer.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(answer.headers()["retry-after"], "2");
+        let body = body_of(answer).await;
+        assert_eq!(body["error"], "transfer_admission_limited");
+        assert_eq!(body["message"], "the transfer exceeds an admission ceiling");
+        // An owner that sent no message (an older one): the generic reason.
+        headers.remove(crate::http::internal::ERROR_MESSAGE_HEADER);
+        let body = body_of(refusal_from_head(StatusCode::TOO_MANY_REQUESTS, &headers)).await;
+        assert_eq!(body["message"], "the owner node refused the upload");
+    }
 }

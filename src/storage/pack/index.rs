@@ -143,12 +143,22 @@ impl RedbIndex {
         // redb's page cache defaults to 1 GiB, so a full scan (the collector's select)
         // made the process as large as the index; bounded here (docs/performance.md,
         // "GC at 1 M blocks").
-        let db = r!(
-            "open",
-            redb::Builder::new()
-                .set_cache_size(INDEX_CACHE_BYTES)
-                .create(path)
-        )?;
+        let db = match redb::Builder::new()
+            .set_cache_size(INDEX_CACHE_BYTES)
+            .create(path)
+        {
+            Ok(db) => db,
+            // Another process (a running node) has the index open: say what to do.
+            Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
+                return Err(StoreError::Busy(format!(
+                    "the block index {} is open in another process: a node (graviton serve) \
+                     is running on this storage.data_dir. Stop it first, or use the running \
+                     node's admin endpoint (POST /v1/admin/gc runs the collector)",
+                    path.display()
+                )));
+            }
+            Err(err) => return Err(db_err("open")(err.into())),
+        };
         let txn = r!("begin", db.begin_write())?;
         {
             r!("create table", txn.open_table(BLOCKS))?;

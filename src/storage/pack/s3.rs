@@ -44,6 +44,9 @@ pub struct S3Medium {
     /// GET requests sent for block reads (ranged reads and streamed runs).
     reads: AtomicU64,
     puts: AtomicU64,
+    /// `storage.s3.bucket` and the endpoint (`AWS` when unset), for errors.
+    bucket: String,
+    endpoint: String,
     label: String,
     trace: Option<TraceHook>,
 }
@@ -54,8 +57,9 @@ impl std::fmt::Debug for S3Medium {
     }
 }
 
-/// Credentials resolved from the config, a secret file, or the environment.
-fn credentials(config: &S3Config) -> Result<(String, Secret), StoreError> {
+/// Credentials resolved from the config, a secret file, or the environment (also
+/// checked by `config::files`, so `check-config` refuses what this would).
+pub(crate) fn credentials(config: &S3Config) -> Result<(String, Secret), StoreError> {
     let mut key_id = config.access_key_id.clone();
     let mut secret = config.secret_access_key.clone();
     if let Some(path) = &config.credentials_file {
@@ -138,6 +142,12 @@ impl S3Medium {
             conditional: AtomicBool::new(false),
             reads: AtomicU64::new(0),
             puts: AtomicU64::new(0),
+            bucket: config.bucket.clone(),
+            endpoint: if config.endpoint.is_empty() {
+                "AWS".to_string()
+            } else {
+                config.endpoint.clone()
+            },
             label: format!(
                 "S3 packs in bucket {} at {} (prefix {})",
                 config.bucket,
@@ -182,6 +192,14 @@ impl S3Medium {
             ),
             // A server that rejects the header outright: no conditional creates.
             Err(object_store::Error::NotImplemented { .. }) => false,
+            // The bucket itself is missing: name it, the endpoint and the keys.
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(StoreError::Unavailable(format!(
+                    "the S3 bucket {:?} does not exist at {} (storage.s3.bucket, \
+                     storage.s3.endpoint): create it, or correct those keys",
+                    self.bucket, self.endpoint
+                )));
+            }
             Err(e) => return Err(s3_err("probe the S3 bucket")(e)),
         };
         let _ = self.store.delete(&key).await;

@@ -258,6 +258,10 @@ pub async fn create_in(
                 epoch: fence.epoch.0,
             });
         }
+        // Fault tests stop an owner here: its commit transaction holds the fence's
+        // `FOR SHARE` on the shard row and, in the shared block index's commit, the row
+        // locks of the deduplicated blocks it confirmed (PG-1).
+        crate::storage::pack::pause::after("commit fenced");
     }
     insert(e, &mut **tx).await
 }

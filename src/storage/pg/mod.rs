@@ -98,12 +98,87 @@ pub async fn connect_pool(
     name: &str,
 ) -> Result<PgPool, PlacementStoreError> {
     let options = connect_options(url, statement_timeout, name)?;
+    first_connection(&options, statement_timeout).await?;
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(statement_timeout.max(Duration::from_secs(1)) * 2)
         .connect_with(options)
         .await
         .map_err(PlacementStoreError::Database)
+}
+
+/// How long the first connection of [`connect_pool`] may take, retries included: the
+/// statement timeout, at least 1 s and at most 5 s.
+fn first_connection_bound(statement_timeout: Duration) -> Duration {
+    statement_timeout.clamp(Duration::from_secs(1), Duration::from_secs(5))
+}
+
+/// Open and close one connection, so that a server that is down, a database that does
+/// not exist or a refused password fails promptly and once, naming the server (never the
+/// password), the cause and `cluster.database_url` (a pool would retry until its acquire
+/// timeout and report only "pool timed out"). A server that refuses or drops the
+/// connection is tried again within [`first_connection_bound`] (one starting beside us);
+/// an answer from PostgreSQL itself (no such database, a refused password) is final.
+async fn first_connection(
+    options: &PgConnectOptions,
+    statement_timeout: Duration,
+) -> Result<(), PlacementStoreError> {
+    use sqlx::Connection;
+    let bound = first_connection_bound(statement_timeout);
+    let deadline = tokio::time::Instant::now() + bound;
+    let unreachable = |cause: String| PlacementStoreError::Unreachable {
+        endpoint: format!(
+            "{}:{} (database {:?})",
+            options.get_host(),
+            options.get_port(),
+            options.get_database().unwrap_or("")
+        ),
+        cause,
+    };
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match tokio::time::timeout_at(deadline, sqlx::PgConnection::connect_with(options)).await {
+            Ok(Ok(conn)) => {
+                let _ = conn.close().await;
+                return Ok(());
+            }
+            Ok(Err(err)) => {
+                let transient = matches!(err, sqlx::Error::Io(_));
+                if !transient || tokio::time::Instant::now() + pause >= deadline {
+                    return Err(unreachable(connect_cause(&err)));
+                }
+            }
+            Err(_) => {
+                return Err(unreachable(format!(
+                    "no answer within {} ms (is the host reachable, and the port PostgreSQL's?)",
+                    bound.as_millis()
+                )));
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// What an operator should read about a failed first connection.
+pub fn connect_cause(err: &sqlx::Error) -> String {
+    match err {
+        sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
+            "connection refused (is PostgreSQL running and listening there?)".to_string()
+        }
+        sqlx::Error::Io(io) => io.to_string(),
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            Some("3D000") => format!(
+                "{} (create it, or correct the database name in the URL)",
+                db.message()
+            ),
+            Some("28P01" | "28000") => {
+                format!("{} (check the user and password in the URL)", db.message())
+            }
+            _ => db.message().to_string(),
+        },
+        other => other.to_string(),
+    }
 }
 
 /// A lazily connecting pool of its own for one purpose of a node (placement reads,

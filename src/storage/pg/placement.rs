@@ -29,8 +29,13 @@ pub const MANAGER_LOCK_KEY: i64 = 0x4752_4156_504c_4d31; // "GRAVPLM1"
 pub enum PlacementStoreError {
     #[error("invalid PostgreSQL URL")]
     InvalidUrl,
+    /// Not a `#[source]`: the message already carries the cause, and a chain printed
+    /// with its sources would repeat it.
     #[error("PostgreSQL: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
+    /// The first connection failed: where, why, and the key to change.
+    #[error("cannot connect to PostgreSQL at {endpoint} (cluster.database_url): {cause}")]
+    Unreachable { endpoint: String, cause: String },
     #[error("migration failed: {0}")]
     Migration(String),
     #[error("manager term {held} is no longer current (current term {current}); write refused")]
@@ -47,6 +52,12 @@ pub enum PlacementStoreError {
     NotBootstrapped,
     #[error("corrupt placement row: {0}")]
     Corrupt(&'static str),
+}
+
+impl From<sqlx::Error> for PlacementStoreError {
+    fn from(err: sqlx::Error) -> Self {
+        Self::Database(err)
+    }
 }
 
 /// What a node registers about itself.
