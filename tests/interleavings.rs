@@ -13,7 +13,9 @@
 //! - one-shot uploads of contents that share pieces with the resumable ones (dedup hits,
 //!   and the bytes a poisoned key would have named);
 //! - expiry sweeps by either node, its clock moved past every expiry;
-//! - collector runs with `min_age` 0 and purge (mark, quarantine, purge);
+//! - collector runs with purge (mark, quarantine, purge), with `min_age` 0 when run alone
+//!   and 2 s beside another operation (the grace an upload between its index commit and
+//!   its manifest relies on);
 //! - shard moves back and forth (PostgreSQL: the placement table gives every shard to the
 //!   other node, whose fence then holds; the node that lost them still believes it owns
 //!   them, as a node that has not yet learnt of a move does), and requests alternating
@@ -30,8 +32,9 @@
 //!
 //! Replay: a failure prints the minimal program, and proptest stores its seed under
 //! `tests/interleavings.proptest-regressions` (replayed first on every run).
-//! `GRAVITON_INTERLEAVING_CASES=500` runs a soak (default: 12 programs on redb, 6 on
-//! PostgreSQL); `PROPTEST_RNG_SEED=N` fixes the random search.
+//! Every run prints its seed (`interleavings: seed N`); `PROPTEST_RNG_SEED=N` replays
+//! that run's programs. `GRAVITON_INTERLEAVING_CASES=500` runs a soak of 500 programs on
+//! each ledger (default: 8 on redb, 6 on PostgreSQL, about 30 s).
 
 #[allow(unused_imports)]
 mod support;
@@ -109,7 +112,7 @@ enum Op {
     Move {
         to: usize,
     },
-    /// A collector run, min_age 0, with purge.
+    /// A collector run with purge (min_age 0 alone, 2 s beside another operation).
     Collect,
     OneShot {
         node: usize,
@@ -171,6 +174,10 @@ struct World {
     /// The node the placement table gives every shard to, and how many moves so far.
     owner: AtomicUsize,
     moves: AtomicUsize,
+    /// Writes refused to a node that lost the shards (503 `shard_moved`), and requests
+    /// dropped before their answer: what the program really exercised.
+    refused: AtomicUsize,
+    dropped: AtomicUsize,
     piece: Vec<Vec<u8>>,
     /// The session id of each slot, and the content its client believes it uploads.
     slots: Vec<(String, std::sync::Mutex<Option<Vec<u8>>>)>,
@@ -271,6 +278,8 @@ impl World {
             pool,
             owner: AtomicUsize::new(0),
             moves: AtomicUsize::new(0),
+            refused: AtomicUsize::new(0),
+            dropped: AtomicUsize::new(0),
             piece,
             slots,
             acked: Default::default(),
@@ -305,10 +314,11 @@ impl World {
     }
 
     /// An answer that may be the fenced-out node's: 503 `shard_moved` with Retry-After.
-    async fn is_shard_moved(r: reqwest::Response) -> bool {
+    async fn is_shard_moved(&self, r: reqwest::Response) -> bool {
         if r.status() != 503 {
             return false;
         }
+        self.refused.fetch_add(1, Ordering::SeqCst);
         assert!(
             r.headers().get("retry-after").is_some(),
             "a 503 without Retry-After"
@@ -373,7 +383,7 @@ impl World {
                 }
                 _ => None,
             };
-            self.run_op(op, moves).await;
+            self.run_op(op, moves, solo).await;
             if let Some((slot, before)) = fenced_slot {
                 // TUS-5: a node that lost the shard wrote nothing.
                 assert_eq!(
@@ -385,7 +395,12 @@ impl World {
         })
     }
 
-    fn run_op<'a>(&'a self, op: &'a Op, moves: usize) -> futures_util::future::BoxFuture<'a, ()> {
+    fn run_op<'a>(
+        &'a self,
+        op: &'a Op,
+        moves: usize,
+        solo: bool,
+    ) -> futures_util::future::BoxFuture<'a, ()> {
         Box::pin(async move {
             match op {
                 Op::Create { slot, node, pieces } => {
@@ -403,7 +418,7 @@ impl World {
                         201 => *self.slots[*slot].1.lock().unwrap() = Some(content),
                         409 => {}
                         503 if self.may_be_fenced(*node, moves) => {
-                            assert!(Self::is_shard_moved(r).await);
+                            assert!(self.is_shard_moved(r).await);
                         }
                         other => panic!("create answered {other}: {:?}", r.text().await),
                     }
@@ -436,7 +451,7 @@ impl World {
                     // 409: a concurrent PATCH holds the session or moved the offset;
                     // 404/410: terminated or swept meanwhile; 503: the node lost the shard.
                     if status == 503 && self.may_be_fenced(*node, moves) {
-                        assert!(Self::is_shard_moved(r).await);
+                        assert!(self.is_shard_moved(r).await);
                         return;
                     }
                     assert!(
@@ -530,10 +545,15 @@ impl World {
                     // test waits for (the checks after the step wait for what it left).
                     tokio::time::sleep(Duration::from_millis(*wait_ms)).await;
                     request.abort();
-                    if let Ok(Ok(r)) = request.await
-                        && let Some(key) = r.headers().get("graviton-blob-key")
-                    {
-                        self.ack(key.to_str().unwrap());
+                    match request.await {
+                        Ok(Ok(r)) => {
+                            if let Some(key) = r.headers().get("graviton-blob-key") {
+                                self.ack(key.to_str().unwrap());
+                            }
+                        }
+                        _ => {
+                            self.dropped.fetch_add(1, Ordering::SeqCst);
+                        }
                     }
                     drop(tx);
                 }
@@ -546,7 +566,7 @@ impl World {
                         .unwrap();
                     let status = r.status().as_u16();
                     if status == 503 && self.may_be_fenced(*node, moves) {
-                        assert!(Self::is_shard_moved(r).await);
+                        assert!(self.is_shard_moved(r).await);
                         return;
                     }
                     assert!(
@@ -561,6 +581,7 @@ impl World {
                             node: *node,
                         },
                         moves,
+                        solo,
                     )
                     .await;
                     self.run_op(
@@ -570,6 +591,7 @@ impl World {
                             pieces: pieces.clone(),
                         },
                         moves,
+                        solo,
                     )
                     .await;
                 }
@@ -598,8 +620,20 @@ impl World {
                 Op::Collect => {
                     let state = self._store.node.as_ref().unwrap().state().clone();
                     let (packs, _) = state.packs.as_ref().expect("a pack store");
+                    // Alone, nothing is in flight (the check after each step waits for
+                    // idle nodes): min_age 0 collects every unreferenced block at once.
+                    // Beside another operation, min_age is the grace the design relies
+                    // on for an upload between its index commit and its manifest (or
+                    // ledger advance); with 0 there a run can purge that upload's fresh
+                    // blocks under it (found by this test on PostgreSQL, see the
+                    // regressions file).
+                    let min_age = if solo {
+                        Duration::ZERO
+                    } else {
+                        Duration::from_secs(2)
+                    };
                     let options = GcOptions {
-                        min_age: Duration::ZERO,
+                        min_age,
                         retention: Duration::ZERO,
                         compact_below: 0.5,
                         dry_run: false,
@@ -734,14 +768,44 @@ const REGRESSIONS: &str = concat!(
     "/tests/interleavings.proptest-regressions"
 );
 
-fn cases() -> u32 {
+/// Programs per ledger: `GRAVITON_INTERLEAVING_CASES` (a soak), else `default` (the CI
+/// bound: the default run stays under about 40 s on a busy two-core machine).
+fn cases(default: u32) -> u32 {
     std::env::var("GRAVITON_INTERLEAVING_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(12)
+        .unwrap_or(default)
 }
 
-fn run_program(ops: Vec<Op>, postgres: Option<&TestDatabase>) {
+/// The seed of the random search: `PROPTEST_RNG_SEED` when set, else a fresh one. Printed
+/// either way, so every run (a soak too) can be replayed program for program with
+/// `PROPTEST_RNG_SEED=<seed>`; a failing program's own seed is also persisted in
+/// [`REGRESSIONS`].
+fn seed() -> proptest::test_runner::RngSeed {
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let seed = *SEED.get_or_init(|| {
+        let seed = std::env::var("PROPTEST_RNG_SEED")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(rand::random);
+        eprintln!("interleavings: seed {seed} (replay with PROPTEST_RNG_SEED={seed})");
+        seed
+    });
+    proptest::test_runner::RngSeed::Fixed(seed)
+}
+
+/// What a program exercised (printed after each program, so a soak's log says it).
+#[derive(Debug)]
+// Read through `Debug` in the printed line; `refused` is also asserted on.
+#[allow(dead_code)]
+struct Exercised {
+    acked: usize,
+    refused: usize,
+    dropped: usize,
+    moves: usize,
+}
+
+fn run_program(ops: Vec<Op>, postgres: Option<&TestDatabase>) -> Exercised {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -770,12 +834,29 @@ fn run_program(ops: Vec<Op>, postgres: Option<&TestDatabase>) {
             world.check(step, op).await;
         }
         world.finish().await;
-    });
+        let exercised = Exercised {
+            acked: world.acked.lock().unwrap().len(),
+            refused: world.refused.load(Ordering::SeqCst),
+            dropped: world.dropped.load(Ordering::SeqCst),
+            moves: world.moves.load(Ordering::SeqCst),
+        };
+        eprintln!(
+            "interleavings: {} steps on {}: {exercised:?}",
+            ops.len(),
+            if postgres.is_some() {
+                "postgres"
+            } else {
+                "redb"
+            }
+        );
+        exercised
+    })
 }
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: cases(),
+        cases: cases(8),
+        rng_seed: seed(),
         max_shrink_iters: 64,
         failure_persistence: Some(Box::new(FileFailurePersistence::Direct(REGRESSIONS))),
         ..ProptestConfig::default()
@@ -791,7 +872,8 @@ proptest! {
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: cases().div_ceil(2),
+        cases: cases(6),
+        rng_seed: seed(),
         max_shrink_iters: 32,
         failure_persistence: Some(Box::new(FileFailurePersistence::Direct(REGRESSIONS))),
         ..ProptestConfig::default()
@@ -943,5 +1025,8 @@ fn known_interleavings_with_moves() {
             pieces: vec![0, 1, 2],
         },
     ];
-    run_program(moves, Some(&db));
+    let exercised = run_program(moves, Some(&db));
+    // The program did what it is for: the fenced-out node's PATCH, DELETE and creation
+    // were refused.
+    assert!(exercised.refused >= 3, "{exercised:?}");
 }
