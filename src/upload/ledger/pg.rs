@@ -29,6 +29,21 @@ impl PgLedger {
     }
 }
 
+/// Run a write on a task of its own and wait for it. A caller that is cancelled (its
+/// request dropped by a client that went away) must not cancel `pool.begin()` while its
+/// `BEGIN` is on the wire: sqlx-postgres 0.9.0 then returns the connection to the pool
+/// inside a transaction nothing ends (transact-rs/sqlx#4393), and the next borrower's
+/// statements (another upload's manifest insert, say) run in it and are discarded when
+/// the server ends the session. The write completes or fails on its own; the caller only
+/// stops waiting.
+async fn detached<T: Send + 'static>(
+    write: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+) -> Result<T, StoreError> {
+    tokio::spawn(write)
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("upload ledger write task: {e}")))?
+}
+
 fn err(op: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
     move |e| StoreError::Unavailable(format!("upload ledger {op}: {e}"))
 }
@@ -61,9 +76,10 @@ impl UploadLedger for PgLedger {
         fence: Option<CommitFence>,
     ) -> StoreFuture<'_, bool> {
         let row = row.clone();
-        Box::pin(async move {
+        let pool = self.pool.clone();
+        Box::pin(detached(async move {
             let id = id.to_string();
-            let mut txn = self.pool.begin().await.map_err(err("begin"))?;
+            let mut txn = pool.begin().await.map_err(err("begin"))?;
             if let Some(fence) = &fence {
                 check_fence(&mut txn, fence).await?;
             }
@@ -93,7 +109,7 @@ impl UploadLedger for PgLedger {
                 == 1;
             txn.commit().await.map_err(err("commit"))?;
             Ok(inserted)
-        })
+        }))
     }
 
     fn get(&self, id: UploadId) -> StoreFuture<'_, Option<(UploadRow, Bytes)>> {
@@ -170,9 +186,10 @@ impl UploadLedger for PgLedger {
         step: Advance,
         fence: Option<CommitFence>,
     ) -> StoreFuture<'_, bool> {
-        Box::pin(async move {
+        let pool = self.pool.clone();
+        Box::pin(detached(async move {
             let id = id.to_string();
-            let mut txn = self.pool.begin().await.map_err(err("begin"))?;
+            let mut txn = pool.begin().await.map_err(err("begin"))?;
             if let Some(fence) = &fence {
                 check_fence(&mut txn, fence).await?;
             }
@@ -236,12 +253,13 @@ impl UploadLedger for PgLedger {
             }
             txn.commit().await.map_err(err("commit"))?;
             Ok(true)
-        })
+        }))
     }
 
     fn delete(&self, id: UploadId, fence: Option<CommitFence>) -> StoreFuture<'_, bool> {
-        Box::pin(async move {
-            let mut txn = self.pool.begin().await.map_err(err("begin"))?;
+        let pool = self.pool.clone();
+        Box::pin(detached(async move {
+            let mut txn = pool.begin().await.map_err(err("begin"))?;
             if let Some(fence) = &fence {
                 check_fence(&mut txn, fence).await?;
             }
@@ -253,7 +271,7 @@ impl UploadLedger for PgLedger {
                 .rows_affected();
             txn.commit().await.map_err(err("commit"))?;
             Ok(deleted > 0)
-        })
+        }))
     }
 
     fn expired(&self, now_ms: u64) -> StoreFuture<'_, Vec<UploadId>> {
@@ -279,12 +297,13 @@ impl UploadLedger for PgLedger {
         now_ms: u64,
         fence: Option<CommitFence>,
     ) -> StoreFuture<'_, u64> {
-        Box::pin(async move {
+        let pool = self.pool.clone();
+        Box::pin(detached(async move {
             if ids.is_empty() {
                 return Ok(0);
             }
             let ids: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
-            let mut txn = self.pool.begin().await.map_err(err("begin"))?;
+            let mut txn = pool.begin().await.map_err(err("begin"))?;
             if let Some(fence) = &fence {
                 check_fence(&mut txn, fence).await?;
             }
@@ -300,7 +319,7 @@ impl UploadLedger for PgLedger {
             .rows_affected();
             txn.commit().await.map_err(err("commit"))?;
             Ok(deleted)
-        })
+        }))
     }
 
     fn for_each_block<'a>(
