@@ -1114,17 +1114,17 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
         expires_ms: 5000,
         blob_key: None,
     };
-    assert!(ledger.create(id(1), &row(1000), 10).await.unwrap());
-    assert!(!ledger.create(id(1), &row(1000), 10).await.unwrap());
+    assert!(ledger.create(id(1), &row(1000), 10, None).await.unwrap());
+    assert!(!ledger.create(id(1), &row(1000), 10, None).await.unwrap());
     assert!(
         ledger
-            .advance(id(1), at(0), step(40, b"xy", vec![block(1, 38)]))
+            .advance(id(1), at(0), step(40, b"xy", vec![block(1, 38)]), None)
             .await
             .unwrap()
     );
     assert!(
         !ledger
-            .advance(id(1), at(0), step(40, b"zz", vec![block(9, 38)]))
+            .advance(id(1), at(0), step(40, b"zz", vec![block(9, 38)]), None)
             .await
             .unwrap()
     );
@@ -1133,7 +1133,8 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
             .advance(
                 id(1),
                 at(40),
-                step(90, b"abc", vec![block(2, 47), block(3, 1)])
+                step(90, b"abc", vec![block(2, 47), block(3, 1)]),
+                None
             )
             .await
             .unwrap()
@@ -1161,12 +1162,12 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
         blob_key: Some(key),
         ..step(100, b"", vec![])
     };
-    assert!(ledger.advance(id(1), at(90), done).await.unwrap());
+    assert!(ledger.advance(id(1), at(90), done, None).await.unwrap());
     let (got, tail) = ledger.get(id(1)).await.unwrap().unwrap();
     assert_eq!(got.blob_key, Some(key.to_string()));
     assert!(tail.is_empty() && ledger.blocks(id(1), at(100)).await.unwrap().is_none());
     // Expiry: swept with its blocks; an expired id may be created again.
-    assert!(ledger.create(id(2), &row(100), 0).await.unwrap());
+    assert!(ledger.create(id(2), &row(100), 0, None).await.unwrap());
     assert!(
         ledger
             .advance(
@@ -1175,18 +1176,21 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
                 Advance {
                     expires_ms: 100,
                     ..step(5, b"12345", vec![block(4, 1)])
-                }
+                },
+                None
             )
             .await
             .unwrap()
     );
-    assert_eq!(ledger.sweep(4000).await.unwrap(), 1, "only the expired one");
+    let expired = ledger.expired(4000).await.unwrap();
+    assert_eq!(expired, vec![id(2)], "only the expired one");
+    assert_eq!(ledger.delete_expired(expired, 4000, None).await.unwrap(), 1);
     assert!(ledger.get(id(2)).await.unwrap().is_none());
     assert!(ledger.blocks(id(2), at(5)).await.unwrap().is_none());
-    assert!(ledger.create(id(3), &row(100), 0).await.unwrap());
-    assert!(ledger.create(id(3), &row(9000), 200).await.unwrap());
-    assert!(ledger.delete(id(3)).await.unwrap());
-    assert!(!ledger.delete(id(3)).await.unwrap());
+    assert!(ledger.create(id(3), &row(100), 0, None).await.unwrap());
+    assert!(ledger.create(id(3), &row(9000), 200, None).await.unwrap());
+    assert!(ledger.delete(id(3), None).await.unwrap());
+    assert!(!ledger.delete(id(3), None).await.unwrap());
     // Checks CAS-7: terminated and created again under the same id, the upload is another
     // generation; a PATCH that read the old one (same offset) gets neither its blocks nor
     // an advance.
@@ -1202,25 +1206,25 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
         generation,
         ..row(u64::MAX >> 2)
     };
-    assert!(ledger.create(id(5), &open_row(7), 0).await.unwrap());
+    assert!(ledger.create(id(5), &open_row(7), 0, None).await.unwrap());
     assert!(
         ledger
-            .advance(id(5), old(0), step(40, b"t", vec![block(1, 39)]))
+            .advance(id(5), old(0), step(40, b"t", vec![block(1, 39)]), None)
             .await
             .unwrap()
     );
-    assert!(ledger.delete(id(5)).await.unwrap());
-    assert!(ledger.create(id(5), &open_row(8), 0).await.unwrap());
+    assert!(ledger.delete(id(5), None).await.unwrap());
+    assert!(ledger.create(id(5), &open_row(8), 0, None).await.unwrap());
     assert!(
         ledger
-            .advance(id(5), new(0), step(40, b"t", vec![block(2, 39)]))
+            .advance(id(5), new(0), step(40, b"t", vec![block(2, 39)]), None)
             .await
             .unwrap()
     );
     assert_eq!(ledger.blocks(id(5), old(40)).await.unwrap(), None);
     assert!(
         !ledger
-            .advance(id(5), old(40), step(50, b"u", vec![block(3, 10)]))
+            .advance(id(5), old(40), step(50, b"u", vec![block(3, 10)]), None)
             .await
             .unwrap()
     );
@@ -1392,4 +1396,203 @@ async fn a_recreated_upload_on_another_node_never_uses_the_old_hasher() {
     let other = one_shot(&b.url, &poisoned).await;
     assert_eq!(other, BlobKey::of(&poisoned).to_string());
     assert!(download(&b.url, &other).await == poisoned);
+}
+
+/// The cluster database of the two-node tests below: migrated, its placement table
+/// bootstrapped for `shard_count` shards with nodes `node-a` and `node-b` registered.
+async fn placement_db(db: &support::TestDatabase, shard_count: u32) -> sqlx::PgPool {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(db.url())
+        .await
+        .unwrap();
+    graviton::storage::pg::migrate(&pool).await.unwrap();
+    graviton::storage::pg::PlacementStore::new(pool.clone())
+        .bootstrap(shard_count)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO placement_nodes (id, public_addr, internal_addr, control_addr, version, state)
+         VALUES ('node-a', '', '', '', 't', 'active'), ('node-b', '', '', '', 't', 'active')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    pool
+}
+
+/// Give every shard to `owner` in the placement table. The nodes here are embedded nodes
+/// whose own tables say they own every shard at epoch 0 (a node that has not yet learnt
+/// of a move), so the move changes the owner and keeps the epoch: the fence compares
+/// both, and the epoch half is checked by `pg_manifest::a_fenced_commit_is_refused_once_the_shard_moved`.
+async fn give_every_shard_to(pool: &sqlx::PgPool, owner: &str) {
+    sqlx::query("UPDATE placement_shards SET node_id = $1, epoch = 0")
+        .bind(owner)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// Two embedded nodes `node-a` and `node-b` sharing one PostgreSQL ledger (over `pool`),
+/// one block store and one manifest store (a's), as cluster nodes share PostgreSQL and S3.
+async fn two_nodes_on_one_ledger(
+    pool: &sqlx::PgPool,
+    tweak: impl Fn(&mut Config) + Copy,
+) -> (TestNode, TestNode) {
+    let ledger: std::sync::Arc<dyn graviton::upload::ledger::UploadLedger> =
+        std::sync::Arc::new(graviton::upload::ledger::PgLedger::new(pool.clone()));
+    let a = TestNode::start_with(
+        |config| {
+            config.node.id = "node-a".into();
+            tweak(config);
+        },
+        graviton::node::NodeOptions {
+            ledger: Some(ledger.clone()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let state = a.node.as_ref().unwrap().state().clone();
+    let b = TestNode::start_with(
+        |config| {
+            config.node.id = "node-b".into();
+            tweak(config);
+        },
+        graviton::node::NodeOptions {
+            blocks: Some(state.blocks.clone()),
+            manifests: Some(state.manifests.clone()),
+            ledger: Some(ledger),
+        },
+    )
+    .await;
+    (a, b)
+}
+
+/// The upload id of a tus upload URL.
+fn upload_id_of(upload: &str) -> graviton::tus::UploadId {
+    upload.rsplit('/').next().unwrap().parse().unwrap()
+}
+
+/// Status, `code` and `Retry-After` of an answer.
+async fn refusal(response: reqwest::Response) -> (u16, String, Option<String>) {
+    let status = response.status().as_u16();
+    let retry = header(response.headers(), "retry-after").map(str::to_string);
+    let body: serde_json::Value = response.json().await.unwrap_or_default();
+    (
+        status,
+        body["error"].as_str().unwrap_or_default().to_string(),
+        retry,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_out_owner_cannot_create_advance_or_delete_an_upload() {
+    // Checks TUS-5: every ledger write of the tus path carries the writer's fence. Node A
+    // created an upload and took it to 300 kB; the shard then moved to node B, but A has
+    // not learnt of it yet (its own table still says it owns every shard). A's PATCH,
+    // DELETE and creation are refused with the retryable 503 `shard_moved` and the rows
+    // are untouched; B, the owner, completes the upload byte-exact.
+    let Some(db) = support::TestDatabase::create("tus_fenced_out_owner").await else {
+        return;
+    };
+    let shards = Config::default().cluster.shard_count;
+    let pool = placement_db(&db, shards).await;
+    give_every_shard_to(&pool, "node-a").await;
+    let (a, b) = two_nodes_on_one_ledger(&pool, |_| {}).await;
+    let ledger = graviton::upload::ledger::PgLedger::new(pool.clone());
+    use graviton::upload::ledger::UploadLedger;
+
+    let data = random_bytes(900_000, 51);
+    let session = graviton::ids::SessionId::new_random().to_string();
+    let on_a = create_for_session(&a.url, data.len() as u64, &session).await;
+    assert_eq!(
+        patch(&on_a, 0, data[..300_000].to_vec()).await.status(),
+        204
+    );
+    let id = upload_id_of(&on_a);
+    let (before, before_tail) = ledger.get(id).await.unwrap().unwrap();
+    assert_eq!(before.offset, 300_000);
+
+    give_every_shard_to(&pool, "node-b").await;
+    let shard_moved = |what: &str, (status, code, retry): (u16, String, Option<String>)| {
+        assert_eq!(
+            (status, code.as_str()),
+            (503, "shard_moved"),
+            "{what} on the fenced-out node"
+        );
+        assert!(retry.is_some(), "{what}: a 503 says when to retry");
+    };
+    shard_moved(
+        "a PATCH",
+        refusal(patch(&on_a, 300_000, data[300_000..600_000].to_vec()).await).await,
+    );
+    let deleted = client()
+        .delete(&on_a)
+        .header("tus-resumable", "1.0.0")
+        .send()
+        .await
+        .unwrap();
+    shard_moved("a DELETE", refusal(deleted).await);
+    let (after, after_tail) = ledger.get(id).await.unwrap().unwrap();
+    assert_eq!(after, before, "the row moved under a fenced-out writer");
+    assert_eq!(after_tail, before_tail);
+
+    let other = graviton::ids::SessionId::new_random().to_string();
+    let created = client()
+        .post(format!("{}/v1/uploads", a.url))
+        .header("tus-resumable", "1.0.0")
+        .header("upload-length", "1000")
+        .header("x-graviton-tenant-id", TENANT)
+        .header("x-graviton-upload-session-id", &other)
+        .send()
+        .await
+        .unwrap();
+    shard_moved("a creation", refusal(created).await);
+    let other_id: graviton::tus::UploadId = format!("{TENANT}.{other}").parse().unwrap();
+    assert!(ledger.get(other_id).await.unwrap().is_none(), "row created");
+
+    // The owner resumes where the row says and completes the upload.
+    let on_b = on_a.replace(&a.url, &b.url);
+    assert_eq!(offset_of(&on_b).await, 300_000);
+    let last = patch(&on_b, 300_000, data[300_000..].to_vec()).await;
+    assert_eq!(last.status(), 204, "{:?}", last.text().await);
+    let key = header(last.headers(), "graviton-blob-key")
+        .unwrap()
+        .to_string();
+    assert_eq!(key, BlobKey::of(&data).to_string());
+    assert!(download(&b.url, &key).await == data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_owner_sweeps_an_upload_on_its_own_clock() {
+    // Checks TUS-6: every node of a cluster sweeps the shared ledger, each on its own
+    // clock; only the owner of an upload's shard removes it. Node B's clock runs two days
+    // ahead (its sweep is called with that time): it leaves A's upload alone, and A's
+    // sweep at the same instant removes it. After the shard moves to B, B's sweep does.
+    let Some(db) = support::TestDatabase::create("tus_owner_sweeps").await else {
+        return;
+    };
+    let shards = Config::default().cluster.shard_count;
+    let pool = placement_db(&db, shards).await;
+    give_every_shard_to(&pool, "node-a").await;
+    let (a, b) = two_nodes_on_one_ledger(&pool, |_| {}).await;
+    let uploads = |node: &TestNode| node.node.as_ref().unwrap().state().uploads.clone();
+    let ahead = graviton::tus::now_ms() + 48 * 3_600_000;
+
+    let first = create(&a.url, 500).await;
+    assert_eq!(patch(&first, 0, vec![7; 200]).await.status(), 204);
+    assert_eq!(uploads(&b).sweep_expired_at(ahead).await.unwrap(), 0);
+    assert_eq!(
+        offset_of(&first).await,
+        200,
+        "swept by a node that does not own it"
+    );
+    assert_eq!(uploads(&a).sweep_expired_at(ahead).await.unwrap(), 1);
+    assert_eq!(head(&first).await.status(), 404);
+
+    let second = create(&a.url, 500).await;
+    give_every_shard_to(&pool, "node-b").await;
+    assert_eq!(uploads(&a).sweep_expired_at(ahead).await.unwrap(), 0);
+    assert_eq!(uploads(&b).sweep_expired_at(ahead).await.unwrap(), 1);
+    assert_eq!(head(&second.replace(&a.url, &b.url)).await.status(), 404);
 }

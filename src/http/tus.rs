@@ -232,7 +232,7 @@ pub(crate) async fn create_here(
 ) -> Result<Response, Response> {
     let location = format!("/v1/uploads/{id}");
     let mut receipt = uploads
-        .create_upload(id, length, metadata)
+        .create_upload(Some(local), id, length, metadata)
         .await
         .map_err(upload_refused)?;
     if with_upload || length == 0 {
@@ -302,11 +302,14 @@ async fn bodyless(
         resumable(headers).map_err(refused)?;
         let id = upload_id(raw).map_err(refused)?;
         authorize(app, headers, &id).await.map_err(refused)?;
-        if let Route::Remote(target) = route(app, &id).map_err(refused)? {
-            return Ok(forward(app, target, id, method, headers, Body::empty()).await);
-        }
+        let local = match route(app, &id).map_err(refused)? {
+            Route::Local(local) => local,
+            Route::Remote(target) => {
+                return Ok(forward(app, target, id, method, headers, Body::empty()).await);
+            }
+        };
         if method == reqwest::Method::DELETE {
-            terminate_here(&app.uploads, id).await
+            terminate_here(&app.uploads, local, id).await
         } else {
             status_here(&app.uploads, id).await
         }
@@ -414,12 +417,16 @@ pub async fn delete(
     bodyless(&app, &raw, &headers, reqwest::Method::DELETE).await
 }
 
-/// Terminate an upload owned here.
+/// Terminate an upload owned here (under the shard's ingest permit and fence).
 pub(crate) async fn terminate_here(
     uploads: &UploadService,
+    local: LocalRoute,
     id: UploadId,
 ) -> Result<Response, Response> {
-    uploads.terminate(id).await.map_err(upload_refused)?;
+    uploads
+        .terminate(Some(local), id)
+        .await
+        .map_err(upload_refused)?;
     Ok(tus_answer(StatusCode::NO_CONTENT.into_response()))
 }
 

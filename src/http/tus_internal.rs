@@ -124,8 +124,8 @@ async fn terminate(
     headers: HeaderMap,
 ) -> Response {
     let result = async {
-        let (id, _) = checked(&state, &raw, &headers)?;
-        terminate_here(&state.uploads, id).await
+        let (id, local) = checked(&state, &raw, &headers)?;
+        terminate_here(&state.uploads, local, id).await
     }
     .await;
     result.unwrap_or_else(|e| e)

@@ -9,8 +9,15 @@
 //! tail → the write session commits (with the manifest, under the commit fence, on the
 //! final PATCH) → the ledger advances, conditional on the offset the PATCH started from
 //! (TUS-1: the offset counts only bytes that are durable) → the claim is finished.
+//!
+//! Every ledger write is fenced (TUS-5): a PATCH's advance carries its claim's
+//! [`CommitFence`]; a creation and a termination hold the shard's ingest permit for
+//! their write and carry its fence; the expiry sweep removes only rows of shards this
+//! node owns, under their fences, on this node's clock (the owner's, which stamped the
+//! expiry and answers 410). A node that lost the shard writes nothing and answers the
+//! retryable 503 `shard_moved`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -22,8 +29,9 @@ use crate::admission::{AdmissionPermit, Footprint};
 use crate::cas::digest::BodyDigest;
 use crate::cas::ingest::{IngestError, IngestLimits, PartOutcome, PartStart, ingest_part};
 use crate::cas::{BlobKey, BlockKey, Manifest};
-use crate::placement::LocalRoute;
+use crate::placement::{IngestPermit, LocalRoute, Route};
 use crate::storage::StoreError;
+use crate::storage::manifest::CommitFence;
 use crate::tus::{UploadId, now_ms, part_footprint};
 
 pub use super::ledger::{Advance, RowVersion, UploadLedger, UploadRow, new_generation};
@@ -111,6 +119,29 @@ fn receipt(row: &UploadRow) -> PartReceipt {
 }
 
 impl UploadService {
+    /// The shard's ingest permit of `route` and the fence a ledger write under it carries
+    /// (TUS-5): refused ([`UploadError::ShardUnavailable`]) while the shard is moving or
+    /// this node is fenced, as an upload is. Without a route (no session), neither.
+    fn hold_shard(
+        &self,
+        route: Option<LocalRoute>,
+    ) -> Result<(Option<IngestPermit>, Option<CommitFence>), UploadError> {
+        let Some(route) = route else {
+            return Ok((None, None));
+        };
+        let permit = self
+            .parts
+            .cluster
+            .begin_ingest(route.shard, route.epoch)
+            .ok_or(UploadError::ShardUnavailable)?;
+        let fence = CommitFence {
+            shard: permit.shard(),
+            epoch: permit.epoch(),
+            node: self.parts.node.clone(),
+        };
+        Ok((Some(permit), Some(fence)))
+    }
+
     /// The live row of `id`: [`UploadError::UploadNotFound`] or
     /// [`UploadError::UploadExpired`] otherwise.
     async fn live_row(&self, id: UploadId) -> Result<(UploadRow, Bytes), UploadError> {
@@ -126,13 +157,16 @@ impl UploadService {
         Ok((row, tail))
     }
 
-    /// Create an upload of `length` bytes (the tus `creation` extension).
+    /// Create an upload of `length` bytes (the tus `creation` extension), under the
+    /// ingest permit and fence of `route` (the upload's session on this node).
     pub async fn create_upload(
         &self,
+        route: Option<LocalRoute>,
         id: UploadId,
         length: u64,
         metadata: Option<String>,
     ) -> Result<PartReceipt, UploadError> {
+        let (_permit, fence) = self.hold_shard(route)?;
         let now = now_ms();
         let row = UploadRow {
             length,
@@ -146,7 +180,7 @@ impl UploadService {
         };
         if !self
             .ledger()
-            .create(id, &row, now)
+            .create(id, &row, now, fence)
             .await
             .map_err(IngestError::from)?
         {
@@ -165,21 +199,65 @@ impl UploadService {
         Ok((receipt(&row), row.metadata))
     }
 
-    /// Terminate an upload (the tus `termination` extension): its row, tail and block
-    /// list go; its blocks are left to the collector.
-    pub async fn terminate(&self, id: UploadId) -> Result<(), UploadError> {
+    /// Terminate an upload (the tus `termination` extension), under the ingest permit
+    /// and fence of `route`: its row, tail and block list go; its blocks are left to the
+    /// collector. No session ticket: a DELETE may land while a PATCH streams (tus
+    /// clients abort that way), and that PATCH then writes nothing (CAS-7).
+    pub async fn terminate(
+        &self,
+        route: Option<LocalRoute>,
+        id: UploadId,
+    ) -> Result<(), UploadError> {
+        let (_permit, fence) = self.hold_shard(route)?;
         self.hashers.forget(&id);
-        if self.ledger().delete(id).await.map_err(IngestError::from)? {
+        if self
+            .ledger()
+            .delete(id, fence)
+            .await
+            .map_err(IngestError::from)?
+        {
             Ok(())
         } else {
             Err(UploadError::UploadNotFound)
         }
     }
 
-    /// Remove expired uploads (the background sweep); returns how many. Hashers of
-    /// uploads that are gone are never taken again (their version is gone) and age out.
+    /// Remove expired uploads (the background sweep); returns how many. See
+    /// [`Self::sweep_expired_at`].
     pub async fn sweep_expired(&self) -> Result<u64, StoreError> {
-        self.ledger().sweep(now_ms()).await
+        self.sweep_expired_at(now_ms()).await
+    }
+
+    /// Remove the uploads expired at `now_ms` (this node's clock) whose shard this node
+    /// owns, each shard's under its ingest permit and fence (TUS-6): in a cluster every
+    /// node sweeps the shared ledger, and only the owner's clock, the one that stamped
+    /// the expiry and answers 410, decides. Rows of shards owned elsewhere, moving, or
+    /// lost meanwhile (fenced) are left to their owner. Hashers of uploads that are gone
+    /// are never taken again (their version is gone) and age out.
+    pub async fn sweep_expired_at(&self, now_ms: u64) -> Result<u64, StoreError> {
+        let expired = self.ledger().expired(now_ms).await?;
+        let mut by_shard: BTreeMap<(u32, i64), (LocalRoute, Vec<UploadId>)> = BTreeMap::new();
+        for id in expired {
+            if let Ok(Route::Local(local)) = self.parts.cluster.route(&id.key()) {
+                by_shard
+                    .entry((local.shard.0, local.epoch.0))
+                    .or_insert_with(|| (local, Vec::new()))
+                    .1
+                    .push(id);
+            }
+        }
+        let mut removed = 0;
+        for (route, ids) in by_shard.into_values() {
+            let Ok((_permit, fence)) = self.hold_shard(Some(route)) else {
+                continue;
+            };
+            match self.ledger().delete_expired(ids, now_ms, fence).await {
+                Ok(n) => removed += n,
+                Err(StoreError::Fenced { .. }) => {}
+                Err(err) => return Err(err),
+            }
+        }
+        Ok(removed)
     }
 
     /// The footprint a PATCH at `offset` would reserve, after the checks that need no
@@ -343,7 +421,7 @@ impl UploadService {
             };
             if !self
                 .ledger()
-                .advance(id, at, step)
+                .advance(id, at, step, claim.fence())
                 .await
                 .map_err(IngestError::from)?
             {

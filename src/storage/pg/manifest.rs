@@ -241,29 +241,41 @@ pub async fn create_in(
 ) -> Result<CreateOutcome, StoreError> {
     let e = encode(manifest)?;
     if let Some(fence) = fence {
-        let holds: Option<i32> = sqlx::query_scalar(
-            "SELECT 1 FROM placement_shards
-             WHERE shard = $1 AND node_id = $2 AND epoch = $3 AND NOT revoke_acked
-             FOR SHARE",
-        )
-        .bind(fence.shard.0 as i32)
-        .bind(fence.node.as_str())
-        .bind(fence.epoch.0)
-        .fetch_optional(&mut **tx)
-        .await
-        .map_err(|err| db_error("check the commit fence", err))?;
-        if holds.is_none() {
-            return Err(StoreError::Fenced {
-                shard: fence.shard.0,
-                epoch: fence.epoch.0,
-            });
-        }
+        check_fence(tx, fence).await?;
         // Fault tests stop an owner here: its commit transaction holds the fence's
         // `FOR SHARE` on the shard row and, in the shared block index's commit, the row
         // locks of the deduplicated blocks it confirmed (PG-1).
         crate::storage::pack::pause::after("commit fenced");
     }
     insert(e, &mut **tx).await
+}
+
+/// Inside the caller's transaction `tx`: [`StoreError::Fenced`] unless `fence` holds.
+/// The shard row is read `FOR SHARE`, so a manager's move of that shard either committed
+/// before (and the fence fails) or waits until `tx` ends. Manifest commits and the writes
+/// of the resumable-upload ledger (`upload::ledger::PgLedger`) use it.
+pub async fn check_fence(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    fence: &CommitFence,
+) -> Result<(), StoreError> {
+    let holds: Option<i32> = sqlx::query_scalar(
+        "SELECT 1 FROM placement_shards
+         WHERE shard = $1 AND node_id = $2 AND epoch = $3 AND NOT revoke_acked
+         FOR SHARE",
+    )
+    .bind(fence.shard.0 as i32)
+    .bind(fence.node.as_str())
+    .bind(fence.epoch.0)
+    .fetch_optional(&mut **tx)
+    .await
+    .map_err(|err| db_error("check the commit fence", err))?;
+    if holds.is_none() {
+        return Err(StoreError::Fenced {
+            shard: fence.shard.0,
+            epoch: fence.epoch.0,
+        });
+    }
+    Ok(())
 }
 
 impl ManifestStore for PgManifestStore {

@@ -97,10 +97,23 @@ pub struct Advance {
 }
 
 /// The ledger port (see the module docs).
+///
+/// Every write takes the writer's `fence` (the [`CommitFence`] of its ingest permit: this
+/// node owns the upload's shard at that epoch). A ledger shared by the nodes of a cluster
+/// checks it atomically with the write and answers [`StoreError::Fenced`] when it does
+/// not hold, so a node that lost the shard cannot create, advance or delete a row
+/// (TUS-5). The ledger of one embedded node, which owns every shard forever, ignores it,
+/// as its manifest store does. `None` writes unfenced.
 pub trait UploadLedger: Send + Sync + 'static {
     /// Record a new upload. `Ok(false)` if a live (unexpired) upload with this id exists;
     /// an expired one is replaced.
-    fn create(&self, id: UploadId, row: &UploadRow, now_ms: u64) -> StoreFuture<'_, bool>;
+    fn create(
+        &self,
+        id: UploadId,
+        row: &UploadRow,
+        now_ms: u64,
+        fence: Option<CommitFence>,
+    ) -> StoreFuture<'_, bool>;
 
     /// The row and the staged tail.
     fn get(&self, id: UploadId) -> StoreFuture<'_, Option<(UploadRow, Bytes)>>;
@@ -111,13 +124,29 @@ pub trait UploadLedger: Send + Sync + 'static {
 
     /// Apply `step` if the row is still at version `from` (and it is not complete).
     /// `Ok(false)` when the row is gone, was created again or moved on.
-    fn advance(&self, id: UploadId, from: RowVersion, step: Advance) -> StoreFuture<'_, bool>;
+    fn advance(
+        &self,
+        id: UploadId,
+        from: RowVersion,
+        step: Advance,
+        fence: Option<CommitFence>,
+    ) -> StoreFuture<'_, bool>;
 
     /// Remove an upload (termination). `Ok(false)` if there was none.
-    fn delete(&self, id: UploadId) -> StoreFuture<'_, bool>;
+    fn delete(&self, id: UploadId, fence: Option<CommitFence>) -> StoreFuture<'_, bool>;
 
-    /// Remove every upload expired at `now_ms`; returns how many.
-    fn sweep(&self, now_ms: u64) -> StoreFuture<'_, u64>;
+    /// The ids of every upload expired at `now_ms` (the sweep's candidates; the sweeping
+    /// node keeps those of shards it owns, see `UploadService::sweep_expired`).
+    fn expired(&self, now_ms: u64) -> StoreFuture<'_, Vec<UploadId>>;
+
+    /// Remove those of `ids` that are still expired at `now_ms`, under `fence` (all of
+    /// `ids` are of its shard); returns how many.
+    fn delete_expired(
+        &self,
+        ids: Vec<UploadId>,
+        now_ms: u64,
+        fence: Option<CommitFence>,
+    ) -> StoreFuture<'_, u64>;
 
     /// Visit every block of every upload in the ledger (the collector's mark phase).
     fn for_each_block<'a>(

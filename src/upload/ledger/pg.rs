@@ -1,13 +1,18 @@
 //! The ledger of a cluster: `tus_uploads` and `tus_upload_blocks` in the cluster's
 //! PostgreSQL (`sql/0009_uploads.sql`), beside the manifests, so a new owner of the
 //! session finds the upload after the shard moved. Each write is one transaction whose
-//! `UPDATE ... WHERE upload_offset = $from` is the compare-and-set.
+//! `UPDATE ... WHERE upload_offset = $from` is the compare-and-set, and whose first
+//! statement checks the writer's fence (`storage::pg::manifest::check_fence`: the shard
+//! row `FOR SHARE`, as a manifest commit does), so a node that lost the shard writes
+//! nothing (TUS-5).
 
 use bytes::Bytes;
 use sqlx::{PgPool, Row};
 
 use super::{Advance, RowVersion, UploadLedger, UploadRow};
 use crate::cas::{BlockKey, BlockRef};
+use crate::storage::manifest::CommitFence;
+use crate::storage::pg::manifest::check_fence;
 use crate::storage::{StoreError, StoreFuture};
 use crate::tus::UploadId;
 
@@ -22,6 +27,21 @@ impl PgLedger {
     pub fn new(pool: PgPool) -> Self {
         Self { pool }
     }
+}
+
+/// Run a write on a task of its own and wait for it. A caller that is cancelled (its
+/// request dropped by a client that went away) must not cancel `pool.begin()` while its
+/// `BEGIN` is on the wire: sqlx-postgres 0.9.0 then returns the connection to the pool
+/// inside a transaction nothing ends (transact-rs/sqlx#4393), and the next borrower's
+/// statements (another upload's manifest insert, say) run in it and are discarded when
+/// the server ends the session. The write completes or fails on its own; the caller only
+/// stops waiting.
+async fn detached<T: Send + 'static>(
+    write: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+) -> Result<T, StoreError> {
+    tokio::spawn(write)
+        .await
+        .map_err(|e| StoreError::Unavailable(format!("upload ledger write task: {e}")))?
 }
 
 fn err(op: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
@@ -48,11 +68,21 @@ fn block_of(hash: Vec<u8>, len: i32) -> Result<BlockRef, StoreError> {
 }
 
 impl UploadLedger for PgLedger {
-    fn create(&self, id: UploadId, row: &UploadRow, now_ms: u64) -> StoreFuture<'_, bool> {
+    fn create(
+        &self,
+        id: UploadId,
+        row: &UploadRow,
+        now_ms: u64,
+        fence: Option<CommitFence>,
+    ) -> StoreFuture<'_, bool> {
         let row = row.clone();
-        Box::pin(async move {
+        let pool = self.pool.clone();
+        Box::pin(detached(async move {
             let id = id.to_string();
-            let mut txn = self.pool.begin().await.map_err(err("begin"))?;
+            let mut txn = pool.begin().await.map_err(err("begin"))?;
+            if let Some(fence) = &fence {
+                check_fence(&mut txn, fence).await?;
+            }
             // An expired row with this id is replaced (its blocks go with it).
             sqlx::query("DELETE FROM tus_uploads WHERE upload_id = $1 AND expires_ms <= $2")
                 .bind(&id)
@@ -79,7 +109,7 @@ impl UploadLedger for PgLedger {
                 == 1;
             txn.commit().await.map_err(err("commit"))?;
             Ok(inserted)
-        })
+        }))
     }
 
     fn get(&self, id: UploadId) -> StoreFuture<'_, Option<(UploadRow, Bytes)>> {
@@ -149,10 +179,20 @@ impl UploadLedger for PgLedger {
         })
     }
 
-    fn advance(&self, id: UploadId, from: RowVersion, step: Advance) -> StoreFuture<'_, bool> {
-        Box::pin(async move {
+    fn advance(
+        &self,
+        id: UploadId,
+        from: RowVersion,
+        step: Advance,
+        fence: Option<CommitFence>,
+    ) -> StoreFuture<'_, bool> {
+        let pool = self.pool.clone();
+        Box::pin(detached(async move {
             let id = id.to_string();
-            let mut txn = self.pool.begin().await.map_err(err("begin"))?;
+            let mut txn = pool.begin().await.map_err(err("begin"))?;
+            if let Some(fence) = &fence {
+                check_fence(&mut txn, fence).await?;
+            }
             let added = if step.blob_key.is_some() {
                 0
             } else {
@@ -213,31 +253,73 @@ impl UploadLedger for PgLedger {
             }
             txn.commit().await.map_err(err("commit"))?;
             Ok(true)
-        })
+        }))
     }
 
-    fn delete(&self, id: UploadId) -> StoreFuture<'_, bool> {
-        Box::pin(async move {
+    fn delete(&self, id: UploadId, fence: Option<CommitFence>) -> StoreFuture<'_, bool> {
+        let pool = self.pool.clone();
+        Box::pin(detached(async move {
+            let mut txn = pool.begin().await.map_err(err("begin"))?;
+            if let Some(fence) = &fence {
+                check_fence(&mut txn, fence).await?;
+            }
             let deleted = sqlx::query("DELETE FROM tus_uploads WHERE upload_id = $1")
                 .bind(id.to_string())
-                .execute(&self.pool)
+                .execute(&mut *txn)
                 .await
                 .map_err(err("delete"))?
                 .rows_affected();
+            txn.commit().await.map_err(err("commit"))?;
             Ok(deleted > 0)
+        }))
+    }
+
+    fn expired(&self, now_ms: u64) -> StoreFuture<'_, Vec<UploadId>> {
+        Box::pin(async move {
+            let ids: Vec<String> =
+                sqlx::query_scalar("SELECT upload_id FROM tus_uploads WHERE expires_ms <= $1")
+                    .bind(to_i64(now_ms)?)
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(err("sweep"))?;
+            ids.iter()
+                .map(|id| {
+                    id.parse()
+                        .map_err(|_| StoreError::Corrupt("upload ledger id damaged".into()))
+                })
+                .collect()
         })
     }
 
-    fn sweep(&self, now_ms: u64) -> StoreFuture<'_, u64> {
-        Box::pin(async move {
-            let deleted = sqlx::query("DELETE FROM tus_uploads WHERE expires_ms <= $1")
-                .bind(to_i64(now_ms)?)
-                .execute(&self.pool)
-                .await
-                .map_err(err("sweep"))?
-                .rows_affected();
+    fn delete_expired(
+        &self,
+        ids: Vec<UploadId>,
+        now_ms: u64,
+        fence: Option<CommitFence>,
+    ) -> StoreFuture<'_, u64> {
+        let pool = self.pool.clone();
+        Box::pin(detached(async move {
+            if ids.is_empty() {
+                return Ok(0);
+            }
+            let ids: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
+            let mut txn = pool.begin().await.map_err(err("begin"))?;
+            if let Some(fence) = &fence {
+                check_fence(&mut txn, fence).await?;
+            }
+            // Re-checked here: a PATCH may have refreshed one since it was listed.
+            let deleted = sqlx::query(
+                "DELETE FROM tus_uploads WHERE upload_id = ANY($1) AND expires_ms <= $2",
+            )
+            .bind(&ids)
+            .bind(to_i64(now_ms)?)
+            .execute(&mut *txn)
+            .await
+            .map_err(err("sweep"))?
+            .rows_affected();
+            txn.commit().await.map_err(err("commit"))?;
             Ok(deleted)
-        })
+        }))
     }
 
     fn for_each_block<'a>(

@@ -1,7 +1,8 @@
 //! The ledger of one node: `<data_dir>/uploads.redb` (a file of its own, so the offline
 //! `graviton gc` and the block index keep their single-opener rule unchanged). Every
 //! write is one durable transaction (`Durability::Immediate`); redb calls run on the
-//! blocking pool.
+//! blocking pool. One node owns every shard forever, so the writers' fences are not
+//! checked here (as the file manifest store ignores them).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinitio
 
 use super::{Advance, RowVersion, UploadLedger, UploadRow, decode_block, encode_block};
 use crate::cas::{BlockKey, BlockRef};
+use crate::storage::manifest::CommitFence;
 use crate::storage::{StoreError, StoreFuture};
 use crate::tus::UploadId;
 
@@ -99,7 +101,13 @@ impl RedbLedger {
 }
 
 impl UploadLedger for RedbLedger {
-    fn create(&self, id: UploadId, row: &UploadRow, now_ms: u64) -> StoreFuture<'_, bool> {
+    fn create(
+        &self,
+        id: UploadId,
+        row: &UploadRow,
+        now_ms: u64,
+        _fence: Option<CommitFence>,
+    ) -> StoreFuture<'_, bool> {
         let row = row.clone();
         Box::pin(self.blocking(move |db| {
             let id = id.to_string();
@@ -167,7 +175,13 @@ impl UploadLedger for RedbLedger {
         }))
     }
 
-    fn advance(&self, id: UploadId, from: RowVersion, step: Advance) -> StoreFuture<'_, bool> {
+    fn advance(
+        &self,
+        id: UploadId,
+        from: RowVersion,
+        step: Advance,
+        _fence: Option<CommitFence>,
+    ) -> StoreFuture<'_, bool> {
         Box::pin(self.blocking(move |db| {
             let id = id.to_string();
             Self::write(db, |txn| {
@@ -212,33 +226,45 @@ impl UploadLedger for RedbLedger {
         }))
     }
 
-    fn delete(&self, id: UploadId) -> StoreFuture<'_, bool> {
+    fn delete(&self, id: UploadId, _fence: Option<CommitFence>) -> StoreFuture<'_, bool> {
         Box::pin(self.blocking(move |db| {
             let id = id.to_string();
             Self::write(db, |txn| Self::remove_all(txn, &id))
         }))
     }
 
-    fn sweep(&self, now_ms: u64) -> StoreFuture<'_, u64> {
+    fn expired(&self, now_ms: u64) -> StoreFuture<'_, Vec<UploadId>> {
         Box::pin(self.blocking(move |db| {
-            let expired = {
-                let txn = r!("read", db.begin_read())?;
-                let uploads = r!("read", txn.open_table(UPLOADS))?;
-                let mut expired = Vec::new();
-                for item in r!("scan", uploads.iter())? {
-                    let (k, v) = r!("scan", item)?;
-                    if decode_row(v.value())?.is_expired(now_ms) {
-                        expired.push(k.value().to_string());
-                    }
+            let txn = r!("read", db.begin_read())?;
+            let uploads = r!("read", txn.open_table(UPLOADS))?;
+            let mut expired = Vec::new();
+            for item in r!("scan", uploads.iter())? {
+                let (k, v) = r!("scan", item)?;
+                if decode_row(v.value())?.is_expired(now_ms) {
+                    let id = k
+                        .value()
+                        .parse()
+                        .map_err(|_| StoreError::Corrupt("upload ledger id damaged".into()))?;
+                    expired.push(id);
                 }
-                expired
-            };
-            if expired.is_empty() {
+            }
+            Ok(expired)
+        }))
+    }
+
+    fn delete_expired(
+        &self,
+        ids: Vec<UploadId>,
+        now_ms: u64,
+        _fence: Option<CommitFence>,
+    ) -> StoreFuture<'_, u64> {
+        Box::pin(self.blocking(move |db| {
+            if ids.is_empty() {
                 return Ok(0);
             }
             Self::write(db, |txn| {
                 let mut removed = 0;
-                for id in &expired {
+                for id in ids.iter().map(|id| id.to_string()) {
                     // Re-checked inside the write: a PATCH may have refreshed it.
                     let still = {
                         let uploads = r!("open", txn.open_table(UPLOADS))?;
@@ -247,7 +273,7 @@ impl UploadLedger for RedbLedger {
                             .transpose()?
                             .is_some_and(|row| row.is_expired(now_ms))
                     };
-                    if still && Self::remove_all(txn, id)? {
+                    if still && Self::remove_all(txn, &id)? {
                         removed += 1;
                     }
                 }

@@ -43,9 +43,17 @@ fn block(n: u8, size: u32) -> BlockRef {
 async fn redb_ledger_advances_only_from_the_offset_it_read() {
     let dir = tempfile::tempdir().unwrap();
     let ledger = RedbLedger::open(&dir.path().join("uploads.redb")).unwrap();
-    assert!(ledger.create(id(1), &row(100, 1000), 10).await.unwrap());
     assert!(
-        !ledger.create(id(1), &row(100, 1000), 10).await.unwrap(),
+        ledger
+            .create(id(1), &row(100, 1000), 10, None)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !ledger
+            .create(id(1), &row(100, 1000), 10, None)
+            .await
+            .unwrap(),
         "live: not replaced"
     );
     let step = |offset, tail: &'static [u8], blocks| Advance {
@@ -57,20 +65,20 @@ async fn redb_ledger_advances_only_from_the_offset_it_read() {
     };
     assert!(
         ledger
-            .advance(id(1), at(0), step(40, b"xy", vec![block(1, 38)]))
+            .advance(id(1), at(0), step(40, b"xy", vec![block(1, 38)]), None)
             .await
             .unwrap()
     );
     // A second writer that read offset 0 loses.
     assert!(
         !ledger
-            .advance(id(1), at(0), step(40, b"zz", vec![block(9, 38)]))
+            .advance(id(1), at(0), step(40, b"zz", vec![block(9, 38)]), None)
             .await
             .unwrap()
     );
     assert!(
         ledger
-            .advance(id(1), at(40), step(90, b"abc", vec![block(2, 47)]))
+            .advance(id(1), at(40), step(90, b"abc", vec![block(2, 47)]), None)
             .await
             .unwrap()
     );
@@ -101,7 +109,7 @@ async fn redb_ledger_advances_only_from_the_offset_it_read() {
         blob_key: Some(key),
         ..step(100, b"", vec![])
     };
-    assert!(ledger.advance(id(1), at(90), done).await.unwrap());
+    assert!(ledger.advance(id(1), at(90), done, None).await.unwrap());
     let (got, tail) = ledger.get(id(1)).await.unwrap().unwrap();
     assert_eq!(got.blob_key, Some(key.to_string()));
     assert!(tail.is_empty());
@@ -112,7 +120,7 @@ async fn redb_ledger_advances_only_from_the_offset_it_read() {
     );
     assert!(
         !ledger
-            .advance(id(1), at(100), step(100, b"", vec![]))
+            .advance(id(1), at(100), step(100, b"", vec![]), None)
             .await
             .unwrap(),
         "complete"
@@ -124,8 +132,11 @@ async fn redb_ledger_sweeps_expired_rows_with_their_tails_and_blocks() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("uploads.redb");
     let ledger = RedbLedger::open(&path).unwrap();
-    ledger.create(id(1), &row(10, 100), 0).await.unwrap();
-    ledger.create(id(2), &row(10, 10_000), 0).await.unwrap();
+    ledger.create(id(1), &row(10, 100), 0, None).await.unwrap();
+    ledger
+        .create(id(2), &row(10, 10_000), 0, None)
+        .await
+        .unwrap();
     let step = Advance {
         offset: 5,
         tail: Bytes::from_static(b"12345"),
@@ -133,20 +144,32 @@ async fn redb_ledger_sweeps_expired_rows_with_their_tails_and_blocks() {
         expires_ms: 100,
         blob_key: None,
     };
-    assert!(ledger.advance(id(1), at(0), step).await.unwrap());
-    assert_eq!(ledger.sweep(500).await.unwrap(), 1);
+    assert!(ledger.advance(id(1), at(0), step, None).await.unwrap());
+    let expired = ledger.expired(500).await.unwrap();
+    assert_eq!(expired, vec![id(1)]);
+    // Refreshed since it was listed: not removed.
+    assert_eq!(
+        ledger.delete_expired(vec![id(2)], 500, None).await.unwrap(),
+        0
+    );
+    assert_eq!(ledger.delete_expired(expired, 500, None).await.unwrap(), 1);
     assert!(ledger.get(id(1)).await.unwrap().is_none());
     assert_eq!(ledger.blocks(id(1), at(5)).await.unwrap(), None);
     assert!(ledger.get(id(2)).await.unwrap().is_some());
     // An expired id may be created again.
-    ledger.create(id(3), &row(10, 100), 0).await.unwrap();
-    assert!(ledger.create(id(3), &row(10, 9000), 200).await.unwrap());
+    ledger.create(id(3), &row(10, 100), 0, None).await.unwrap();
+    assert!(
+        ledger
+            .create(id(3), &row(10, 9000), 200, None)
+            .await
+            .unwrap()
+    );
     // Durable across a reopen.
     drop(ledger);
     let ledger = RedbLedger::open(&path).unwrap();
     assert!(ledger.get(id(2)).await.unwrap().is_some());
-    assert!(ledger.delete(id(2)).await.unwrap());
-    assert!(!ledger.delete(id(2)).await.unwrap());
+    assert!(ledger.delete(id(2), None).await.unwrap());
+    assert!(!ledger.delete(id(2), None).await.unwrap());
 }
 
 /// Checks CAS-7 at the ledger: an upload terminated and created again under the same id
@@ -157,7 +180,7 @@ pub(super) async fn a_recreated_upload_is_another_version(ledger: &dyn UploadLed
         generation: 7,
         ..row(100, u64::MAX)
     };
-    assert!(ledger.create(id(5), &first, 0).await.unwrap());
+    assert!(ledger.create(id(5), &first, 0, None).await.unwrap());
     let old = RowVersion {
         generation: 7,
         offset: 0,
@@ -171,7 +194,7 @@ pub(super) async fn a_recreated_upload_is_another_version(ledger: &dyn UploadLed
     };
     assert!(
         ledger
-            .advance(id(5), old, step(vec![block(1, 39)]))
+            .advance(id(5), old, step(vec![block(1, 39)]), None)
             .await
             .unwrap()
     );
@@ -183,19 +206,19 @@ pub(super) async fn a_recreated_upload_is_another_version(ledger: &dyn UploadLed
         ledger.blocks(id(5), old_at_40).await.unwrap(),
         Some(vec![block(1, 39)])
     );
-    assert!(ledger.delete(id(5)).await.unwrap());
+    assert!(ledger.delete(id(5), None).await.unwrap());
     let second = UploadRow {
         generation: 8,
         ..row(100, u64::MAX)
     };
-    assert!(ledger.create(id(5), &second, 0).await.unwrap());
+    assert!(ledger.create(id(5), &second, 0, None).await.unwrap());
     let new = RowVersion {
         generation: 8,
         offset: 0,
     };
     assert!(
         ledger
-            .advance(id(5), new, step(vec![block(2, 39)]))
+            .advance(id(5), new, step(vec![block(2, 39)]), None)
             .await
             .unwrap()
     );
@@ -203,7 +226,7 @@ pub(super) async fn a_recreated_upload_is_another_version(ledger: &dyn UploadLed
     assert_eq!(ledger.blocks(id(5), old_at_40).await.unwrap(), None);
     assert!(
         !ledger
-            .advance(id(5), old_at_40, step(vec![block(3, 1)]))
+            .advance(id(5), old_at_40, step(vec![block(3, 1)]), None)
             .await
             .unwrap(),
         "a writer of the old generation must not move the new row"
