@@ -16,10 +16,10 @@
 mod support;
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -31,35 +31,54 @@ use graviton::cas::ingest::{BATCH_BYTES, MAX_BODY_FRAME};
 use graviton::cas::pdf::chunk::{EXTRA_MEMORY, MAX_EVENTS};
 use graviton::cas::pdf::{PdfChunker, PdfSizes};
 
-/// Counts live heap bytes and their peak since the last [`reset_peak`].
+/// Counts the live heap bytes allocated by each thread, and their peak since the last
+/// [`reset_peak`] (per thread, so the chunking measured on the test's thread is not mixed
+/// with other tests' allocations).
 struct Counting;
 
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    static LIVE: Cell<isize> = const { Cell::new(0) };
+    static PEAK: Cell<isize> = const { Cell::new(0) };
+}
+
+fn add(delta: isize) {
+    // `try_with`: a thread's allocations while its locals are torn down are not counted.
+    let _ = LIVE.try_with(|live| {
+        let now = live.get() + delta;
+        live.set(now);
+        let _ = PEAK.try_with(|peak| peak.set(peak.get().max(now)));
+    });
+}
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
-            let live = LIVE.fetch_add(layout.size(), Ordering::SeqCst) + layout.size();
-            PEAK.fetch_max(live, Ordering::SeqCst);
+            add(layout.size() as isize);
         }
         p
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::SeqCst);
+        add(-(layout.size() as isize));
     }
 }
 
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
-fn reset_peak() -> usize {
-    let live = LIVE.load(Ordering::SeqCst);
-    PEAK.store(live, Ordering::SeqCst);
+fn reset_peak() -> isize {
+    let live = LIVE.with(Cell::get);
+    PEAK.with(|peak| peak.set(live));
     live
+}
+
+/// Peak heap bytes this thread held above its baseline while `cut` ran.
+fn peak_of(cut: impl FnOnce()) -> usize {
+    let base = reset_peak();
+    cut();
+    (PEAK.with(Cell::get) - base) as usize
 }
 
 /// Deterministic pseudo-random bytes (xorshift64*), appended to `out`.
@@ -103,13 +122,6 @@ fn bodies() -> Vec<(&'static str, Vec<u8>)> {
     ]
 }
 
-/// Peak heap bytes above the baseline while `cut` runs.
-fn peak_of(cut: impl FnOnce()) -> usize {
-    let base = reset_peak();
-    cut();
-    PEAK.load(Ordering::SeqCst) - base
-}
-
 /// Push `data` in `BATCH_BYTES` pieces and drop every block as it is cut (the chunk
 /// thread's loop, without the queues downstream).
 fn cut_pdf(data: &[u8]) -> u64 {
@@ -125,7 +137,6 @@ fn cut_pdf(data: &[u8]) -> u64 {
     while chunker.next_chunk(true).is_some() {
         blocks += 1;
     }
-    assert!(chunker.counts().dropped_events > 0 || data.len() < 3 << 20 || blocks > 0);
     blocks
 }
 
@@ -160,13 +171,15 @@ fn the_pdf_chunker_holds_at_most_its_stated_extra_memory() {
         println!(
             "{name}: PDF-aware peak {pdf} B, FastCDC peak {fast} B, extra bound {EXTRA_MEMORY} B"
         );
-        // Two chunker buffers at once (the fresh one filled from the old one).
-        assert!(fast <= 2 * buffer, "{name}: FastCDC held {fast} B");
+        // Two chunker buffers at once (the fresh one filled from the old one), and the
+        // small shared headers of the frozen blocks (`bytes::Bytes`).
+        let slack = 4096;
+        assert!(fast <= 2 * buffer + slack, "{name}: FastCDC held {fast} B");
         assert!(
             pdf <= fast + EXTRA_MEMORY,
             "{name}: the PDF-aware chunker held {pdf} B, FastCDC {fast} B, stated extra {EXTRA_MEMORY} B"
         );
-        assert!(pdf <= 2 * buffer + EXTRA_MEMORY, "{name}: {pdf} B");
+        assert!(pdf <= 2 * buffer + slack + EXTRA_MEMORY, "{name}: {pdf} B");
     }
     // The event queue was full in the tiny-objects body (its bound was reached).
     let mut chunker = PdfChunker::new(PdfSizes::default());
@@ -275,7 +288,7 @@ impl ImagePdf {
     fn new(total: u64) -> Self {
         let image_bytes = 6 << 20;
         Self {
-            images: (total / image_bytes as u64).max(1) as usize,
+            images: total.div_ceil(image_bytes as u64).max(1) as usize,
             image_bytes,
             next: 0,
             offset: 0,
