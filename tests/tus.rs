@@ -1111,7 +1111,7 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
     let step = |offset, tail: &'static [u8], blocks| Advance {
         offset,
         tail: Bytes::from_static(tail),
-        // The saved chunker state travels with the tail (CAS-14).
+        // Checks CAS-14: the saved chunker state travels with the tail.
         chunker: Bytes::copy_from_slice(&tail.len().to_le_bytes()),
         blocks,
         expires_ms: 5000,

@@ -52,7 +52,7 @@ async fn redb_ledger_advances_only_from_the_offset_it_read() {
     let step = |offset, tail: &'static [u8], blocks| Advance {
         offset,
         tail: Bytes::from_static(tail),
-        // The saved chunker state travels with the tail (CAS-14).
+        // Checks CAS-14: the saved chunker state travels with the tail.
         chunker: Bytes::copy_from_slice(&tail.len().to_le_bytes()),
         blocks,
         expires_ms: 2000,
