@@ -9,8 +9,9 @@
 //! then counts the fresh bytes of revision N+1 (blocks not stored before, each counted
 //! once) with each chunker, at the same target size (64 KiB), and prints their ratio.
 //! Throughput: the cut plus the BLAKE3 of every block (what the ingest's chunk thread and
-//! block hashing do per byte), over every file of the corpus, best of 5 rounds each, and
-//! the ratio PDF-aware / FastCDC.
+//! block hashing do per byte), over every file of the corpus, in 9 interleaved rounds
+//! (FastCDC, PDF-aware, FastCDC, …): the median of each, and the median of the per-round
+//! ratios PDF-aware / FastCDC.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -50,17 +51,34 @@ fn fresh_bytes(old: &[u8], new: &[u8], pdf: bool) -> (u64, usize, usize) {
     (fresh, fresh_blocks, total)
 }
 
-fn throughput(files: &[Vec<u8>], pdf: bool) -> f64 {
+/// MB/s of one round over every file.
+fn round(files: &[Vec<u8>], pdf: bool) -> f64 {
     let bytes: usize = files.iter().map(Vec::len).sum();
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let started = Instant::now();
-        for file in files {
-            std::hint::black_box(blocks(file, pdf));
-        }
-        best = best.min(started.elapsed().as_secs_f64());
+    let started = Instant::now();
+    for file in files {
+        std::hint::black_box(blocks(file, pdf));
     }
-    bytes as f64 / best / 1e6
+    bytes as f64 / started.elapsed().as_secs_f64() / 1e6
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Interleaved rounds (FastCDC, then PDF-aware, `ROUNDS` times, so both see the same
+/// machine noise): the median throughput of each and the median of the per-round ratios.
+fn throughput(files: &[Vec<u8>]) -> (f64, f64, f64) {
+    const ROUNDS: usize = 9;
+    let (mut fast, mut pdf, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        let f = round(files, false);
+        let p = round(files, true);
+        fast.push(f);
+        pdf.push(p);
+        ratio.push(p / f);
+    }
+    (median(fast), median(pdf), median(ratio))
 }
 
 fn main() {
@@ -97,10 +115,8 @@ fn main() {
         files.push(old);
         files.push(new);
     }
-    let fast = throughput(&files, false);
-    let pdf = throughput(&files, true);
+    let (fast, pdf, ratio) = throughput(&files);
     println!(
-        "throughput (cut + BLAKE3 of blocks): FastCDC {fast:.0} MB/s, PDF-aware {pdf:.0} MB/s, ratio {:.2}",
-        pdf / fast
+        "throughput (cut + BLAKE3 of blocks, median of 9 interleaved rounds): FastCDC {fast:.0} MB/s, PDF-aware {pdf:.0} MB/s, ratio {ratio:.2}"
     );
 }

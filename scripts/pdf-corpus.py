@@ -89,9 +89,37 @@ def set_title(title):
     return edit
 
 
-def insert_middle(pdf):
-    donor = pdf.pages[5]
-    pdf.pages.insert(len(pdf.pages) // 2, donor)
+def new_page(path, scanned):
+    """A one-page PDF with content that exists in no revision: new text and a new image
+    (a new full-page scan for the scanned document)."""
+    c = canvas.Canvas(str(path), pagesize=A4, pageCompression=1)
+    if scanned:
+        c.drawImage(photo(620, 880, 7777), 0, 0, width=A4[0], height=A4[1])
+    else:
+        c.setFont("Helvetica-Bold", 16)
+        c.drawString(72, 800, "Addendum: revised figures")
+        c.setFont("Helvetica", 9)
+        y = 780
+        for line in range(60):
+            words = " ".join(rng.choice(WORDS) for _ in range(14))
+            c.drawString(72, y, f"A{line + 1:02d}. {words} {rng.randint(1000, 99999)}")
+            y -= 11
+        c.drawImage(photo(360, 240, 4242), 100, 60, width=300, height=110)
+    c.showPage()
+    c.save()
+
+
+def insert_middle(scanned):
+    """Insert a page with new stream data (not a copy of an existing page) in the
+    middle; the whole file is rewritten (objects renumbered)."""
+    page_file = out / ("new-scan-page.pdf" if scanned else "new-report-page.pdf")
+    new_page(page_file, scanned)
+
+    def edit(pdf):
+        with pikepdf.open(page_file) as donor:
+            pdf.pages.insert(len(pdf.pages) // 2, donor.pages[0])
+
+    return edit
 
 
 def remove_near_start(pdf):
@@ -109,7 +137,7 @@ r0 = out / "report.pdf"
 report(r0)
 incremental(r0, out / "report-incremental.pdf")
 rewrite(r0, out / "report-metadata-rewrite.pdf", set_title("Quarterly report v2"))
-rewrite(r0, out / "report-page-inserted.pdf", insert_middle)
+rewrite(r0, out / "report-page-inserted.pdf", insert_middle(False))
 rewrite(r0, out / "report-page-removed.pdf", remove_near_start)
 rewrite(r0, out / "report-objstm-on.pdf", object_stream_mode=pikepdf.ObjectStreamMode.generate)
 rewrite(out / "report-objstm-on.pdf", out / "report-objstm-off.pdf",
@@ -118,7 +146,7 @@ rewrite(r0, out / "report-linearized.pdf", linearize=True)
 s0 = out / "scan.pdf"
 scan(s0)
 rewrite(s0, out / "scan-metadata-rewrite.pdf", set_title("Scan, indexed"))
-rewrite(s0, out / "scan-page-inserted.pdf", insert_middle)
+rewrite(s0, out / "scan-page-inserted.pdf", insert_middle(True))
 
 pairs = [
     ("incremental update", "report.pdf", "report-incremental.pdf"),
@@ -135,4 +163,6 @@ with open(out / "pairs.tsv", "w") as f:
     for case, a, b in pairs:
         f.write(f"{case}\t{a}\t{b}\n")
 for p in sorted(out.glob("*.pdf")):
+    if p.name.startswith("new-"):
+        continue
     print(f"{p.name}\t{p.stat().st_size}")

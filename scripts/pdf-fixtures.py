@@ -29,3 +29,31 @@ with pikepdf.open(base) as pdf:
     pdf.save(out / "rewritten.pdf")
 for p in sorted(out.glob("*.pdf")):
     print(p.name, p.stat().st_size)
+
+# A scanned-style document large enough that a resumable upload's PATCHes end inside
+# image streams, between objects and inside page contents (cas::pdf::tests resume
+# tests, tests/pdf_tus.rs): three pages of noisy JPEG photos (about 200 KB each, which do
+# not compress further) and a text page, uncompressed page contents.
+import io
+import random
+
+from PIL import Image
+from reportlab.lib.utils import ImageReader
+
+rng = random.Random(2027)
+scan = out / "scanned.pdf"
+c = canvas.Canvas(str(scan), pageCompression=0)
+for p in range(3):
+    img = Image.new("RGB", (420, 420))
+    img.putdata([(rng.randrange(256), rng.randrange(256), rng.randrange(256)) for _ in range(420 * 420)])
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=70)
+    buf.seek(0)
+    c.drawImage(ImageReader(buf), 50, 200, 500, 500)
+    c.drawString(72, 760, f"Scanned page {p + 1}")
+    c.showPage()
+for line in range(40):
+    c.drawString(72, 760 - line * 18, " ".join(rng.choice(["ledger", "annex", "clause", "(endobj)", "stream"]) for _ in range(8)))
+c.showPage()
+c.save()
+print(scan.name, scan.stat().st_size)

@@ -447,11 +447,12 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let answer = graviton::client::put(&server, &file, session, &credentials).await?;
             println!("{}", answer.key);
             eprintln!(
-                "{} bytes, {} blocks ({} new, {} already stored), owner {}",
+                "{} bytes, {} blocks ({} new, {} already stored), chunker {}, owner {}",
                 answer.size,
                 answer.blocks,
                 answer.fresh_blocks,
                 answer.duplicate_blocks,
+                answer.chunker,
                 answer.owner
             );
             Ok(ExitCode::SUCCESS)

@@ -1098,6 +1098,7 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
         block_count: 0,
         blob_key: None,
         generation: 41,
+        chunker: Bytes::new(),
     };
     let at = |offset| RowVersion {
         generation: 41,
@@ -1110,6 +1111,8 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
     let step = |offset, tail: &'static [u8], blocks| Advance {
         offset,
         tail: Bytes::from_static(tail),
+        // Checks CAS-14: the saved chunker state travels with the tail.
+        chunker: Bytes::copy_from_slice(&tail.len().to_le_bytes()),
         blocks,
         expires_ms: 5000,
         blob_key: None,
@@ -1143,6 +1146,7 @@ async fn the_postgres_ledger_keeps_the_same_contract() {
     assert_eq!((got.offset, got.block_count, got.expires_ms), (90, 3, 5000));
     assert_eq!(got.metadata.as_deref(), Some("k dg=="));
     assert_eq!(&tail[..], b"abc");
+    assert_eq!(&got.chunker[..], &3usize.to_le_bytes()[..]);
     assert_eq!(
         ledger.blocks(id(1), at(90)).await.unwrap(),
         Some(vec![block(1, 38), block(2, 47), block(3, 1)])

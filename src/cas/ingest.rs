@@ -31,7 +31,10 @@ use super::chunker::StreamChunker;
 use super::digest::{BodyDigest, BodyHasher};
 use super::keys::{BlobKey, BlockKey};
 use super::manifest::{BlockRef, Manifest};
-use super::pdf::{Chunking, CutCounts, PdfChunker, Selection, SelectionError, UnsupportedPolicy};
+use super::pdf::scan::StateError;
+use super::pdf::{
+    Chunking, CutCounts, PdfChunker, SavedChunker, Selection, SelectionError, UnsupportedPolicy,
+};
 use crate::storage::manifest::CommitFence;
 use crate::storage::{
     BlockStore, CreateOutcome, ManifestStore, PutOutcome, StoreError, WriteSession,
@@ -153,9 +156,8 @@ enum Frame {
 /// How the body of one run relates to the blob.
 #[derive(Debug, Clone, Copy)]
 enum Span {
-    /// The whole blob: the end of the body is the end of the input; the chunker is chosen
-    /// by the selection from the first bytes.
-    Whole(Selection),
+    /// The whole blob: the end of the body is the end of the input.
+    Whole,
     /// One PATCH of a resumable upload with `remaining` bytes left in the blob. With
     /// `keep_partial`, a body that breaks or goes idle ends the part where it broke (what
     /// arrived is kept), instead of failing it.
@@ -216,8 +218,9 @@ where
     let run = run_pipeline(
         body,
         limits,
-        Span::Whole(selection),
-        Bytes::new(),
+        Span::Whole,
+        Some((selection, Vec::new())),
+        ChunkStart::Select(Bytes::new()),
         blake3::Hasher::new(),
         session.as_mut(),
         &mut on_bytes,
@@ -264,8 +267,15 @@ where
 
 /// Where one PATCH of a resumable upload starts (see docs/resumable.md).
 pub struct PartStart {
-    /// The staged tail: the bytes after the last cut point so far (< `MAX_CHUNK`).
+    /// The staged tail: the bytes after the last cut point so far (< `MAX_CHUNK` for
+    /// FastCDC, < `max + LOOKAHEAD` for the PDF-aware chunker).
     pub tail: Bytes,
+    /// The chunker state saved by the previous PATCH (`cas::pdf::resume`).
+    pub chunker: SavedChunker,
+    /// Bytes accepted before this PATCH (the tail ends there).
+    pub offset: u64,
+    /// How the chunker is chosen while it is undecided, and the `[ingest.pdf]` policy.
+    pub selection: Selection,
     /// The whole-content BLAKE3 of every byte accepted so far (tail included).
     pub whole: blake3::Hasher,
     /// Bytes left until the upload's declared length.
@@ -291,6 +301,12 @@ pub struct PartOutcome {
     pub complete: bool,
     /// The body broke or went idle, and the part was kept up to there.
     pub interrupted: Option<IngestError>,
+    /// The chunker state to save with the new tail (meaningless when `complete`).
+    pub chunker: SavedChunker,
+    /// The chunker in use (`None` while undecided).
+    pub chunking: Option<Chunking>,
+    /// How the PDF-aware chunker chose its cuts, over the whole upload so far.
+    pub pdf_cuts: Option<CutCounts>,
 }
 
 /// Run one PATCH of a resumable upload through the pipeline into `session`: the chunker
@@ -313,18 +329,44 @@ where
         remaining: start.remaining,
         keep_partial: start.keep_partial,
     };
-    // A resumable upload is cut by FastCDC: its staged tail is all the chunker state a
-    // part carries to the next one (see docs/resumable.md).
+    // The chunker resumes where the previous PATCH left it: FastCDC from its staged tail
+    // alone, the PDF-aware chunker from its saved state over the tail (CAS-14); an
+    // undecided one is chosen by the selection from the tail and the first new bytes.
+    let bad_state = |e: StateError| IngestError::Store(StoreError::Corrupt(e.to_string()));
+    let (selection, chunk_start) = match start.chunker {
+        SavedChunker::Undecided => (
+            Some((start.selection, start.tail.to_vec())),
+            ChunkStart::Select(start.tail),
+        ),
+        SavedChunker::FastCdc => {
+            let mut chunker = StreamChunker::new();
+            chunker.push(&start.tail);
+            (None, ChunkStart::Ready(Chunker::Fast(chunker)))
+        }
+        SavedChunker::Pdf(state) => {
+            let chunker =
+                PdfChunker::restore(&state, &start.tail, start.offset).map_err(bad_state)?;
+            (None, ChunkStart::Ready(Chunker::Pdf(Box::new(chunker))))
+        }
+    };
     let run = run_pipeline(
         body,
         limits,
         span,
-        start.tail,
+        selection,
+        chunk_start,
         start.whole,
         session,
         &mut on_bytes,
     )
     .await?;
+    if run.fed.eof
+        && let (Some(what), UnsupportedPolicy::Reject) =
+            (run.chunked.unsupported, start.selection.policy.unsupported)
+    {
+        // The final PATCH, before its commit: nothing of the blob becomes visible.
+        return Err(IngestError::Pdf(SelectionError::Unsupported(what)));
+    }
     let stored_bytes: u64 = run.stored.refs.iter().map(|r| u64::from(r.size)).sum();
     if stored_bytes + run.tail.len() as u64 != tail_in + run.fed.received {
         return Err(IngestError::Pipeline(format!(
@@ -342,6 +384,9 @@ where
         whole: run.fed.whole,
         complete: run.fed.eof,
         interrupted: run.fed.interrupted,
+        chunker: run.chunked.saved,
+        chunking: run.chunked.decided.then_some(run.chunked.chunking),
+        pdf_cuts: run.chunked.counts,
     })
 }
 
@@ -355,16 +400,44 @@ struct Run {
 /// What the chunk thread reports besides the tail.
 struct Chunked {
     chunking: Chunking,
+    /// False: a part ended before the selection could decide (`chunking` is then a
+    /// placeholder).
+    decided: bool,
     counts: Option<CutCounts>,
     unsupported: Option<super::pdf::scan::Unsupported>,
+    /// The state to resume from (a resumable upload's next part).
+    saved: SavedChunker,
+}
+
+impl Chunked {
+    fn undecided() -> Self {
+        Chunked {
+            chunking: Chunking::FastCdc,
+            decided: false,
+            counts: None,
+            unsupported: None,
+            saved: SavedChunker::Undecided,
+        }
+    }
+}
+
+/// How the chunk thread starts.
+enum ChunkStart {
+    /// Wait for the selection's `Frame::Start`, then push these bytes (a staged tail of
+    /// an undecided part, or nothing).
+    Select(Bytes),
+    /// A chunker already chosen (and resumed over its staged tail).
+    Ready(Chunker),
 }
 
 /// The three stages over one body (see the module docs).
+#[allow(clippy::too_many_arguments)]
 async fn run_pipeline<S, E>(
     body: S,
     limits: IngestLimits,
     span: Span,
-    tail: Bytes,
+    selection: Option<(Selection, Vec<u8>)>,
+    start: ChunkStart,
     whole: blake3::Hasher,
     session: &mut dyn WriteSession,
     on_bytes: &mut (impl FnMut(u64) + Send),
@@ -375,8 +448,8 @@ where
 {
     let (frame_tx, frame_rx) = mpsc::channel::<Frame>(FRAME_QUEUE);
     let (chunk_tx, chunk_rx) = mpsc::channel::<Bytes>(CHUNK_QUEUE);
-    let chunking = tokio::task::spawn_blocking(move || chunk_blocks(frame_rx, chunk_tx, tail));
-    let feed = feed_frames(body, limits, span, whole, frame_tx, on_bytes);
+    let chunking = tokio::task::spawn_blocking(move || chunk_blocks(frame_rx, chunk_tx, start));
+    let feed = feed_frames(body, limits, span, selection, whole, frame_tx, on_bytes);
     let store = store_blocks(chunk_rx, session);
     let (fed, stored) = futures_util::try_join!(feed, store)?;
     let (tail, chunked) = chunking
@@ -407,6 +480,7 @@ async fn feed_frames<S, E>(
     mut body: S,
     limits: IngestLimits,
     span: Span,
+    selection: Option<(Selection, Vec<u8>)>,
     mut whole: blake3::Hasher,
     frames: mpsc::Sender<Frame>,
     on_bytes: &mut (impl FnMut(u64) + Send),
@@ -429,14 +503,10 @@ where
     let mut interrupted = None;
     let mut batch: Vec<Bytes> = Vec::new();
     let mut batch_bytes = 0usize;
-    // The first bytes, until the selection decides the chunker (at most 5 bytes).
-    let mut head: Vec<u8> = Vec::new();
-    let selection = match span {
-        Span::Whole(selection) => selection,
-        // A resumable upload is cut by FastCDC (see `ingest_part`).
-        Span::Part { .. } => Selection::generic(),
-    };
-    let mut decided = false;
+    // The first bytes of the blob (an undecided part starts with its staged tail), until
+    // the selection decides the chunker (at most 5 bytes); `None`: already decided.
+    let mut decided = selection.is_none();
+    let (selection, mut head) = selection.unwrap_or((Selection::generic(), Vec::new()));
     let stopped = |_| IngestError::Pipeline("chunker stopped".into());
     loop {
         let next = match tokio::time::timeout(limits.idle_timeout, body.next()).await {
@@ -516,15 +586,16 @@ where
         return Err(IngestError::DigestMismatch);
     }
     let eof = match span {
-        Span::Whole(_) => true,
+        Span::Whole => true,
         Span::Part { remaining, .. } => received == remaining,
     };
     if !decided {
-        // A body shorter than the signature (or a part that stopped before it).
-        let choice = selection
-            .decide(&head, eof)
-            .unwrap_or(Ok(Chunking::FastCdc))?;
-        frames.send(Frame::Start(choice)).await.map_err(stopped)?;
+        // A body shorter than the signature, or a part that ended before the selection
+        // could decide: the part's bytes are staged undecided, the blob's end decides.
+        match selection.decide(&head, eof) {
+            Some(choice) => frames.send(Frame::Start(choice?)).await.map_err(stopped)?,
+            None => debug_assert!(!eof),
+        }
     }
     if !batch.is_empty() {
         frames.send(Frame::Data(batch)).await.map_err(stopped)?;
@@ -545,13 +616,32 @@ where
 fn chunk_blocks(
     mut frames: mpsc::Receiver<Frame>,
     chunks: mpsc::Sender<Bytes>,
-    tail: Bytes,
+    start: ChunkStart,
 ) -> Option<(Bytes, Chunked)> {
-    let Frame::Start(chunking) = frames.blocking_recv()? else {
-        return None;
+    let mut chunker = match start {
+        ChunkStart::Ready(chunker) => Some(chunker),
+        ChunkStart::Select(tail) => {
+            // Bytes before the selection decided (only a part's undecided tail and the
+            // few bytes after it ever wait here).
+            let mut waiting = bytes::BytesMut::from(&tail[..]);
+            loop {
+                match frames.blocking_recv()? {
+                    Frame::Start(chunking) => {
+                        let mut chunker = Chunker::new(chunking);
+                        chunker.push(&waiting);
+                        break Some(chunker);
+                    }
+                    Frame::Data(batch) => batch.iter().for_each(|d| waiting.extend_from_slice(d)),
+                    Frame::End { eof: false } => {
+                        // Still undecided: everything is the staged tail.
+                        return Some((waiting.freeze(), Chunked::undecided()));
+                    }
+                    Frame::End { eof: true } => return None,
+                }
+            }
+        }
     };
-    let mut chunker = Chunker::new(chunking);
-    chunker.push(&tail);
+    let chunker = chunker.as_mut()?;
     let emit = |chunk: Bytes| -> Option<()> { chunks.blocking_send(chunk).ok() };
     loop {
         match frames.blocking_recv()? {
@@ -569,7 +659,7 @@ fn chunk_blocks(
                     emit(chunk)?;
                 }
                 let rest = chunker.take_rest();
-                return Some((rest, chunker.report(chunking)));
+                return Some((rest, chunker.report()));
             }
         }
     }
@@ -610,17 +700,22 @@ impl Chunker {
         }
     }
 
-    fn report(&self, chunking: Chunking) -> Chunked {
+    /// What the chunk thread reports, with the state a next part resumes from.
+    fn report(&self) -> Chunked {
         match self {
             Chunker::Fast(_) => Chunked {
-                chunking,
+                chunking: Chunking::FastCdc,
+                decided: true,
                 counts: None,
                 unsupported: None,
+                saved: SavedChunker::FastCdc,
             },
             Chunker::Pdf(c) => Chunked {
-                chunking,
+                chunking: Chunking::Pdf(c.sizes()),
+                decided: true,
                 counts: Some(c.counts()),
                 unsupported: c.unsupported(),
+                saved: SavedChunker::Pdf(c.save()),
             },
         }
     }
@@ -839,33 +934,112 @@ mod tests {
     #[tokio::test]
     async fn parts_resumed_at_the_last_cut_give_the_one_shot_blocks_and_key() {
         // Checks TUS-2 at the pipeline: whatever the PATCH boundaries, the blocks of the
-        // parts (each starting from the previous part's staged tail) are the cuts of
-        // FastCDC over the whole input, and the hasher carried along gives the blob key.
+        // parts (each starting from the previous part's staged tail and saved chunker
+        // state) are the cuts of one pass over the whole input, and the hasher carried
+        // along gives the blob key. Checks CAS-14 with a PDF: the PDF-aware chunker is
+        // selected from the first bytes (a first part of 1 byte leaves it undecided) and
+        // resumed from its saved state.
+        use crate::cas::pdf::select::MediaType;
         let dir = tempfile::tempdir().unwrap();
         let (blocks, _) = stores(dir.path());
-        let content = data((2 << 20) + 4_321, 5);
-        let expected: Vec<usize> = crate::cas::chunker::chunk_lengths(&content);
-        for splits in [
-            vec![1usize, 70_000, 70_001, 1 << 20],
-            vec![262_144, 524_288],
-            vec![content.len() - 1],
+        let random = data((2 << 20) + 4_321, 5);
+        let pdf = small_pdf();
+        let cases = [
+            (&random, crate::cas::chunker::chunk_lengths(&random), false),
+            (
+                &pdf,
+                crate::cas::pdf::chunk::chunk_lengths(&pdf, Default::default()).0,
+                true,
+            ),
+        ];
+        for (content, expected, is_pdf) in cases {
+            for splits in [
+                vec![1usize, 70_000, 70_001, 300_000],
+                vec![3, 4, 5, 262_144, 290_000],
+                vec![content.len() - 1],
+            ] {
+                let mut bounds = vec![0];
+                bounds.extend(splits);
+                bounds.push(content.len());
+                let mut tail = Bytes::new();
+                let mut chunker = SavedChunker::Undecided;
+                let mut whole = blake3::Hasher::new();
+                let mut lengths = Vec::new();
+                let mut chunking = None;
+                for pair in bounds.windows(2) {
+                    let mut session = blocks.begin().unwrap();
+                    let start = PartStart {
+                        tail: std::mem::take(&mut tail),
+                        chunker: std::mem::replace(&mut chunker, SavedChunker::Undecided),
+                        offset: pair[0] as u64,
+                        selection: selection(MediaType::Generic),
+                        whole,
+                        remaining: (content.len() - pair[0]) as u64,
+                        keep_partial: false,
+                    };
+                    let part = ingest_part(
+                        body_of(&content[pair[0]..pair[1]], 10_000),
+                        limits(None),
+                        start,
+                        session.as_mut(),
+                        |_| {},
+                    )
+                    .await
+                    .unwrap();
+                    session.commit().await.unwrap();
+                    let bound = if is_pdf {
+                        crate::cas::chunker::MAX_CHUNK + crate::cas::pdf::chunk::LOOKAHEAD
+                    } else {
+                        crate::cas::chunker::MAX_CHUNK
+                    };
+                    assert!(part.tail.len() < bound);
+                    assert_eq!(part.complete, pair[1] == content.len());
+                    // Undecided only while fewer bytes than the signature have arrived.
+                    assert_eq!(part.chunking.is_none(), pair[1] < 5 && is_pdf);
+                    lengths.extend(part.refs.iter().map(|r| r.size as usize));
+                    tail = part.tail;
+                    chunker = SavedChunker::decode(&part.chunker.encode(), pair[1] as u64).unwrap();
+                    whole = part.whole;
+                    chunking = part.chunking;
+                }
+                assert!(tail.is_empty());
+                assert_eq!(lengths, expected);
+                assert_eq!(matches!(chunking, Some(Chunking::Pdf(_))), is_pdf);
+                assert_eq!(*whole.finalize().as_bytes(), BlobKey::of(content).hash);
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_resumable_part_refuses_a_type_its_first_bytes_contradict() {
+        // Checks CAS-12 on resumable parts: declared PDF without the signature, or
+        // another type with it, is refused by the part that brings the first bytes, even
+        // when an earlier part left the choice undecided; nothing is cut.
+        use crate::cas::pdf::select::MediaType;
+        let dir = tempfile::tempdir().unwrap();
+        let (blocks, _) = stores(dir.path());
+        let pdf = small_pdf();
+        let png = data(400_000, 9);
+        for (content, media, first, code) in [
+            (&png, MediaType::Pdf, 0usize, "pdf_signature_missing"),
+            (&pdf, MediaType::Other, 0, "pdf_type_mismatch"),
+            (&pdf, MediaType::Other, 3, "pdf_type_mismatch"),
         ] {
-            let mut bounds = vec![0];
-            bounds.extend(splits);
-            bounds.push(content.len());
             let mut tail = Bytes::new();
-            let mut whole = blake3::Hasher::new();
-            let mut lengths = Vec::new();
-            for pair in bounds.windows(2) {
+            let mut chunker = SavedChunker::Undecided;
+            if first > 0 {
                 let mut session = blocks.begin().unwrap();
                 let start = PartStart {
-                    tail: std::mem::take(&mut tail),
-                    whole,
-                    remaining: (content.len() - pair[0]) as u64,
+                    tail: Bytes::new(),
+                    chunker: SavedChunker::Undecided,
+                    offset: 0,
+                    selection: selection(media),
+                    whole: blake3::Hasher::new(),
+                    remaining: content.len() as u64,
                     keep_partial: false,
                 };
                 let part = ingest_part(
-                    body_of(&content[pair[0]..pair[1]], 10_000),
+                    body_of(&content[..first], 1),
                     limits(None),
                     start,
                     session.as_mut(),
@@ -873,16 +1047,35 @@ mod tests {
                 )
                 .await
                 .unwrap();
-                session.commit().await.unwrap();
-                assert!(part.tail.len() < crate::cas::chunker::MAX_CHUNK);
-                assert_eq!(part.complete, pair[1] == content.len());
-                lengths.extend(part.refs.iter().map(|r| r.size as usize));
+                assert_eq!(part.chunker, SavedChunker::Undecided);
+                assert!(part.refs.is_empty());
                 tail = part.tail;
-                whole = part.whole;
+                chunker = part.chunker;
             }
-            assert!(tail.is_empty());
-            assert_eq!(lengths, expected);
-            assert_eq!(*whole.finalize().as_bytes(), BlobKey::of(&content).hash);
+            let mut session = blocks.begin().unwrap();
+            let start = PartStart {
+                tail,
+                chunker,
+                offset: first as u64,
+                selection: selection(media),
+                whole: blake3::Hasher::new(),
+                remaining: (content.len() - first) as u64,
+                keep_partial: true,
+            };
+            let err = ingest_part(
+                body_of(&content[first..], 50_000),
+                limits(None),
+                start,
+                session.as_mut(),
+                |_| {},
+            )
+            .await
+            .err()
+            .unwrap();
+            match err {
+                IngestError::Pdf(refusal) => assert_eq!(refusal.code(), code),
+                other => panic!("{other}"),
+            }
         }
     }
 
@@ -901,6 +1094,9 @@ mod tests {
         };
         let start = |keep_partial| PartStart {
             tail: Bytes::new(),
+            chunker: SavedChunker::Undecided,
+            offset: 0,
+            selection: Selection::generic(),
             whole: blake3::Hasher::new(),
             remaining: 10 << 20,
             keep_partial,

@@ -312,19 +312,25 @@ impl UploadService {
             blocks("duplicate").inc_by(report.duplicate_blocks as u64);
             record_chunking(&parts.metrics, report.chunking, report.pdf_cuts);
         }
-        if let Err(IngestError::Pdf(refusal)) = &result {
-            let kind = match refusal {
-                SelectionError::SignatureMissing => "signature_missing",
-                SelectionError::TypeMismatch => "type_mismatch",
-                SelectionError::Unsupported(_) => "unsupported",
-            };
-            parts
-                .metrics
-                .pdf_refusals
-                .get_or_create(&KindLabels { kind })
-                .inc();
+        if let Err(err) = &result {
+            record_refusal(&parts.metrics, err);
         }
         result
+    }
+}
+
+/// Count a PDF selection or scanner refusal (one-shot and resumable uploads).
+fn record_refusal(metrics: &Metrics, err: &IngestError) {
+    if let IngestError::Pdf(refusal) = err {
+        let kind = match refusal {
+            SelectionError::SignatureMissing => "signature_missing",
+            SelectionError::TypeMismatch => "type_mismatch",
+            SelectionError::Unsupported(_) => "unsupported",
+        };
+        metrics
+            .pdf_refusals
+            .get_or_create(&KindLabels { kind })
+            .inc();
     }
 }
 

@@ -28,6 +28,8 @@ use super::{UploadClaim, UploadError, UploadService};
 use crate::admission::{AdmissionPermit, Footprint};
 use crate::cas::digest::BodyDigest;
 use crate::cas::ingest::{IngestError, IngestLimits, PartOutcome, PartStart, ingest_part};
+use crate::cas::pdf::select::MediaType;
+use crate::cas::pdf::{SavedChunker, Selection};
 use crate::cas::{BlobKey, BlockKey, Manifest};
 use crate::placement::{IngestPermit, LocalRoute, Route};
 use crate::storage::StoreError;
@@ -177,6 +179,7 @@ impl UploadService {
             block_count: 0,
             blob_key: None,
             generation: new_generation(),
+            chunker: Bytes::new(),
         };
         if !self
             .ledger()
@@ -351,8 +354,19 @@ impl UploadService {
             idle_timeout: self.parts.limits.body_idle_timeout,
             digest: declared.checksum,
         };
+        // The chunker resumes from the state saved with the tail (CAS-14); while undecided,
+        // the declared type and the first bytes choose it (CAS-12).
+        let chunker = SavedChunker::decode(&row.chunker, row.offset)
+            .map_err(|e| IngestError::Store(StoreError::Corrupt(e.to_string())))?;
+        let selection = Selection {
+            declared: MediaType::of_tus_metadata(row.metadata.as_deref()),
+            policy: self.parts.pdf,
+        };
         let start = PartStart {
             tail,
+            chunker,
+            offset: row.offset,
+            selection,
             whole,
             remaining: row.length.saturating_sub(row.offset),
             keep_partial: declared.checksum.is_none(),
@@ -362,7 +376,8 @@ impl UploadService {
         let part = ingest_part(body, limits, start, session.as_mut(), |bytes| {
             metrics.upload_bytes.inc_by(bytes);
         })
-        .await?;
+        .await
+        .inspect_err(|err| super::record_refusal(&self.parts.metrics, err))?;
         let PartOutcome {
             received,
             refs,
@@ -370,6 +385,9 @@ impl UploadService {
             whole,
             complete,
             interrupted,
+            chunker,
+            chunking,
+            pdf_cuts,
             ..
         } = part;
         let new_offset = row.offset + received;
@@ -393,7 +411,10 @@ impl UploadService {
             let mut blocks = Vec::with_capacity(earlier.len() + refs.len());
             blocks.extend_from_slice(&earlier);
             blocks.extend_from_slice(&refs);
-            let manifest = Manifest::new(key, blocks, now_ms());
+            let mut manifest = Manifest::new(key, blocks, now_ms());
+            if let Some(chunking) = chunking {
+                manifest.chunking = chunking.info();
+            }
             // CAS-6: checked here too, before any store sees it.
             manifest
                 .validate()
@@ -415,6 +436,7 @@ impl UploadService {
             let step = Advance {
                 offset: new_offset,
                 tail,
+                chunker: chunker.encode(),
                 blocks: refs,
                 expires_ms,
                 blob_key,
@@ -434,6 +456,9 @@ impl UploadService {
         }
         if complete {
             self.hashers.forget(&id);
+            if let Some(chunking) = chunking {
+                super::record_chunking(&self.parts.metrics, chunking, pdf_cuts);
+            }
         } else {
             let next = RowVersion {
                 generation: at.generation,

@@ -30,8 +30,9 @@
 //! Memory (stated, counted by `cas::ingest::memory_bound`): the buffer holds less than
 //! `max + LOOKAHEAD` bytes between calls, plus the piece being pushed, in buffers of
 //! `chunker::BUFFER_CHUNKS` largest blocks like [`StreamChunker`]; the event queue holds
-//! at most [`MAX_EVENTS`] events of 16 bytes (further events in the window are dropped,
-//! deterministically, and counted); the scanner is a fixed-size struct. Hence
+//! at most [`MAX_EVENTS`] events of 16 bytes, allocated at that size up front (further
+//! events in the window are dropped, deterministically, and counted); the scanner is a
+//! fixed-size struct. `tests/pdf_footprint.rs` measures it. Hence
 //! [`EXTRA_MEMORY`] on top of the generic chunker.
 //!
 //! [`StreamChunker`]: crate::cas::chunker::StreamChunker
@@ -40,7 +41,9 @@ use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
 
-use super::scan::{Event, Scanner, Unsupported};
+use super::scan::{
+    Event, SCANNER_STATE_LEN, Scanner, StateError, StateReader, StateWriter, Unsupported,
+};
 use crate::cas::chunker::{self, BUFFER_CHUNKS, MAX_CHUNK, MIN_CHUNK};
 
 /// Bytes past the window the scanner must have read before a cut is decided: a large
@@ -139,7 +142,9 @@ impl PdfChunker {
             buffer: BytesMut::with_capacity(BUFFER_CAPACITY),
             start: 0,
             scanner: Scanner::new(),
-            events: VecDeque::new(),
+            // At its bound from the start: a queue that grew by doubling would hold the old
+            // and the new allocation at once (1.5 times the bound) while it copies.
+            events: VecDeque::with_capacity(MAX_EVENTS),
             region: Region::Normal,
             counts: CutCounts::default(),
             finished: false,
@@ -333,4 +338,120 @@ pub fn chunk_lengths(data: &[u8], sizes: PdfSizes) -> (Vec<usize>, CutCounts) {
         lengths.push(block.len());
     }
     (lengths, chunker.counts())
+}
+
+/// Version tag of a saved [`PdfChunker`] state.
+const STATE_VERSION: u8 = 1;
+/// Bytes of one saved event.
+const EVENT_STATE_LEN: usize = 9;
+/// The largest saved state (see [`PdfChunker::save`]): bounded by the event queue.
+pub const MAX_STATE_LEN: usize =
+    1 + 8 + 8 + 1 + 1 + 4 * 8 + SCANNER_STATE_LEN + 4 + MAX_EVENTS * EVENT_STATE_LEN;
+
+impl PdfChunker {
+    /// The chunker's whole state except its buffer (the staged tail, which the caller
+    /// keeps), for the next part of a resumable upload: sizes, the block start, the
+    /// scanner, the queued events, the region and the cut counts. At most
+    /// [`MAX_STATE_LEN`] bytes (about 72 KiB with a full event queue; a few hundred
+    /// bytes for ordinary PDFs).
+    pub fn save(&self) -> Vec<u8> {
+        let mut w = StateWriter(Vec::with_capacity(
+            64 + SCANNER_STATE_LEN + self.events.len() * EVENT_STATE_LEN,
+        ));
+        w.u8(STATE_VERSION);
+        w.u64(self.sizes.target as u64);
+        w.u64(self.sizes.max as u64);
+        w.u8(match self.region {
+            Region::Normal => 0,
+            Region::InData => 1,
+        });
+        w.bool(self.finished);
+        w.u64(self.start);
+        w.u64(self.counts.boundary);
+        w.u64(self.counts.stream);
+        w.u64(self.counts.fallback);
+        w.u64(self.counts.dropped_events);
+        self.scanner.save(&mut w);
+        w.u32(self.events.len() as u32);
+        for event in &self.events {
+            let (tag, at) = match *event {
+                Event::Boundary(at) => (0, at),
+                Event::Revision(at) => (1, at),
+                Event::StreamStart(at) => (2, at),
+                Event::StreamEnd(at) => (3, at),
+            };
+            w.u8(tag);
+            w.u64(at);
+        }
+        w.0
+    }
+
+    /// A chunker in exactly the state [`Self::save`] saved, with `tail` (the bytes it
+    /// had not cut, which end at body offset `offset`) in its buffer: fed the same
+    /// following bytes, it cuts exactly where the saved chunker would have (CAS-14).
+    /// A state that does not fit the tail and offset is an error.
+    pub fn restore(state: &[u8], tail: &[u8], offset: u64) -> Result<Self, StateError> {
+        if state.len() > MAX_STATE_LEN {
+            return Err(StateError("too long"));
+        }
+        let mut r = StateReader(state);
+        if r.u8()? != STATE_VERSION {
+            return Err(StateError("unknown version"));
+        }
+        let target = usize::try_from(r.u64()?).map_err(|_| StateError("sizes"))?;
+        let max = usize::try_from(r.u64()?).map_err(|_| StateError("sizes"))?;
+        let sizes = PdfSizes::new(target, max).map_err(|_| StateError("sizes"))?;
+        let region = match r.u8()? {
+            0 => Region::Normal,
+            1 => Region::InData,
+            _ => return Err(StateError("region")),
+        };
+        let finished = r.bool()?;
+        let start = r.u64()?;
+        let counts = CutCounts {
+            boundary: r.u64()?,
+            stream: r.u64()?,
+            fallback: r.u64()?,
+            dropped_events: r.u64()?,
+        };
+        let scanner = Scanner::restore(&mut r)?;
+        let n = r.u32()? as usize;
+        if n > MAX_EVENTS {
+            return Err(StateError("too many events"));
+        }
+        let mut chunker = Self::new(sizes);
+        for _ in 0..n {
+            let tag = r.u8()?;
+            let at = r.u64()?;
+            chunker.events.push_back(match tag {
+                0 => Event::Boundary(at),
+                1 => Event::Revision(at),
+                2 => Event::StreamStart(at),
+                3 => Event::StreamEnd(at),
+                _ => return Err(StateError("event")),
+            });
+        }
+        r.end()?;
+        // The tail is the buffer: it starts at the block start and ends at `offset`, and
+        // the scanner has read some of it, never past it.
+        if start.checked_add(tail.len() as u64) != Some(offset)
+            || scanner.position() < start
+            || scanner.position() > offset
+            || tail.len() >= sizes.max + LOOKAHEAD
+        {
+            return Err(StateError("does not fit the staged tail"));
+        }
+        chunker.push(tail);
+        chunker.start = start;
+        chunker.scanner = scanner;
+        chunker.region = region;
+        chunker.counts = counts;
+        chunker.finished = finished;
+        Ok(chunker)
+    }
+
+    /// The sizes this chunker cuts with.
+    pub fn sizes(&self) -> PdfSizes {
+        self.sizes
+    }
 }

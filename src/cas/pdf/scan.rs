@@ -520,7 +520,7 @@ impl Scanner {
                 } else {
                     // Fell back onto the second `e` of a partial match: the match now
                     // starts there, after `t` and `r`, so no end of line precedes it.
-                    (m + 1, at - u64::from(m), 0)
+                    (m + 1, at.saturating_sub(u64::from(m)), 0)
                 };
                 if m as usize == ENDSTREAM.len() {
                     let end = kw.saturating_sub(u64::from(eol)).max(begin);
@@ -715,4 +715,235 @@ pub fn scan_all(data: &[u8]) -> (Vec<Event>, Option<Unsupported>) {
     scanner.feed(data, &mut |e| events.push(e));
     scanner.finish();
     (events, scanner.unsupported())
+}
+
+/// A saved scanner or chunker state that cannot be read back (damaged or from another
+/// version).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("saved PDF chunker state is damaged: {0}")]
+pub struct StateError(pub &'static str);
+
+/// Little-endian writer of saved states.
+#[derive(Default)]
+pub(crate) struct StateWriter(pub Vec<u8>);
+
+impl StateWriter {
+    pub fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    pub fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn bool(&mut self, v: bool) {
+        self.u8(u8::from(v));
+    }
+}
+
+/// The reader matching [`StateWriter`]; every read is bounds-checked.
+pub(crate) struct StateReader<'a>(pub &'a [u8]);
+
+impl StateReader<'_> {
+    pub fn bytes(&mut self, n: usize) -> Result<&[u8], StateError> {
+        if self.0.len() < n {
+            return Err(StateError("truncated"));
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+    pub fn u8(&mut self) -> Result<u8, StateError> {
+        Ok(self.bytes(1)?[0])
+    }
+    pub fn u32(&mut self) -> Result<u32, StateError> {
+        let mut b = [0; 4];
+        b.copy_from_slice(self.bytes(4)?);
+        Ok(u32::from_le_bytes(b))
+    }
+    pub fn u64(&mut self) -> Result<u64, StateError> {
+        let mut b = [0; 8];
+        b.copy_from_slice(self.bytes(8)?);
+        Ok(u64::from_le_bytes(b))
+    }
+    pub fn bool(&mut self) -> Result<bool, StateError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(StateError("bad flag")),
+        }
+    }
+    pub fn end(&self) -> Result<(), StateError> {
+        if self.0.is_empty() {
+            Ok(())
+        } else {
+            Err(StateError("trailing bytes"))
+        }
+    }
+}
+
+/// Bytes of a saved [`Scanner`] (fixed: the scanner holds no buffer).
+pub const SCANNER_STATE_LEN: usize =
+    8 + 18 + 2 + TOKEN_CAP + 1 + 1 + 8 + 1 + 16 + 1 + 1 + 4 + 9 + 2 + 8 + 1 + 1;
+
+impl Scanner {
+    /// Save the whole state (for a resumable upload's next part; see
+    /// `cas::pdf::resume`). [`Self::restore`] gives back a scanner that reports the same
+    /// events for the same following bytes.
+    pub(crate) fn save(&self, w: &mut StateWriter) {
+        let start = w.0.len();
+        w.u64(self.pos);
+        // Mode: a tag and two fixed 8-byte fields, and one flag byte.
+        let (tag, a, b, c): (u8, u64, u64, u8) = match self.mode {
+            Mode::Normal => (0, 0, 0, 0),
+            Mode::Comment { eof_matched } => (1, 0, 0, eof_matched),
+            Mode::EofCr => (2, 0, 0, 0),
+            Mode::LitString { depth, escape } => (3, u64::from(depth), 0, u8::from(escape)),
+            Mode::HexString => (4, 0, 0, 0),
+            Mode::AfterStream { cr, length } => (
+                5 + u8::from(length.is_some()),
+                length.unwrap_or(0),
+                0,
+                u8::from(cr),
+            ),
+            Mode::Data { left, end } => (7, left, end, 0),
+            Mode::Verify { end, eol, matched } => (8, end, u64::from(eol), matched),
+            Mode::Search {
+                data,
+                matched,
+                at,
+                eol,
+            } => (9, data, at, matched | (eol << 4)),
+        };
+        w.u8(tag);
+        w.u64(a);
+        w.u64(b);
+        w.u8(c);
+        w.bool(self.pending.is_some());
+        w.u8(self.pending.unwrap_or(0));
+        w.0.extend_from_slice(&self.token);
+        w.u8(self.token_len);
+        w.bool(self.token_long);
+        w.u64(self.token_start);
+        w.bool(self.in_token);
+        w.u64(self.ints[0]);
+        w.u64(self.ints[1]);
+        w.u8(self.int_count);
+        w.bool(self.in_object);
+        w.u32(self.depth);
+        let (ltag, lv) = match self.length {
+            LengthState::None => (0, 0),
+            LengthState::Key => (1, 0),
+            LengthState::Num(n) => (2, n),
+            LengthState::NumNum(n) => (3, n),
+            LengthState::Direct(n) => (4, n),
+            LengthState::Unknown => (5, 0),
+        };
+        w.u8(ltag);
+        w.u64(lv);
+        w.0.extend_from_slice(&self.last);
+        w.u64(self.objects);
+        w.u8(match self.unsupported {
+            None => 0,
+            Some(Unsupported::Unterminated) => 1,
+            Some(Unsupported::LengthMismatch) => 2,
+            Some(Unsupported::NoObjects) => 3,
+        });
+        w.bool(self.finished);
+        debug_assert_eq!(w.0.len() - start, SCANNER_STATE_LEN);
+    }
+
+    /// Read a state saved by [`Self::save`]; anything out of range is an error, never a
+    /// panic.
+    pub(crate) fn restore(r: &mut StateReader<'_>) -> Result<Self, StateError> {
+        let pos = r.u64()?;
+        let (tag, a, b, c) = (r.u8()?, r.u64()?, r.u64()?, r.u8()?);
+        let small = |v: u64| u8::try_from(v).map_err(|_| StateError("mode field"));
+        let mode = match tag {
+            0 => Mode::Normal,
+            1 if c <= 7 => Mode::Comment { eof_matched: c },
+            2 => Mode::EofCr,
+            3 => Mode::LitString {
+                depth: u32::try_from(a).map_err(|_| StateError("string depth"))?,
+                escape: c == 1,
+            },
+            4 => Mode::HexString,
+            5 | 6 => Mode::AfterStream {
+                cr: c == 1,
+                length: (tag == 6).then_some(a),
+            },
+            7 => Mode::Data { left: a, end: b },
+            8 if small(b)? <= 2 && (c as usize) < ENDSTREAM.len() => Mode::Verify {
+                end: a,
+                eol: small(b)?,
+                matched: c,
+            },
+            9 if ((c & 0x0f) as usize) < ENDSTREAM.len() && (c >> 4) <= 2 => Mode::Search {
+                data: a,
+                matched: c & 0x0f,
+                at: b,
+                eol: c >> 4,
+            },
+            _ => return Err(StateError("scanner mode")),
+        };
+        let has_pending = r.bool()?;
+        let pending_byte = r.u8()?;
+        let mut token = [0; TOKEN_CAP];
+        token.copy_from_slice(r.bytes(TOKEN_CAP)?);
+        let token_len = r.u8()?;
+        if token_len as usize > TOKEN_CAP {
+            return Err(StateError("token length"));
+        }
+        let token_long = r.bool()?;
+        let token_start = r.u64()?;
+        let in_token = r.bool()?;
+        let ints = [r.u64()?, r.u64()?];
+        let int_count = r.u8()?;
+        if int_count > 2 {
+            return Err(StateError("integer count"));
+        }
+        let in_object = r.bool()?;
+        let depth = r.u32()?;
+        let (ltag, lv) = (r.u8()?, r.u64()?);
+        let length = match ltag {
+            0 => LengthState::None,
+            1 => LengthState::Key,
+            2 => LengthState::Num(lv),
+            3 => LengthState::NumNum(lv),
+            4 => LengthState::Direct(lv),
+            5 => LengthState::Unknown,
+            _ => return Err(StateError("length state")),
+        };
+        let mut last = [0; 2];
+        last.copy_from_slice(r.bytes(2)?);
+        let objects = r.u64()?;
+        let unsupported = match r.u8()? {
+            0 => None,
+            1 => Some(Unsupported::Unterminated),
+            2 => Some(Unsupported::LengthMismatch),
+            3 => Some(Unsupported::NoObjects),
+            _ => return Err(StateError("unsupported kind")),
+        };
+        let finished = r.bool()?;
+        Ok(Self {
+            pos,
+            mode,
+            pending: has_pending.then_some(pending_byte),
+            token,
+            token_len,
+            token_long,
+            token_start,
+            in_token,
+            ints,
+            int_count,
+            in_object,
+            depth,
+            length,
+            last,
+            objects,
+            unsupported,
+            finished,
+        })
+    }
 }

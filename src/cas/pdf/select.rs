@@ -1,7 +1,9 @@
 //! The one selection of the chunker for an upload (CAS-12), used by every path that
 //! ingests a body: one-shot HTTP uploads, uploads forwarded to their owner (the owner
-//! chunks, with the Content-Type the relay forwarded), gRPC and the CLI's `put` (which
-//! sends its file's type).
+//! chunks, with the Content-Type the relay forwarded), resumable (tus) uploads (the type
+//! is `Upload-Metadata`'s `filetype`, the first bytes those of the first PATCHes; see
+//! [`MediaType::of_tus_metadata`]), gRPC and the CLI's `put` (which sends
+//! `application/octet-stream`, so the file's first bytes decide, and prints the chunker).
 //!
 //! | declared `Content-Type` | body starts with `%PDF-` | result |
 //! |---|---|---|
@@ -78,6 +80,37 @@ impl MediaType {
             MediaType::Generic
         } else {
             MediaType::Other
+        }
+    }
+}
+
+impl MediaType {
+    /// The type a resumable (tus) upload declares in its `Upload-Metadata`: the value of
+    /// `filetype` (the key tus clients such as Uppy send), else of `content-type`, base64
+    /// decoded. No such key, or a value that is not base64 of UTF-8: [`MediaType::Generic`]
+    /// (the first bytes decide).
+    pub fn of_tus_metadata(metadata: Option<&str>) -> Self {
+        use base64::Engine;
+        let Some(metadata) = metadata else {
+            return MediaType::Generic;
+        };
+        let value_of = |wanted: &str| {
+            metadata.split(',').find_map(|pair| {
+                let mut parts = pair.trim().split(' ');
+                let key = parts.next()?;
+                key.eq_ignore_ascii_case(wanted)
+                    .then(|| parts.next().unwrap_or(""))
+            })
+        };
+        let Some(encoded) = value_of("filetype").or_else(|| value_of("content-type")) else {
+            return MediaType::Generic;
+        };
+        match base64::engine::general_purpose::STANDARD.decode(encoded) {
+            Ok(raw) => match std::str::from_utf8(&raw) {
+                Ok(text) => MediaType::of(Some(text)),
+                Err(_) => MediaType::Generic,
+            },
+            Err(_) => MediaType::Generic,
         }
     }
 }
@@ -200,6 +233,34 @@ mod tests {
         );
         assert_eq!(MediaType::of(Some("image/png")), MediaType::Other);
         assert_eq!(MediaType::of(Some("application/pdfx")), MediaType::Other);
+    }
+
+    #[test]
+    fn tus_metadata_declares_the_type_by_filetype_or_content_type() {
+        // "application/pdf" and "image/png" in base64.
+        let pdf = "YXBwbGljYXRpb24vcGRm";
+        let png = "aW1hZ2UvcG5n";
+        assert_eq!(MediaType::of_tus_metadata(None), MediaType::Generic);
+        assert_eq!(
+            MediaType::of_tus_metadata(Some(&format!("filename eC5wZGY=,filetype {pdf}"))),
+            MediaType::Pdf
+        );
+        assert_eq!(
+            MediaType::of_tus_metadata(Some(&format!("content-type {png}"))),
+            MediaType::Other
+        );
+        assert_eq!(
+            MediaType::of_tus_metadata(Some(&format!("filetype {png},content-type {pdf}"))),
+            MediaType::Other
+        );
+        assert_eq!(
+            MediaType::of_tus_metadata(Some("filename eC5wZGY=")),
+            MediaType::Generic
+        );
+        assert_eq!(
+            MediaType::of_tus_metadata(Some("filetype")),
+            MediaType::Generic
+        );
     }
 
     #[test]

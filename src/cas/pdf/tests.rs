@@ -461,7 +461,8 @@ fn truncated_and_corrupted_real_pdfs_are_cut_whole_and_never_panic() {
     // truncation inside an object or stream.
     let sizes = PdfSizes::default();
     for (name, file) in fixtures() {
-        for cut in (0..file.len()).step_by(37) {
+        // Every 37th prefix of the small files, about 200 of the larger one.
+        for cut in (0..file.len()).step_by((file.len() / 200).max(37)) {
             let prefix = &file[..cut];
             let (lengths, _) = chunk_lengths(prefix, sizes);
             assert_eq!(lengths.iter().sum::<usize>(), cut, "{name} at {cut}");
@@ -473,5 +474,176 @@ fn truncated_and_corrupted_real_pdfs_are_cut_whole_and_never_panic() {
         }
         let (lengths, _) = chunk_lengths(&corrupt, sizes);
         assert_eq!(lengths.iter().sum::<usize>(), corrupt.len(), "{name}");
+    }
+}
+
+/// Blocks of `data` uploaded as resumable parts ending at `bounds` (increasing, inside
+/// the body): each part starts from a chunker restored from the state the previous part
+/// saved over its staged tail, as `cas::ingest::ingest_part` does; pieces inside a part
+/// are `pieces` (cycled). Also checks the bounds on the saved state and tail.
+fn blocks_in_parts(data: &[u8], sizes: PdfSizes, bounds: &[usize], pieces: &[usize]) -> Vec<usize> {
+    use super::chunk::{LOOKAHEAD, MAX_STATE_LEN};
+    let mut out = Vec::new();
+    let mut saved: Option<(Vec<u8>, Vec<u8>)> = None;
+    let mut from = 0;
+    let mut step = pieces.iter().cycle();
+    let ends = bounds.iter().copied().chain([data.len()]);
+    for end in ends {
+        let end = end.clamp(from, data.len());
+        let mut chunker = match saved.take() {
+            None => PdfChunker::new(sizes),
+            Some((state, tail)) => PdfChunker::restore(&state, &tail, from as u64).unwrap(),
+        };
+        let mut offset = from;
+        while offset < end {
+            let take = (*step.next().unwrap()).max(1).min(end - offset);
+            chunker.push(&data[offset..offset + take]);
+            offset += take;
+            while let Some(block) = chunker.next_chunk(false) {
+                out.push(block.len());
+            }
+        }
+        if end == data.len() {
+            while let Some(block) = chunker.next_chunk(true) {
+                out.push(block.len());
+            }
+            break;
+        }
+        let tail = chunker.take_rest().to_vec();
+        let state = chunker.save();
+        assert!(tail.len() < sizes.max + LOOKAHEAD, "tail {}", tail.len());
+        assert!(state.len() <= MAX_STATE_LEN, "state {}", state.len());
+        saved = Some((state, tail));
+        from = end;
+    }
+    out
+}
+
+#[test]
+fn a_saved_state_that_does_not_fit_is_refused_not_trusted() {
+    // Checks CAS-14: a damaged or mismatched saved state is an error, never a panic or
+    // a chunker over the wrong bytes.
+    let (file, _) = pdf(1, &[(noise(300_000, 3), Len::Direct)]);
+    let sizes = PdfSizes::default();
+    let mut chunker = PdfChunker::new(sizes);
+    chunker.push(&file[..290_000]);
+    while chunker.next_chunk(false).is_some() {}
+    let tail = chunker.take_rest().to_vec();
+    let state = chunker.save();
+    assert!(PdfChunker::restore(&state, &tail, 290_000).is_ok());
+    // The tail must end at the offset the row records.
+    assert!(PdfChunker::restore(&state, &tail, 290_001).is_err());
+    assert!(PdfChunker::restore(&state, &tail[1..], 290_000).is_err());
+    assert!(PdfChunker::restore(&[], &tail, 290_000).is_err());
+    assert!(PdfChunker::restore(&state[..state.len() - 1], &tail, 290_000).is_err());
+    let mut longer = state.clone();
+    longer.push(0);
+    assert!(PdfChunker::restore(&longer, &tail, 290_000).is_err());
+    // Every single-byte change either restores (a value still in range) or is refused.
+    for i in 0..state.len() {
+        for byte in [0u8, 1, 9, 0xff] {
+            let mut bad = state.clone();
+            bad[i] = byte;
+            let _ = PdfChunker::restore(&bad, &tail, 290_000);
+        }
+    }
+}
+
+#[test]
+fn real_pdfs_uploaded_in_parts_give_the_one_shot_blocks() {
+    // Checks CAS-14 on files written by real tools: every part boundary on a grid (so
+    // parts end inside image streams, dictionaries, strings and between objects), with
+    // the default sizes and with small sizes that make many cuts per file.
+    let small = PdfSizes::new(MIN_CHUNK, 2 * MIN_CHUNK).unwrap();
+    for (name, file) in fixtures() {
+        for sizes in [PdfSizes::default(), small] {
+            let (whole, _) = chunk_lengths(&file, sizes);
+            let step = (file.len() / 97).max(1);
+            for first in (1..file.len()).step_by(step) {
+                let bounds = [first, first + 1, first + 40_000, first + 150_000];
+                let got = blocks_in_parts(&file, sizes, &bounds, &[4096, 65_536]);
+                assert_eq!(got, whole, "{name}, parts from {first}");
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    // Checks CAS-14: a resumable upload split into parts anywhere (each part resuming
+    // the chunker from its saved state and staged tail) gives the one-shot blocks: on
+    // real PDFs (the fixtures, alone or one appended to another like an incremental
+    // update) and on synthetic ones with large, indirect and wrong-length streams.
+    fn any_split_into_parts_gives_the_one_shot_blocks(
+        which in any::<usize>(),
+        append in any::<usize>(),
+        seed in any::<u64>(),
+        streams in proptest::collection::vec(0usize..200_000, 0..4),
+        mutations in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..3),
+        bounds in proptest::collection::vec(any::<usize>(), 1..8),
+        pieces in proptest::collection::vec(1usize..100_000, 1..6),
+        small in any::<bool>(),
+    ) {
+        let files = fixtures();
+        let mut file = files[which % files.len()].1.clone();
+        if append % 3 == 0 {
+            file.extend_from_slice(&files[append % files.len()].1);
+        }
+        if !streams.is_empty() {
+            let streams: Vec<_> = streams
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| (noise(n, seed ^ i as u64), [Len::Direct, Len::Indirect, Len::Wrong(5)][i % 3]))
+                .collect();
+            file.extend_from_slice(&pdf(seed % 5, &streams).0);
+        }
+        for (at, byte) in &mutations {
+            let i = at % file.len();
+            file[i] = *byte;
+        }
+        let sizes = if small {
+            PdfSizes::new(MIN_CHUNK, 2 * MIN_CHUNK).unwrap()
+        } else {
+            PdfSizes::default()
+        };
+        let mut bounds: Vec<usize> = bounds.iter().map(|b| b % (file.len() + 1)).collect();
+        bounds.sort_unstable();
+        let (whole, _) = chunk_lengths(&file, sizes);
+        prop_assert_eq!(blocks_in_parts(&file, sizes, &bounds, &pieces), whole);
+    }
+
+    #[test]
+    // Checks CAS-14 for the scanner alone: saved and restored between any two pieces, it
+    // reports the events of one pass, on arbitrary and mutated bytes too.
+    fn a_restored_scanner_reports_the_same_events(
+        which in any::<usize>(),
+        junk in proptest::collection::vec(any::<u8>(), 0..2048),
+        pieces in proptest::collection::vec(1usize..3000, 1..12),
+    ) {
+        use super::scan::{StateReader, StateWriter};
+        let files = fixtures();
+        let mut file = files[which % files.len()].1.clone();
+        file.truncate(200_000);
+        file.extend_from_slice(&junk);
+        let (whole, _) = scan_all(&file);
+        let mut events = Vec::new();
+        let mut scanner = Scanner::new();
+        let mut offset = 0;
+        for piece in pieces.iter().cycle() {
+            if offset >= file.len() {
+                break;
+            }
+            let take = (*piece).min(file.len() - offset);
+            scanner.feed(&file[offset..offset + take], &mut |e| events.push(e));
+            offset += take;
+            let mut w = StateWriter::default();
+            scanner.save(&mut w);
+            let mut r = StateReader(&w.0);
+            scanner = Scanner::restore(&mut r).unwrap();
+            prop_assert!(r.end().is_ok());
+        }
+        prop_assert_eq!(events, whole);
     }
 }

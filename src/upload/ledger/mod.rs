@@ -1,7 +1,8 @@
 //! The ledger of resumable (tus) uploads: one row per upload with its declared length,
 //! the offset durably accepted, the expiry, the staged tail (the bytes after the last cut
-//! point, at most one maximum chunk) and the ordered blocks so far; the blob key once
-//! complete. See docs/resumable.md.
+//! point: less than one maximum chunk for FastCDC, less than `max + LOOKAHEAD` for the
+//! PDF-aware chunker) with the chunker state saved beside it, and the ordered blocks so
+//! far; the blob key once complete. See docs/resumable.md.
 //!
 //! [`UploadLedger`] is the port; [`RedbLedger`] keeps it in `<data_dir>/uploads.redb` on
 //! one node, [`PgLedger`] in the cluster's PostgreSQL (`sql/0009_uploads.sql`), so any
@@ -51,6 +52,10 @@ pub struct UploadRow {
     /// before generations existed read as 0.
     #[serde(default)]
     pub generation: u64,
+    /// The chunker state saved with the staged tail (`cas::pdf::resume`; empty in rows
+    /// written before it existed). Stored beside the row, not in its encoding.
+    #[serde(skip)]
+    pub chunker: Bytes,
 }
 
 /// The version of an upload a PATCH read: which creation of the id, at which offset.
@@ -89,6 +94,9 @@ pub struct Advance {
     pub offset: u64,
     /// The new staged tail (replaces the old one).
     pub tail: Bytes,
+    /// The chunker state to resume from with that tail (replaces the old one; at most
+    /// `cas::pdf::resume::MAX_SAVED_LEN` bytes).
+    pub chunker: Bytes,
     /// Blocks cut by this PATCH, appended after the recorded ones.
     pub blocks: Vec<BlockRef>,
     pub expires_ms: u64,

@@ -116,7 +116,7 @@ impl UploadLedger for PgLedger {
         Box::pin(async move {
             let row = sqlx::query(
                 "SELECT length, upload_offset, expires_ms, created_ms, metadata, tail,
-                    block_count, blob_key, generation
+                    block_count, blob_key, generation, chunker
                  FROM tus_uploads WHERE upload_id = $1",
             )
             .bind(id.to_string())
@@ -136,6 +136,7 @@ impl UploadLedger for PgLedger {
                     block_count: to_u64(row.try_get("block_count").map_err(get)?)?,
                     blob_key: row.try_get("blob_key").map_err(get)?,
                     generation: to_u64(row.try_get("generation").map_err(get)?)?,
+                    chunker: Bytes::from(row.try_get::<Vec<u8>, _>("chunker").map_err(get)?),
                 },
                 Bytes::from(tail),
             )))
@@ -200,7 +201,7 @@ impl UploadLedger for PgLedger {
             };
             let updated = sqlx::query(
                 "UPDATE tus_uploads SET upload_offset = $3, expires_ms = $4,
-                    tail = $5, blob_key = $6,
+                    tail = $5, blob_key = $6, chunker = $9,
                     block_count = CASE WHEN $6::text IS NULL THEN block_count + $7 ELSE 0 END
                  WHERE upload_id = $1 AND upload_offset = $2 AND blob_key IS NULL
                     AND generation = $8
@@ -218,6 +219,11 @@ impl UploadLedger for PgLedger {
             .bind(step.blob_key.map(|k| k.to_string()))
             .bind(added)
             .bind(to_i64(from.generation)?)
+            .bind(if step.blob_key.is_some() {
+                Vec::new()
+            } else {
+                step.chunker.to_vec()
+            })
             .fetch_optional(&mut *txn)
             .await
             .map_err(err("advance"))?;

@@ -18,6 +18,8 @@ use crate::tus::UploadId;
 
 const UPLOADS: TableDefinition<&str, &[u8]> = TableDefinition::new("uploads");
 const TAILS: TableDefinition<&str, &[u8]> = TableDefinition::new("tails");
+/// The saved chunker state of each upload (`cas::pdf::resume`), written with its tail.
+const CHUNKERS: TableDefinition<&str, &[u8]> = TableDefinition::new("chunkers");
 const BLOCKS: TableDefinition<(&str, u64), &[u8]> = TableDefinition::new("blocks");
 
 fn err(op: &'static str) -> impl Fn(redb::Error) -> StoreError {
@@ -59,6 +61,7 @@ impl RedbLedger {
         {
             r!("create table", txn.open_table(UPLOADS))?;
             r!("create table", txn.open_table(TAILS))?;
+            r!("create table", txn.open_table(CHUNKERS))?;
             r!("create table", txn.open_table(BLOCKS))?;
         }
         r!("commit", txn.commit())?;
@@ -81,6 +84,7 @@ impl RedbLedger {
         let mut blocks = r!("open", txn.open_table(BLOCKS))?;
         let existed = r!("remove", uploads.remove(id))?.is_some();
         r!("remove", tails.remove(id))?;
+        r!("remove", r!("open", txn.open_table(CHUNKERS))?.remove(id))?;
         r!(
             "remove",
             blocks.retain_in((id, 0)..=(id, u64::MAX), |_, _| false)
@@ -140,7 +144,11 @@ impl UploadLedger for RedbLedger {
             let Some(row) = r!("read", uploads.get(id.as_str()))? else {
                 return Ok(None);
             };
-            let row = decode_row(row.value())?;
+            let mut row = decode_row(row.value())?;
+            let chunkers = r!("read", txn.open_table(CHUNKERS))?;
+            row.chunker = r!("read", chunkers.get(id.as_str()))?
+                .map(|v| Bytes::copy_from_slice(v.value()))
+                .unwrap_or_default();
             let tails = r!("read", txn.open_table(TAILS))?;
             let tail = r!("read", tails.get(id.as_str()))?
                 .map(|v| Bytes::copy_from_slice(v.value()))
@@ -194,6 +202,7 @@ impl UploadLedger for RedbLedger {
                     return Ok(false);
                 }
                 let mut tails = r!("open", txn.open_table(TAILS))?;
+                let mut chunkers = r!("open", txn.open_table(CHUNKERS))?;
                 let mut blocks = r!("open", txn.open_table(BLOCKS))?;
                 if let Some(key) = step.blob_key {
                     // Complete: the manifest now references the blocks.
@@ -204,6 +213,7 @@ impl UploadLedger for RedbLedger {
                         })
                     )?;
                     r!("remove", tails.remove(id.as_str()))?;
+                    r!("remove", chunkers.remove(id.as_str()))?;
                     row.blob_key = Some(key.to_string());
                     row.block_count = 0;
                 } else {
@@ -216,6 +226,10 @@ impl UploadLedger for RedbLedger {
                         row.block_count += 1;
                     }
                     r!("insert", tails.insert(id.as_str(), step.tail.as_ref()))?;
+                    r!(
+                        "insert",
+                        chunkers.insert(id.as_str(), step.chunker.as_ref())
+                    )?;
                 }
                 row.offset = step.offset;
                 row.expires_ms = step.expires_ms;

@@ -20,6 +20,7 @@ fn row(length: u64, expires_ms: u64) -> UploadRow {
         block_count: 0,
         blob_key: None,
         generation: GEN,
+        chunker: Bytes::new(),
     }
 }
 
@@ -59,6 +60,8 @@ async fn redb_ledger_advances_only_from_the_offset_it_read() {
     let step = |offset, tail: &'static [u8], blocks| Advance {
         offset,
         tail: Bytes::from_static(tail),
+        // Checks CAS-14: the saved chunker state travels with the tail.
+        chunker: Bytes::copy_from_slice(&tail.len().to_le_bytes()),
         blocks,
         expires_ms: 2000,
         blob_key: None,
@@ -85,6 +88,7 @@ async fn redb_ledger_advances_only_from_the_offset_it_read() {
     let (got, tail) = ledger.get(id(1)).await.unwrap().unwrap();
     assert_eq!((got.offset, got.block_count, got.expires_ms), (90, 2, 2000));
     assert_eq!(&tail[..], b"abc");
+    assert_eq!(&got.chunker[..], &3usize.to_le_bytes()[..]);
     assert_eq!(
         ledger.blocks(id(1), at(90)).await.unwrap(),
         Some(vec![block(1, 38), block(2, 47)])
@@ -140,6 +144,7 @@ async fn redb_ledger_sweeps_expired_rows_with_their_tails_and_blocks() {
     let step = Advance {
         offset: 5,
         tail: Bytes::from_static(b"12345"),
+        chunker: Bytes::new(),
         blocks: vec![block(3, 1)],
         expires_ms: 100,
         blob_key: None,
@@ -188,6 +193,7 @@ pub(super) async fn a_recreated_upload_is_another_version(ledger: &dyn UploadLed
     let step = |blocks| Advance {
         offset: 40,
         tail: Bytes::from_static(b"t"),
+        chunker: Bytes::new(),
         blocks,
         expires_ms: u64::MAX,
         blob_key: None,
