@@ -34,6 +34,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod control;
+pub mod edge;
 pub mod grpc;
 pub mod health;
 pub mod http;

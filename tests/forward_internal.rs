@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
-use graviton::http::ApiError;
+use graviton::edge::{ApiError, ErrorCode};
 use graviton::http::internal::{CURRENT_OWNER_HEADER, IngestRequest, OwnerIngest};
 use graviton::ids::{NodeId, SessionKey};
 use graviton::placement::{Epoch, EpochVerdict, ShardId};
@@ -42,7 +42,7 @@ impl OwnerIngest for CountingIngest {
             let mut total = 0u64;
             while let Some(frame) = stream.next().await {
                 let frame = frame
-                    .map_err(|_| ApiError::bad_request("upload_interrupted", "body failed"))?;
+                    .map_err(|_| ApiError::new(ErrorCode::UploadInterrupted, "body failed"))?;
                 total += frame.len() as u64;
                 bytes.fetch_add(frame.len() as u64, Ordering::SeqCst);
             }

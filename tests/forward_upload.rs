@@ -18,7 +18,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use graviton::config::Secret;
-use graviton::http::ApiError;
+use graviton::edge::{ApiError, ErrorCode};
 use graviton::http::forward::{ForwardOptions, Forwarder, OwnerResolver};
 use graviton::http::internal::{EpochCheck, IngestRequest, OwnerIngest};
 use graviton::ids::{NodeId, SessionKey};
@@ -86,8 +86,7 @@ impl OwnerIngest for HashingOwner {
         Box::pin(async move {
             if owner.busy {
                 return Err(ApiError::new(
-                    axum::http::StatusCode::CONFLICT,
-                    "session_busy",
+                    ErrorCode::SessionBusy,
                     "this session is already uploading",
                 )
                 .with_retry_after(Duration::from_secs(2)));
@@ -98,7 +97,7 @@ impl OwnerIngest for HashingOwner {
             let mut stream = request.body.into_data_stream();
             while let Some(frame) = stream.next().await {
                 let frame = frame
-                    .map_err(|_| ApiError::bad_request("upload_interrupted", "body failed"))?;
+                    .map_err(|_| ApiError::new(ErrorCode::UploadInterrupted, "body failed"))?;
                 if owner.hash {
                     hasher.update(&frame);
                 }

@@ -109,9 +109,9 @@ async fn internal_listener_cuts_slowloris_clients_too() {
             _: internal::IngestRequest,
         ) -> futures_util::future::BoxFuture<
             'static,
-            Result<axum::response::Response, graviton::http::ApiError>,
+            Result<axum::response::Response, graviton::edge::ApiError>,
         > {
-            Box::pin(async { Err(graviton::http::ApiError::internal("unused")) })
+            Box::pin(async { Err(graviton::edge::ApiError::internal("unused")) })
         }
     }
     let state = InternalState {

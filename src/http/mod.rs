@@ -1,4 +1,5 @@
-//! HTTP server: public API, ops endpoints, and the error mapping.
+//! HTTP server: public API, ops endpoints, the internal listener (error answers come
+//! from `edge::error`).
 //!
 //! - [`upload`]: `POST /v1/blobs`
 //! - [`admission`]: transfer admission at the edge, egress charging, admin admission API
@@ -10,7 +11,6 @@
 //! - [`unread`]: `Connection: close` on answers sent before the request body was read
 //! - [`admin_gate`]: the admin token checked before an admin request's extractors
 //! - [`headers`]: header checks that run before the body is read
-//! - [`error`]: [`ApiError`], the one place errors become responses
 //! - [`observe`]: request metrics
 //! - [`auth`]: the JWT binding of the tenant (which caller a request acts for)
 //! - [`cors`]: the CORS layer for browser clients
@@ -25,7 +25,6 @@ pub mod config;
 pub mod console;
 pub mod cors;
 pub mod download;
-pub mod error;
 pub mod forward;
 pub mod headers;
 pub mod internal;
@@ -45,8 +44,6 @@ use std::time::Instant;
 
 use axum::Router;
 use axum::routing::{MethodRouter, get, post, put};
-
-pub use error::ApiError;
 
 use crate::actors::SessionRegionHandle;
 use crate::config::Config;

@@ -11,13 +11,14 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 
+use super::AppState;
 use super::headers::{SESSION_HEADER, content_length, single_value};
-use super::{ApiError, AppState};
 use crate::admission::Outcome;
 use crate::cas::ingest::IngestError;
+use crate::edge::{Answer, ApiError, ErrorCode};
 use crate::ids::{SessionId, SessionKey};
 use crate::placement::{LocalRoute, OwnerTarget, Route};
 use crate::tus::{self, TusError, UploadId};
@@ -26,19 +27,17 @@ use crate::upload::{UploadError, UploadService};
 
 fn tus_error(err: TusError) -> ApiError {
     match err {
-        TusError::UnsupportedVersion => ApiError::new(
-            StatusCode::PRECONDITION_FAILED,
-            "unsupported_tus_version",
-            err.to_string(),
-        ),
+        TusError::UnsupportedVersion => {
+            ApiError::new(ErrorCode::UnsupportedTusVersion, err.to_string())
+        }
         TusError::InvalidLength | TusError::DeferLength => {
-            ApiError::bad_request("invalid_upload_length", err.to_string())
+            ApiError::new(ErrorCode::InvalidUploadLength, err.to_string())
         }
-        TusError::InvalidOffset => ApiError::bad_request("invalid_upload_offset", err.to_string()),
+        TusError::InvalidOffset => ApiError::new(ErrorCode::InvalidUploadOffset, err.to_string()),
         TusError::InvalidMetadata => {
-            ApiError::bad_request("invalid_upload_metadata", err.to_string())
+            ApiError::new(ErrorCode::InvalidUploadMetadata, err.to_string())
         }
-        TusError::InvalidChecksum => ApiError::bad_request("invalid_checksum", err.to_string()),
+        TusError::InvalidChecksum => ApiError::new(ErrorCode::InvalidChecksum, err.to_string()),
     }
 }
 
@@ -57,7 +56,7 @@ pub(crate) fn set(response: &mut Response, name: &'static str, value: impl ToStr
 /// Every tus answer carries `Tus-Resumable`; a 412 also `Tus-Version`.
 pub(crate) fn tus_answer(mut response: Response) -> Response {
     set(&mut response, tus::TUS_RESUMABLE, tus::VERSION);
-    if response.status() == StatusCode::PRECONDITION_FAILED {
+    if response.status() == ErrorCode::UnsupportedTusVersion.status() {
         set(&mut response, tus::TUS_VERSION, tus::VERSION);
     }
     response
@@ -74,13 +73,10 @@ pub(crate) fn upload_api_error(err: UploadError) -> (ApiError, Option<u64>) {
         UploadError::OffsetMismatch { current } => Some(*current),
         _ => None,
     };
-    let checksum = matches!(&err, UploadError::Ingest(IngestError::DigestMismatch));
-    let mut api: ApiError = err.into();
-    if checksum {
-        api.status = StatusCode::from_u16(460).unwrap_or(StatusCode::BAD_REQUEST);
-        api.message =
-            "the PATCH body differs from its Upload-Checksum; the offset did not advance".into();
-    }
+    let api = match err {
+        UploadError::Ingest(IngestError::DigestMismatch) => ApiError::tus_checksum_mismatch(),
+        err => err.into(),
+    };
     (api, current)
 }
 
@@ -113,7 +109,7 @@ fn resumable(headers: &HeaderMap) -> Result<(), ApiError> {
 
 pub(crate) fn upload_id(raw: &str) -> Result<UploadId, ApiError> {
     raw.parse()
-        .map_err(|_| ApiError::not_found("upload_not_found", "no such upload"))
+        .map_err(|_| ApiError::new(ErrorCode::UploadNotFound, "no such upload"))
 }
 
 /// The bearer token (with auth on) must belong to the upload's tenant; the request quota
@@ -130,7 +126,7 @@ fn route(app: &AppState, id: &UploadId) -> Result<Route, ApiError> {
 
 /// `OPTIONS /v1/uploads` (and on an upload): discovery.
 pub async fn options(State(app): State<Arc<AppState>>) -> Response {
-    let mut response = StatusCode::NO_CONTENT.into_response();
+    let mut response = Answer::NoContent.into_response();
     set(&mut response, tus::TUS_VERSION, tus::VERSION);
     set(&mut response, tus::TUS_EXTENSION, tus::EXTENSIONS);
     set(
@@ -175,22 +171,23 @@ async fn create_inner(
     let (length, metadata, with_upload, declared) =
         creation_headers(headers, app.config.upload.max_blob_size.bytes()).map_err(refused)?;
     let header_tenant = super::admission::tenant_header(headers).map_err(refused)?;
-    let session =
-        match single_value(headers, SESSION_HEADER, "invalid_session_id").map_err(refused)? {
-            Some(text) => text.parse::<SessionId>().map_err(|e| {
-                refused(ApiError::bad_request(
-                    "invalid_session_id",
-                    format!("X-Graviton-Upload-Session-Id {e}"),
-                ))
-            })?,
-            None => SessionId::new_random(),
-        };
+    let session = match single_value(headers, SESSION_HEADER, ErrorCode::InvalidSessionId)
+        .map_err(refused)?
+    {
+        Some(text) => text.parse::<SessionId>().map_err(|e| {
+            refused(ApiError::new(
+                ErrorCode::InvalidSessionId,
+                format!("X-Graviton-Upload-Session-Id {e}"),
+            ))
+        })?,
+        None => SessionId::new_random(),
+    };
     let tenant = super::auth::caller_tenant(app, headers, header_tenant)
         .await
         .map_err(refused)?
         .ok_or_else(|| {
-            refused(ApiError::bad_request(
-                "tenant_required",
+            refused(ApiError::new(
+                ErrorCode::TenantRequired,
                 "a resumable upload needs a tenant: a bearer token, or X-Graviton-Tenant-Id",
             ))
         })?;
@@ -250,7 +247,7 @@ pub(crate) async fn create_here(
             }
         }
     }
-    let mut response = StatusCode::CREATED.into_response();
+    let mut response = Answer::Created.into_response();
     set(&mut response, "location", &location);
     state_headers(&mut response, &receipt);
     Ok(tus_answer(response))
@@ -329,7 +326,7 @@ pub(crate) async fn status_here(
 
 /// The answer of a HEAD.
 pub fn status_response(receipt: &PartReceipt, metadata: Option<&str>) -> Response {
-    let mut response = StatusCode::OK.into_response();
+    let mut response = Answer::Ok.into_response();
     state_headers(&mut response, receipt);
     set(&mut response, tus::UPLOAD_LENGTH, receipt.length);
     if let Some(metadata) = metadata {
@@ -349,8 +346,7 @@ pub fn patch_headers(
     let id = upload_id(raw)?;
     if !is_part_body(headers) {
         return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
+            ErrorCode::UnsupportedMediaType,
             "a PATCH body must be Content-Type: application/offset+octet-stream",
         ));
     }
@@ -403,7 +399,7 @@ pub(crate) async fn patch_here(
         )
         .await
         .map_err(upload_refused)?;
-    let mut response = StatusCode::NO_CONTENT.into_response();
+    let mut response = Answer::NoContent.into_response();
     state_headers(&mut response, &receipt);
     Ok(tus_answer(response))
 }
@@ -427,7 +423,7 @@ pub(crate) async fn terminate_here(
         .terminate(Some(local), id)
         .await
         .map_err(upload_refused)?;
-    Ok(tus_answer(StatusCode::NO_CONTENT.into_response()))
+    Ok(tus_answer(Answer::NoContent.into_response()))
 }
 
 /// Hand a request for an upload owned by another node to the owner (`forward::tus`).
@@ -440,8 +436,8 @@ async fn forward(
     body: Body,
 ) -> Response {
     let Some(forwarder) = &app.forwarder else {
-        return refused(ApiError::unavailable(
-            "owner_unavailable",
+        return refused(ApiError::new(
+            ErrorCode::OwnerUnavailable,
             "this upload is owned by another node and forwarding is not configured",
         ));
     };

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{head, post};
 
@@ -148,7 +148,7 @@ async fn preflight(
             .await
         {
             Ok(reservation) => {
-                let mut response = StatusCode::NO_CONTENT.into_response();
+                let mut response = crate::edge::Answer::NoContent.into_response();
                 if let Ok(value) = HeaderValue::from_str(&reservation) {
                     response.headers_mut().insert(RESERVATION_HEADER, value);
                 }

@@ -13,12 +13,13 @@ use std::sync::Arc;
 use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 
+use super::AppState;
 use super::headers::upload_headers;
-use super::{ApiError, AppState};
 use crate::admission::Outcome;
+use crate::edge::{Answer, ApiError, ErrorCode};
 use crate::metrics::KindLabels;
 use crate::placement::Route;
 use crate::upload::{Declared, UploadReceipt};
@@ -83,8 +84,8 @@ pub async fn post_blob(
     count(&app.metrics.routing, "remote");
     let Some(forwarder) = &app.forwarder else {
         count(&app.metrics.routing_failures, "forward_config");
-        return Err(ApiError::unavailable(
-            "owner_unavailable",
+        return Err(ApiError::new(
+            ErrorCode::OwnerUnavailable,
             "this session is owned by another node and forwarding is not configured",
         ));
     };
@@ -107,7 +108,7 @@ pub async fn post_blob(
 pub fn created(receipt: UploadReceipt) -> Response {
     let location = HeaderValue::from_str(&format!("/v1/blobs/{}", receipt.key));
     let etag = HeaderValue::from_str(&receipt.etag);
-    let mut response = (StatusCode::CREATED, Json(receipt)).into_response();
+    let mut response = (Answer::Created.status(), Json(receipt)).into_response();
     let headers = response.headers_mut();
     if let Ok(location) = location {
         headers.insert(header::LOCATION, location);

@@ -51,8 +51,7 @@ pub use tus::tus_path;
 
 use source::Source;
 
-use crate::http::ApiError;
-use crate::http::error::RETRY_OWNERSHIP;
+use crate::edge::{ApiError, ErrorCode};
 use crate::http::headers::{CONTENT_DIGEST_HEADER, CONTENT_HASH_HEADER, parse_digits};
 use crate::http::internal::{
     CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, ERROR_CODE_HEADER, INTERNAL_TOKEN_HEADER,
@@ -259,10 +258,7 @@ impl Forwarder {
                 Ok(Ok(next)) => next,
                 Ok(Err(error)) => return ApiError::from(error).into_response(),
                 Err(_) => {
-                    return self.unavailable(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "the session's owner could not be resolved in time",
-                    );
+                    return self.unavailable("the session's owner could not be resolved in time");
                 }
             };
         }
@@ -317,17 +313,13 @@ impl Forwarder {
             Ok(Ok(response)) => response,
             Ok(Err(error)) => {
                 tracing::warn!(owner = %target.node, error = %error.without_url(), "forward: owner unreachable");
-                return Preflight::Refuse(self.unavailable(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "the owner node is unreachable",
-                ));
+                return Preflight::Refuse(self.unavailable("the owner node is unreachable"));
             }
             Err(_) => {
                 tracing::warn!(owner = %target.node, "forward: owner pre-flight timed out");
-                return Preflight::Refuse(self.unavailable(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "the owner node did not answer in time",
-                ));
+                return Preflight::Refuse(
+                    self.unavailable("the owner node did not answer in time"),
+                );
             }
         };
         match response.status() {
@@ -337,7 +329,7 @@ impl Forwarder {
             StatusCode::CONFLICT => Preflight::Stale(stale_from(target, response.headers())),
             status if relayed_refusal(status, response.headers()).is_some() => {
                 let error = relayed_refusal(status, response.headers()).expect("checked");
-                tracing::debug!(owner = %target.node, %status, code = error.code, "forward: owner refused the upload in the pre-flight");
+                tracing::debug!(owner = %target.node, %status, code = %error.code, "forward: owner refused the upload in the pre-flight");
                 Preflight::Refuse(error.into_response())
             }
             status => {
@@ -363,9 +355,7 @@ impl Forwarder {
                 };
                 self.stats.owner_failures.fetch_add(1, Ordering::Relaxed);
                 Preflight::Refuse(
-                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "owner_unavailable", reason)
-                        .with_retry_after(RETRY_OWNERSHIP)
-                        .into_response(),
+                    ApiError::new(ErrorCode::OwnerUnavailable, reason).into_response(),
                 )
             }
         }
@@ -405,10 +395,7 @@ impl Forwarder {
         }
         if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
             tracing::error!(owner = %target.node, "forward: owner rejected the internal token");
-            return Ok(self.unavailable(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the owner node refused the upload",
-            ));
+            return Ok(self.unavailable("the owner node refused the upload"));
         }
         // The owner's answer headers that matter to the client.
         let relayed_headers: Vec<_> = [
@@ -429,10 +416,7 @@ impl Forwarder {
         match read {
             Ok(None) => {
                 tracing::error!(owner = %target.node, "forward: owner answer exceeds 1 MiB");
-                Ok(self.unavailable(
-                    StatusCode::BAD_GATEWAY,
-                    "the owner node sent an invalid answer",
-                ))
+                Ok(self.owner_failed("the owner node sent an invalid answer"))
             }
             Ok(Some(bytes)) => {
                 let mut relayed = (status, bytes).into_response();
@@ -447,8 +431,8 @@ impl Forwarder {
 
     fn failure(&self, target: &OwnerTarget, source: &Source, error: &reqwest::Error) -> Response {
         if source.failed() {
-            return ApiError::bad_request(
-                "upload_interrupted",
+            return ApiError::new(
+                ErrorCode::UploadInterrupted,
                 "the upload body ended with an error",
             )
             .into_response();
@@ -456,52 +440,45 @@ impl Forwarder {
         tracing::warn!(owner = %target.node, error = %ErrorChain(error), "forward: owner failed during the upload");
         if source.untouched() {
             // Nothing of the body was pulled: the client may retry at once.
-            self.unavailable(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the owner node is unreachable",
-            )
+            self.unavailable("the owner node is unreachable")
         } else {
-            self.unavailable(
-                StatusCode::BAD_GATEWAY,
-                "the owner node failed during the upload; retry it",
-            )
+            self.owner_failed("the owner node failed during the upload; retry it")
         }
     }
 
     fn silent(&self, target: &OwnerTarget, source: &Source) -> Response {
         tracing::warn!(owner = %target.node, silence = ?self.silence, "forward: the owner went silent during the upload");
         if source.untouched() {
-            self.unavailable(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the owner node did not answer in time",
-            )
+            self.unavailable("the owner node did not answer in time")
         } else {
-            self.unavailable(
-                StatusCode::BAD_GATEWAY,
-                "the owner node stopped reading the upload; retry it",
-            )
+            self.owner_failed("the owner node stopped reading the upload; retry it")
         }
     }
 
-    fn unavailable(&self, status: StatusCode, message: &'static str) -> Response {
+    /// 503 `owner_unavailable`: nothing of the body reached the owner.
+    fn unavailable(&self, message: &'static str) -> Response {
         self.stats.owner_failures.fetch_add(1, Ordering::Relaxed);
-        ApiError::new(status, "owner_unavailable", message)
-            .with_retry_after(RETRY_OWNERSHIP)
-            .into_response()
+        ApiError::new(ErrorCode::OwnerUnavailable, message).into_response()
+    }
+
+    /// 502 `owner_unavailable`: the owner failed once the body was moving.
+    fn owner_failed(&self, message: &'static str) -> Response {
+        self.stats.owner_failures.fetch_add(1, Ordering::Relaxed);
+        ApiError::owner_failed(message).into_response()
     }
 }
 
 /// Error codes an owner may answer to a pre-flight that the forwarder passes on to the
 /// client unchanged (admission, quota and session capacity refusals).
-const RELAYED_CODES: &[&str] = &[
-    "transfer_admission_limited",
-    "transfer_admission_busy",
-    "admission_unavailable",
-    "quota_exceeded",
-    "shard_unavailable",
-    "session_unavailable",
-    "session_capacity",
-    "blob_too_large",
+const RELAYED_CODES: &[ErrorCode] = &[
+    ErrorCode::TransferAdmissionLimited,
+    ErrorCode::TransferAdmissionBusy,
+    ErrorCode::AdmissionUnavailable,
+    ErrorCode::QuotaExceeded,
+    ErrorCode::ShardUnavailable,
+    ErrorCode::SessionUnavailable,
+    ErrorCode::SessionCapacity,
+    ErrorCode::BlobTooLarge,
 ];
 
 /// The client-facing error of a pre-flight the owner refused with a relayable code:
@@ -515,28 +492,21 @@ fn relayed_refusal(status: StatusCode, headers: &HeaderMap) -> Option<ApiError> 
     {
         return None;
     }
-    let presented = headers.get(ERROR_CODE_HEADER)?.as_bytes();
-    let code = RELAYED_CODES
-        .iter()
-        .copied()
-        .find(|c| c.as_bytes() == presented)?;
+    let code = ErrorCode::from_wire(headers.get(ERROR_CODE_HEADER)?.to_str().ok()?)
+        .filter(|code| RELAYED_CODES.contains(code))?;
     // The owner's own message (the reason), or a generic one from an older owner.
-    let message =
-        relayed_message(headers).unwrap_or_else(|| "the owner node refused the upload".to_string());
-    let mut error = ApiError::new(status, code, message);
-    if let Some(secs) = headers
+    let retry_after = headers
         .get(header::RETRY_AFTER)
-        .and_then(|v| parse_digits(v.as_bytes()))
-    {
-        error = error.with_retry_after(Duration::from_secs(secs.min(3600)));
-    }
-    Some(error)
+        .and_then(|v| parse_digits(v.as_bytes()));
+    Some(ApiError::relayed(
+        code,
+        relayed_message(headers),
+        retry_after,
+    ))
 }
 
 fn owner_moved(message: &'static str) -> Response {
-    ApiError::unavailable("owner_moved", message)
-        .with_retry_after(RETRY_OWNERSHIP)
-        .into_response()
+    ApiError::new(ErrorCode::OwnerMoved, message).into_response()
 }
 
 fn stale_from(target: &OwnerTarget, headers: &HeaderMap) -> StaleEpoch {
@@ -620,7 +590,7 @@ mod tests {
         headers.insert(header::RETRY_AFTER, HeaderValue::from_static("3"));
         let error = relayed_refusal(StatusCode::SERVICE_UNAVAILABLE, &headers).unwrap();
         assert_eq!(error.status, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(error.code, "transfer_admission_busy");
+        assert_eq!(error.code, ErrorCode::TransferAdmissionBusy);
         assert_eq!(error.retry_after, Some(Duration::from_secs(3)));
         // No message from the owner (an older one): the generic reason.
         assert_eq!(error.message, "the owner node refused the upload");
@@ -647,7 +617,10 @@ mod tests {
         );
         headers.remove(header::RETRY_AFTER);
         let error = relayed_refusal(StatusCode::TOO_MANY_REQUESTS, &headers).unwrap();
-        assert_eq!((error.code, error.retry_after), ("quota_exceeded", None));
+        assert_eq!(
+            (error.code, error.retry_after),
+            (ErrorCode::QuotaExceeded, None)
+        );
     }
 
     #[test]
@@ -667,7 +640,7 @@ mod tests {
             crate::http::headers::content_length(&headers)
                 .unwrap_err()
                 .code,
-            "invalid_content_length"
+            ErrorCode::InvalidContentLength
         );
     }
 }

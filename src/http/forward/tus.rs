@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::source::Source;
 use super::{Forwarder, OwnerResolver, read_capped, stale_from};
-use crate::http::ApiError;
+use crate::edge::ApiError;
 use crate::http::internal::{
     CURRENT_EPOCH_HEADER, ERROR_CODE_HEADER, INTERNAL_TOKEN_HEADER, RESERVATION_HEADER,
     SHARD_EPOCH_HEADER, SHARD_HEADER,
@@ -127,10 +127,7 @@ impl Forwarder {
                 Ok(Ok(next)) => next,
                 Ok(Err(error)) => return ApiError::from(error).into_response(),
                 Err(_) => {
-                    return self.unavailable(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "the upload's owner could not be resolved in time",
-                    );
+                    return self.unavailable("the upload's owner could not be resolved in time");
                 }
             };
         }
@@ -161,10 +158,7 @@ impl Forwarder {
                 Ok(Ok(response)) => response,
                 Ok(Err(_)) | Err(_) => {
                     tracing::warn!(owner = %target.node, "forward: owner pre-flight failed");
-                    return Step::Done(self.unavailable(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "the owner node is unreachable",
-                    ));
+                    return Step::Done(self.unavailable("the owner node is unreachable"));
                 }
             };
             match response.status() {
@@ -176,10 +170,7 @@ impl Forwarder {
                 }
                 StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => {
                     tracing::error!(owner = %target.node, "forward: owner rejected the internal token");
-                    return Step::Done(self.unavailable(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "the owner node refused the upload",
-                    ));
+                    return Step::Done(self.unavailable("the owner node refused the upload"));
                 }
                 status => return Step::Done(refusal_from_head(status, response.headers())),
             }
@@ -204,10 +195,7 @@ impl Forwarder {
         // The relay verified the client's token; the owner checks only the internal one.
         if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
             tracing::error!(owner = %target.node, "forward: owner rejected the internal token");
-            return Step::Done(self.unavailable(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the owner node refused the upload",
-            ));
+            return Step::Done(self.unavailable("the owner node refused the upload"));
         }
         let relayed = relayed_headers(response.headers());
         let Ok(read) = tokio::time::timeout(self.silence, read_capped(response)).await else {
@@ -221,10 +209,7 @@ impl Forwarder {
                 }
                 Step::Done(answer)
             }
-            Ok(None) => Step::Done(self.unavailable(
-                StatusCode::BAD_GATEWAY,
-                "the owner node sent an invalid answer",
-            )),
+            Ok(None) => Step::Done(self.owner_failed("the owner node sent an invalid answer")),
             Err(error) => Step::Done(self.failure(target, source, &error)),
         }
     }
