@@ -42,6 +42,7 @@ pub mod ids;
 pub mod metrics;
 pub mod node;
 pub mod placement;
+pub mod relay;
 pub mod session;
 pub mod storage;
 pub mod telemetry;

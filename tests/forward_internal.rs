@@ -12,9 +12,10 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use graviton::edge::{ApiError, ErrorCode};
-use graviton::http::internal::{CURRENT_OWNER_HEADER, IngestRequest, OwnerIngest};
+use graviton::http::internal::{IngestRequest, OwnerIngest};
 use graviton::ids::{NodeId, SessionKey};
 use graviton::placement::{Epoch, EpochVerdict, ShardId};
+use graviton::relay::protocol::CURRENT_OWNER_HEADER;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

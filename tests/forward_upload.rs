@@ -19,10 +19,10 @@ use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use graviton::config::Secret;
 use graviton::edge::{ApiError, ErrorCode};
-use graviton::http::forward::{ForwardOptions, Forwarder, OwnerResolver};
 use graviton::http::internal::{EpochCheck, IngestRequest, OwnerIngest};
 use graviton::ids::{NodeId, SessionKey};
 use graviton::placement::{Epoch, EpochVerdict, OwnerTarget, RouteError, ShardId, StaleEpoch};
+use graviton::relay::{ForwardOptions, Forwarder, OwnerResolver, Relayed};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const TOKEN: &str = "internal-token-0123456789abcdefghijklmnopqrstuvwxyz";
@@ -69,7 +69,7 @@ struct HashingOwner {
     calls: Arc<AtomicU64>,
     received: Arc<AtomicU64>,
     max_in_flight: Arc<AtomicU64>,
-    pulled_by_forwarder: Option<Arc<graviton::http::forward::ForwardStats>>,
+    pulled_by_forwarder: Option<Arc<graviton::relay::ForwardStats>>,
     slow: bool,
     hash: bool,
     /// Answer `409 session_busy` instead of ingesting.
@@ -213,9 +213,9 @@ async fn public_upload(State(front): State<Front>, headers: HeaderMap, body: Bod
     };
     front
         .forwarder
-        .forward_upload(
+        .relay(
             front.first.clone(),
-            key,
+            Relayed::Upload(key),
             &headers,
             body,
             front.resolver.as_ref(),

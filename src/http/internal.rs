@@ -44,32 +44,11 @@ use crate::edge::{Answer, ApiError, ErrorCode};
 use crate::http::headers::{bearer_token, parse_digits};
 use crate::ids::{NodeId, SessionId, SessionKey, TenantId};
 use crate::placement::{ClusterHandle, Epoch, EpochVerdict, LocalRoute, ShardId};
+use crate::relay::protocol::{
+    CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, ERROR_CODE_HEADER, ERROR_MESSAGE_HEADER,
+    INTERNAL_TOKEN_HEADER, RESERVATION_HEADER, SHARD_EPOCH_HEADER, SHARD_HEADER, message_header,
+};
 use crate::upload::UploadService;
-
-/// Header carrying the internal token.
-pub const INTERNAL_TOKEN_HEADER: &str = "x-graviton-internal-token";
-/// Header carrying the shard the forwarder routed by.
-pub const SHARD_HEADER: &str = "x-graviton-shard";
-/// Header carrying the shard epoch the forwarder routed by.
-pub const SHARD_EPOCH_HEADER: &str = "x-graviton-shard-epoch";
-/// On 409: the node that owns the shard now (when known).
-pub const CURRENT_OWNER_HEADER: &str = "x-graviton-current-owner";
-/// On 409: the shard's current epoch.
-pub const CURRENT_EPOCH_HEADER: &str = "x-graviton-current-epoch";
-/// Pre-flight answer and POST header: the admission the owner parked for this upload.
-pub const RESERVATION_HEADER: &str = "x-graviton-admission-reservation";
-/// On a refused pre-flight (HEAD has no body): the error code the POST would answer.
-pub const ERROR_CODE_HEADER: &str = "x-graviton-error";
-/// On a refused pre-flight: the message the POST would answer (printable ASCII, at most
-/// [`ERROR_MESSAGE_MAX`] bytes), so a forwarding node relays the reason, not only the code.
-pub const ERROR_MESSAGE_HEADER: &str = "x-graviton-error-message";
-/// Longest relayed error message, in bytes.
-pub const ERROR_MESSAGE_MAX: usize = 512;
-
-/// The path of the owner-ingest resource.
-pub fn ingest_path(key: &SessionKey) -> String {
-    format!("/internal/v1/sessions/{}/{}/blobs", key.tenant, key.session)
-}
 
 /// Implemented by the node's placement: does this node own `shard` at `epoch`?
 /// `key` is given so the implementation can verify that `shard` is the key's shard.
@@ -199,32 +178,6 @@ pub(crate) fn refused_preflight(error: ApiError) -> Response {
         response.headers_mut().insert(ERROR_MESSAGE_HEADER, message);
     }
     response
-}
-
-/// `message` as a header value: printable ASCII (anything else becomes `?`), cut at
-/// [`ERROR_MESSAGE_MAX`] bytes.
-pub(crate) fn message_header(message: &str) -> Option<HeaderValue> {
-    let text: String = message
-        .chars()
-        .map(|c| {
-            if c == ' ' || c.is_ascii_graphic() {
-                c
-            } else {
-                '?'
-            }
-        })
-        .take(ERROR_MESSAGE_MAX)
-        .collect();
-    HeaderValue::from_str(text.trim()).ok()
-}
-
-/// The message an owner sent with a refused pre-flight, when it is well formed.
-pub(crate) fn relayed_message(headers: &reqwest::header::HeaderMap) -> Option<String> {
-    let text = headers.get(ERROR_MESSAGE_HEADER)?.to_str().ok()?;
-    (!text.is_empty()
-        && text.len() <= ERROR_MESSAGE_MAX
-        && text.bytes().all(|b| b == b' ' || b.is_ascii_graphic()))
-    .then(|| text.to_string())
 }
 
 /// Everything the internal router needs.

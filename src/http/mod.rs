@@ -25,7 +25,6 @@ pub mod config;
 pub mod console;
 pub mod cors;
 pub mod download;
-pub mod forward;
 pub mod headers;
 pub mod internal;
 pub mod listener;
@@ -67,7 +66,7 @@ pub struct AppState {
     /// Placement: every shard local in embedded mode, the PostgreSQL table in cluster mode.
     pub cluster: Arc<crate::placement::ClusterHandle>,
     /// Streams uploads of remotely owned sessions to their owner (cluster mode).
-    pub forwarder: Option<forward::Forwarder>,
+    pub forwarder: Option<crate::relay::Forwarder>,
     /// Bearer-token verification; `None` when `auth.enabled = false`.
     pub auth: Option<Arc<crate::auth::Authenticator>>,
     pub edge: EdgeMetrics,

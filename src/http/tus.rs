@@ -426,7 +426,7 @@ pub(crate) async fn terminate_here(
     Ok(tus_answer(Answer::NoContent.into_response()))
 }
 
-/// Hand a request for an upload owned by another node to the owner (`forward::tus`).
+/// Hand a request for an upload owned by another node to the owner (`relay`).
 async fn forward(
     app: &AppState,
     target: OwnerTarget,
@@ -455,7 +455,13 @@ async fn forward(
     };
     app.metrics.forwarded_uploads.inc();
     let response = forwarder
-        .forward_tus(target, id, method, headers, body, app.cluster.as_ref())
+        .relay(
+            target,
+            crate::relay::Relayed::Tus { id, method },
+            headers,
+            body,
+            app.cluster.as_ref(),
+        )
         .await;
     if let Some(admission) = admission {
         admission.set_outcome(if response.status().is_success() {

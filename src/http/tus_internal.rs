@@ -19,14 +19,13 @@ use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{head, post};
 
-use super::internal::{
-    InternalState, RESERVATION_HEADER, Refusal, check, refused_preflight, reservation_header,
-};
+use super::internal::{InternalState, Refusal, check, refused_preflight, reservation_header};
 use super::tus::{
     create_here, creation_headers, patch_headers, patch_here, refused, status_here, terminate_here,
     upload_api_error, upload_id,
 };
 use crate::placement::LocalRoute;
+use crate::relay::protocol::RESERVATION_HEADER;
 use crate::tus::UploadId;
 use crate::upload::UploadService;
 

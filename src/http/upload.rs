@@ -94,7 +94,13 @@ pub async fn post_blob(
     let admission = app.admission.admit_relay(key.tenant).await?;
     app.metrics.forwarded_uploads.inc();
     let response = forwarder
-        .forward_upload(target, key, &headers, body, app.cluster.as_ref())
+        .relay(
+            target,
+            crate::relay::Relayed::Upload(key),
+            &headers,
+            body,
+            app.cluster.as_ref(),
+        )
         .await;
     admission.set_outcome(if response.status().is_success() {
         Outcome::Completed
