@@ -3,7 +3,7 @@
 //! `[grpc.tls]` is set. `grpc::listener` bounds and times its connections.
 //!
 //! Every call, in this order (docs/api.md, "gRPC"; invariants GRPC-1…GRPC-3):
-//! 1. the caller is authenticated with the HTTP rules (`http::auth::caller_tenant`): the
+//! 1. the caller is authenticated with the HTTP rules (`edge::auth::caller_tenant`): the
 //!    `authorization: Bearer …` metadata with `[auth]` on, the `x-graviton-tenant-id`
 //!    metadata otherwise. Nothing is charged before this (GRPC-1);
 //! 2. one request-counter charge (`Admission::charge_request`);
@@ -39,8 +39,8 @@ use crate::admission::{AdmissionPermit, Operation};
 use crate::cas::BlobKey;
 use crate::cas::range::ByteRange;
 use crate::cas::read::{ReadError, read_blob};
+use crate::edge::AppState;
 use crate::edge::{ApiError, ErrorCode};
-use crate::http::AppState;
 use crate::ids::TenantId;
 use crate::metrics::MeteredDownload;
 use proto::blobs_server::{Blobs, BlobsServer};
@@ -60,8 +60,8 @@ impl BlobService {
     async fn caller<T>(&self, request: &Request<T>) -> Result<Option<TenantId>, Status> {
         let headers = request.metadata().clone().into_headers();
         let header_tenant =
-            crate::http::admission::tenant_header(&headers).map_err(ApiError::into_grpc)?;
-        let tenant = crate::http::auth::caller_tenant(&self.app, &headers, header_tenant)
+            crate::edge::auth::tenant_header(&headers).map_err(ApiError::into_grpc)?;
+        let tenant = crate::edge::auth::caller_tenant(&self.app, &headers, header_tenant)
             .await
             .map_err(ApiError::into_grpc)?;
         if let Some(tenant) = &tenant {
@@ -250,7 +250,7 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let config = &app.config.grpc;
     let tls = if config.tls.enabled() {
-        match crate::http::tls::grpc_acceptor(&config.tls) {
+        match crate::edge::tls::grpc_acceptor(&config.tls) {
             Ok(acceptor) => Some(acceptor),
             Err(err) => {
                 tracing::error!(error = %err, "gRPC listener not started");

@@ -23,28 +23,14 @@ use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use serde::{Deserialize, Serialize};
 
-use super::AppState;
-use super::headers::{TENANT_HEADER, single_value};
 use crate::admission::{AdmissionSnapshot, LimitsUpdate, TenantOverride};
+use crate::edge::AppState;
 use crate::edge::{ApiError, ErrorCode};
 use crate::ids::TenantId;
 use crate::storage::redis::reply::StoredLimits;
 
 /// A boxed error for streamed bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// The optional `X-Graviton-Tenant-Id` header as a tenant.
-pub fn tenant_header(headers: &HeaderMap) -> Result<Option<TenantId>, ApiError> {
-    let Some(text) = single_value(headers, TENANT_HEADER, ErrorCode::InvalidTenantId)? else {
-        return Ok(None);
-    };
-    text.parse().map(Some).map_err(|e| {
-        ApiError::new(
-            ErrorCode::InvalidTenantId,
-            format!("X-Graviton-Tenant-Id {e}"),
-        )
-    })
-}
 
 /// Charge one request to the tenant's quota (no-op without a tenant or without Redis).
 /// Only the node that receives the client's request charges it.
@@ -62,7 +48,7 @@ pub(crate) fn require_admin(app: &AppState, headers: &HeaderMap) -> Result<(), A
             "admin endpoints are disabled: set admin.token (or GRAVITON_ADMIN__TOKEN) on this node",
         ));
     };
-    let presented = super::headers::bearer_token(headers).unwrap_or("");
+    let presented = crate::edge::headers::bearer_token(headers).unwrap_or("");
     if token.matches(presented.as_bytes()) {
         Ok(())
     } else {

@@ -19,12 +19,12 @@ use axum::http::{HeaderMap, HeaderValue, Method, header};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 
-use super::AppState;
 use crate::admission::egress::{EgressStop, charge_egress};
 use crate::admission::{Operation, Outcome};
 use crate::cas::BlobKey;
 use crate::cas::range::{RangeRequest, parse_range};
 use crate::cas::read::{ReadError, read_blob};
+use crate::edge::AppState;
 use crate::edge::{Answer, ApiError, ErrorCode};
 use crate::metrics::{MeteredDownload, OutcomeLabels};
 
@@ -113,9 +113,9 @@ pub async fn get_blob(
     })?;
     // Quota and admission before the manifest or any block is read. HEAD moves no body
     // bytes: it is charged as a request but holds no transfer permit.
-    let tenant = super::admission::tenant_header(&headers)?;
+    let tenant = crate::edge::auth::tenant_header(&headers)?;
     // With auth on: bearer verified, tenant bound to the token's organization.
-    let tenant = super::auth::caller_tenant(&app, &headers, tenant).await?;
+    let tenant = crate::edge::auth::caller_tenant(&app, &headers, tenant).await?;
     super::admission::charge_request(&app, tenant.as_ref()).await?;
     let permit = if method == Method::HEAD {
         None

@@ -40,8 +40,8 @@ use futures_util::future::BoxFuture;
 use serde::Serialize;
 
 use crate::config::Secret;
+use crate::edge::headers::{bearer_token, parse_digits};
 use crate::edge::{Answer, ApiError, ErrorCode};
-use crate::http::headers::{bearer_token, parse_digits};
 use crate::ids::{NodeId, SessionId, SessionKey, TenantId};
 use crate::placement::{ClusterHandle, Epoch, EpochVerdict, LocalRoute, ShardId};
 use crate::relay::protocol::{
@@ -209,21 +209,21 @@ pub async fn serve(
     serve_with(
         listener,
         router,
-        crate::http::listener::ServeOptions::plain("internal"),
+        crate::edge::listener::ServeOptions::plain(crate::edge::listener::INTERNAL),
         shutdown,
     )
     .await
 }
 
 /// Serve `router` with explicit connection limits, TLS (mutual, in a cluster) and
-/// metrics (see `http::listener`).
+/// metrics (see `edge::listener`).
 pub async fn serve_with(
     listener: tokio::net::TcpListener,
     router: Router,
-    options: crate::http::listener::ServeOptions,
+    options: crate::edge::listener::ServeOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    crate::http::listener::serve(listener, router, options, shutdown).await
+    crate::edge::listener::serve(listener, router, options, shutdown).await
 }
 
 /// The parsed, validated head of a forwarded upload.
@@ -322,8 +322,8 @@ pub(crate) fn check(
         )));
     };
     let key = SessionKey { tenant, session };
-    let content_length = super::headers::content_length(headers).map_err(Refusal::Api)?;
-    let digest = super::headers::content_digest(headers).map_err(Refusal::Api)?;
+    let content_length = crate::edge::headers::content_length(headers).map_err(Refusal::Api)?;
+    let digest = crate::edge::headers::content_digest(headers).map_err(Refusal::Api)?;
     let content_type = match headers.get(header::CONTENT_TYPE) {
         None => "application/octet-stream".to_string(),
         Some(value) => value

@@ -3,7 +3,6 @@
 //! `graviton drain NODE` (a flag on the node's row that the placement manager acts on).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Json;
 use axum::extract::{Path, State};
@@ -11,26 +10,8 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
-use super::AppState;
+use crate::edge::AppState;
 use crate::edge::{Answer, ApiError, ErrorCode};
-
-/// Whether this node should receive traffic. In embedded mode it becomes ready once the
-/// stores are open and the actors run (every shard is local), and stops being ready when
-/// shutdown begins.
-#[derive(Debug, Clone, Default)]
-pub struct Readiness {
-    ready: Arc<AtomicBool>,
-}
-
-impl Readiness {
-    pub fn set(&self, ready: bool) {
-        self.ready.store(ready, Ordering::SeqCst);
-    }
-
-    pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst)
-    }
-}
 
 #[derive(Serialize)]
 struct Status<'a> {

@@ -2,7 +2,7 @@
 //!
 //! Thin: the headers are parsed by `crate::tus` (pure), the work is the upload service's
 //! (`upload::resumable`). Order of work for every request: `Tus-Resumable` → the
-//! request's own headers → bearer token and tenant binding (`http::auth`, the upload id's
+//! request's own headers → bearer token and tenant binding (`edge::auth`, the upload id's
 //! tenant plays the tenant header's part) → request quota → route by the upload's session
 //! key → the service here, or the forwarder to the owner. Nothing before the service's
 //! claim (or the forwarder's pre-flight) touches a body.
@@ -14,10 +14,11 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 
-use super::AppState;
-use super::headers::{SESSION_HEADER, content_length, single_value};
+use super::Relay;
 use crate::admission::Outcome;
 use crate::cas::ingest::IngestError;
+use crate::edge::AppState;
+use crate::edge::headers::{SESSION_HEADER, content_length, single_value};
 use crate::edge::{Answer, ApiError, ErrorCode};
 use crate::ids::{SessionId, SessionKey};
 use crate::placement::{LocalRoute, OwnerTarget, Route};
@@ -115,7 +116,7 @@ pub(crate) fn upload_id(raw: &str) -> Result<UploadId, ApiError> {
 /// The bearer token (with auth on) must belong to the upload's tenant; the request quota
 /// is charged to it.
 async fn authorize(app: &AppState, headers: &HeaderMap, id: &UploadId) -> Result<(), ApiError> {
-    let tenant = super::auth::caller_tenant(app, headers, Some(id.key().tenant)).await?;
+    let tenant = crate::edge::auth::caller_tenant(app, headers, Some(id.key().tenant)).await?;
     super::admission::charge_request(app, tenant.as_ref()).await
 }
 
@@ -157,20 +158,26 @@ fn is_part_body(headers: &HeaderMap) -> bool {
 }
 
 /// `POST /v1/uploads`: creation (and creation-with-upload).
-pub async fn create(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    match create_inner(&app, &headers, body).await {
+pub async fn create(
+    State(app): State<Arc<AppState>>,
+    State(relay): State<Relay>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match create_inner(&app, &relay, &headers, body).await {
         Ok(response) | Err(response) => response,
     }
 }
 
 async fn create_inner(
     app: &Arc<AppState>,
+    relay: &Relay,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, Response> {
     let (length, metadata, with_upload, declared) =
         creation_headers(headers, app.config.upload.max_blob_size.bytes()).map_err(refused)?;
-    let header_tenant = super::admission::tenant_header(headers).map_err(refused)?;
+    let header_tenant = crate::edge::auth::tenant_header(headers).map_err(refused)?;
     let session = match single_value(headers, SESSION_HEADER, ErrorCode::InvalidSessionId)
         .map_err(refused)?
     {
@@ -182,7 +189,7 @@ async fn create_inner(
         })?,
         None => SessionId::new_random(),
     };
-    let tenant = super::auth::caller_tenant(app, headers, header_tenant)
+    let tenant = crate::edge::auth::caller_tenant(app, headers, header_tenant)
         .await
         .map_err(refused)?
         .ok_or_else(|| {
@@ -198,7 +205,7 @@ async fn create_inner(
     let local = match route(app, &id).map_err(refused)? {
         Route::Local(local) => local,
         Route::Remote(target) => {
-            return Ok(forward(app, target, id, reqwest::Method::POST, headers, body).await);
+            return Ok(forward(app, relay, target, id, reqwest::Method::POST, headers, body).await);
         }
     };
     create_here(
@@ -281,16 +288,18 @@ pub(crate) fn creation_headers(
 /// `HEAD /v1/uploads/{id}`: the offset.
 pub async fn head(
     State(app): State<Arc<AppState>>,
+    State(relay): State<Relay>,
     Path(raw): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    bodyless(&app, &raw, &headers, reqwest::Method::HEAD).await
+    bodyless(&app, &relay, &raw, &headers, reqwest::Method::HEAD).await
 }
 
 /// `HEAD` and `DELETE`, which carry no body: the tus checks, then the answer of the
 /// upload's owner, here or forwarded.
 async fn bodyless(
     app: &Arc<AppState>,
+    relay: &Relay,
     raw: &str,
     headers: &HeaderMap,
     method: reqwest::Method,
@@ -302,7 +311,7 @@ async fn bodyless(
         let local = match route(app, &id).map_err(refused)? {
             Route::Local(local) => local,
             Route::Remote(target) => {
-                return Ok(forward(app, target, id, method, headers, Body::empty()).await);
+                return Ok(forward(app, relay, target, id, method, headers, Body::empty()).await);
             }
         };
         if method == reqwest::Method::DELETE {
@@ -357,6 +366,7 @@ pub fn patch_headers(
 /// `PATCH /v1/uploads/{id}`: one part.
 pub async fn patch(
     State(app): State<Arc<AppState>>,
+    State(relay): State<Relay>,
     Path(raw): Path<String>,
     headers: HeaderMap,
     body: Body,
@@ -368,7 +378,7 @@ pub async fn patch(
             Route::Local(local) => local,
             Route::Remote(target) => {
                 let method = reqwest::Method::PATCH;
-                return Ok(forward(&app, target, id, method, &headers, body).await);
+                return Ok(forward(&app, &relay, target, id, method, &headers, body).await);
             }
         };
         patch_here(&app.uploads, local, None, id, offset, declared, body).await
@@ -407,10 +417,11 @@ pub(crate) async fn patch_here(
 /// `DELETE /v1/uploads/{id}`: termination.
 pub async fn delete(
     State(app): State<Arc<AppState>>,
+    State(relay): State<Relay>,
     Path(raw): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    bodyless(&app, &raw, &headers, reqwest::Method::DELETE).await
+    bodyless(&app, &relay, &raw, &headers, reqwest::Method::DELETE).await
 }
 
 /// Terminate an upload owned here (under the shard's ingest permit and fence).
@@ -429,13 +440,14 @@ pub(crate) async fn terminate_here(
 /// Hand a request for an upload owned by another node to the owner (`relay`).
 async fn forward(
     app: &AppState,
+    relay: &Relay,
     target: OwnerTarget,
     id: UploadId,
     method: reqwest::Method,
     headers: &HeaderMap,
     body: Body,
 ) -> Response {
-    let Some(forwarder) = &app.forwarder else {
+    let Some(forwarder) = &relay.0 else {
         return refused(ApiError::new(
             ErrorCode::OwnerUnavailable,
             "this upload is owned by another node and forwarding is not configured",

@@ -65,8 +65,8 @@ use self::protocol::{
 use self::source::Source;
 use crate::config::Secret;
 use crate::edge::error::refuses_credentials;
+use crate::edge::headers::{CONTENT_DIGEST_HEADER, CONTENT_HASH_HEADER, parse_digits};
 use crate::edge::{ApiError, ErrorCode};
-use crate::http::headers::{CONTENT_DIGEST_HEADER, CONTENT_HASH_HEADER, parse_digits};
 use crate::ids::{NodeId, SessionKey};
 use crate::placement::{ClusterHandle, Epoch, OwnerTarget, RouteError, StaleEpoch};
 use crate::tus::{self, UploadId};
@@ -273,10 +273,10 @@ impl Forwarder {
     }
 
     /// A relay that speaks HTTPS to owners, presenting this node's certificate and
-    /// trusting only the cluster CA (`[http.internal_tls]`, see `http::tls`).
+    /// trusting only the cluster CA (`[http.internal_tls]`, see `edge::tls`).
     pub fn with_mutual_tls(
         options: ForwardOptions,
-        tls: &crate::http::config::InternalTlsConfig,
+        tls: &crate::edge::tls::InternalTlsConfig,
     ) -> Result<Self, ForwarderError> {
         let read = |path: &Option<std::path::PathBuf>| {
             path.as_deref()

@@ -1,7 +1,8 @@
-//! Who a public request acts for: the JWT binding of the tenant (see `crate::auth`).
+//! Who a request acts for, over HTTP and gRPC alike: the JWT binding of the tenant (see
+//! `crate::auth`), and the tenant header ([`tenant_header`]).
 //!
-//! [`caller_tenant`] is called by uploads and downloads before anything else that
-//! charges a quota or touches the body. With `auth.enabled = false` the tenant is the
+//! [`caller_tenant`] is called by uploads, downloads and every gRPC call before anything
+//! else that charges a quota or touches the body. With `auth.enabled = false` the tenant is the
 //! `X-Graviton-Tenant-Id` header as sent (the embedded default). With auth on:
 //! - no `Authorization: Bearer` -> 401 `unauthenticated` with `WWW-Authenticate: Bearer`;
 //! - a token that fails verification -> 401 `invalid_token` (the challenge says
@@ -12,10 +13,23 @@
 
 use axum::http::HeaderMap;
 
-use super::AppState;
+use super::headers::{TENANT_HEADER, single_value};
+use super::{ApiError, AppState, ErrorCode};
 use crate::auth::AuthError;
-use crate::edge::{ApiError, ErrorCode};
 use crate::ids::TenantId;
+
+/// The optional `X-Graviton-Tenant-Id` header as a tenant.
+pub fn tenant_header(headers: &HeaderMap) -> Result<Option<TenantId>, ApiError> {
+    let Some(text) = single_value(headers, TENANT_HEADER, ErrorCode::InvalidTenantId)? else {
+        return Ok(None);
+    };
+    text.parse().map(Some).map_err(|e| {
+        ApiError::new(
+            ErrorCode::InvalidTenantId,
+            format!("X-Graviton-Tenant-Id {e}"),
+        )
+    })
+}
 
 const REALM: &str = "Bearer realm=\"graviton\"";
 

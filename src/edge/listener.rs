@@ -1,4 +1,4 @@
-//! The accept loop shared by every HTTP listener (public and internal): connection
+//! The accept loop shared by every HTTP/1 listener (public and internal): connection
 //! hygiene, optional TLS, and graceful shutdown.
 //!
 //! Each accepted connection is served by hyper's HTTP/1 connection builder with a tokio
@@ -71,6 +71,15 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// Metric label of the public listener.
+pub const PUBLIC: &str = "public";
+/// Metric label of the internal listener (relayed requests, cluster mode).
+pub const INTERNAL: &str = "internal";
+/// Metric label of the gRPC listener (`grpc::listener`).
+pub const GRPC: &str = "grpc";
+/// Every listener of a node, by metric label.
+pub const LISTENERS: [&str; 3] = [PUBLIC, INTERNAL, GRPC];
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ListenerLabels {
     /// "public", "internal" or "grpc"
@@ -92,7 +101,7 @@ impl ConnectionMetrics {
     /// Register into a registry (the node's `Metrics::register_with`).
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
         // Every series at zero from the start (listed in /metrics, first event counted).
-        for listener in ["public", "internal", crate::grpc::listener::LISTENER] {
+        for listener in LISTENERS {
             let labels = ListenerLabels { listener };
             drop(self.refused.get_or_create(&labels));
             drop(self.header_timeouts.get_or_create(&labels));
@@ -176,8 +185,8 @@ pub async fn serve(
         // write) buffer, so also the size of each body frame read from the socket.
         .max_buf_size(read_buffer_max(options.limits.max_header_bytes));
     let builder = Arc::new(builder);
-    let refused = crate::edge::ApiError::new(
-        crate::edge::ErrorCode::TooManyConnections,
+    let refused = super::ApiError::new(
+        super::ErrorCode::TooManyConnections,
         "the server is at its connection limit",
     )
     .to_http1_bytes();
