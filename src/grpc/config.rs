@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::HumanDuration;
 use crate::config::problem::Problem;
-use crate::http::config::TlsConfig;
+use crate::edge::tls::TlsConfig;
 
 /// `[grpc]` section.
 #[derive(Debug, Clone, Serialize, Deserialize)]

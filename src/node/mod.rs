@@ -27,11 +27,12 @@ use crate::actors::session_region::RegionArgs;
 use crate::actors::supervisor::SupervisorArgs;
 use crate::config::Config;
 use crate::control::{ClusterOptions, ClusterTransport, ControlTransport};
-use crate::http::forward::{ForwardOptions, Forwarder};
-use crate::http::{AppState, internal, ops::Readiness};
+use crate::edge::{AppState, Readiness};
+use crate::http::internal;
 use crate::ids::NodeId;
 use crate::metrics::Metrics;
 use crate::placement::{Cluster, ClusterHandle};
+use crate::relay::{ForwardOptions, Forwarder};
 use crate::storage::fs::FsManifestStore;
 use crate::storage::pg::PgManifestStore;
 use crate::storage::{BlockStore, ManifestStore};
@@ -299,7 +300,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         );
         None
     };
-    let edge = crate::http::EdgeMetrics::default();
+    let edge = crate::edge::EdgeMetrics::default();
     metrics.register_with(|registry| edge.register(registry));
 
     let uploads = Arc::new(crate::upload::UploadService::new(
@@ -348,7 +349,6 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         readiness: Readiness::default(),
         started_at: Instant::now(),
         cluster: cluster.clone(),
-        forwarder,
         auth,
         edge,
         packs,
@@ -381,14 +381,15 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     let stop_accepting = CancellationToken::new();
     if state.config.http.tls.enabled() {
         // Fail the start, not the first connection, on a bad certificate or key.
-        crate::http::tls::public_acceptor(&state.config.http.tls).map_err(StartError::Tls)?;
+        crate::edge::tls::public_acceptor(&state.config.http.tls).map_err(StartError::Tls)?;
     }
     if grpc_listener.is_some() && state.config.grpc.tls.enabled() {
-        crate::http::tls::grpc_acceptor(&state.config.grpc.tls).map_err(StartError::Tls)?;
+        crate::edge::tls::grpc_acceptor(&state.config.grpc.tls).map_err(StartError::Tls)?;
     }
     let server = tokio::spawn(crate::http::serve(
         listener,
         state.clone(),
+        forwarder,
         stop_accepting.clone().cancelled_owned(),
     ));
     let grpc = match grpc_listener {
@@ -528,14 +529,14 @@ async fn start_cluster_parts(
     let router = internal::router(internal_state).merge(tus_routes);
     let tls = if config.http.internal_tls.enabled() {
         Some(
-            crate::http::tls::internal_acceptor(&config.http.internal_tls)
+            crate::edge::tls::internal_acceptor(&config.http.internal_tls)
                 .map_err(StartError::Tls)?,
         )
     } else {
         None
     };
-    let options = crate::http::listener::ServeOptions {
-        name: "internal",
+    let options = crate::edge::listener::ServeOptions {
+        name: crate::edge::listener::INTERNAL,
         limits: config.http.internal_limits(),
         tls,
         metrics: state.edge.connections.clone(),
@@ -554,7 +555,7 @@ async fn start_cluster_parts(
         internal_addr,
     });
     let control_tls = if config.http.internal_tls.enabled() {
-        Some(crate::http::tls::control_tls(&config.http.internal_tls).map_err(StartError::Tls)?)
+        Some(crate::edge::tls::control_tls(&config.http.internal_tls).map_err(StartError::Tls)?)
     } else {
         None
     };

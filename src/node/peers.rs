@@ -18,7 +18,7 @@ use futures_util::future::BoxFuture;
 
 use crate::control::envelope::{HotStateSnapshot, OwnerReply, Reply, ReplyErrorCode, SessionPhase};
 use crate::control::{ControlHandler, ControlTransport, Envelope};
-use crate::http::AppState;
+use crate::edge::AppState;
 use crate::ids::{NodeId, SessionKey};
 use crate::placement::{ClusterHandle, ShardId};
 use crate::session::{HotSnapshot, Phase};
