@@ -29,8 +29,8 @@ unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
-            let now = LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst)
-                + layout.size() as isize;
+            let now =
+                LIVE.fetch_add(layout.size() as isize, Ordering::SeqCst) + layout.size() as isize;
             PEAK.fetch_max(now, Ordering::SeqCst);
         }
         p

@@ -102,7 +102,8 @@ impl Footprint {
     /// (`upload.resumable_part_footprint`): `min(limit, remaining)`, raised to the upload
     /// footprint of the generic chunker's largest block (see the module docs).
     pub fn for_part(limit: u64, remaining: u64) -> Self {
-        let pipeline = Self::for_operation(Operation::Upload, crate::cas::chunker::MAX_CHUNK as u64);
+        let pipeline =
+            Self::for_operation(Operation::Upload, crate::cas::chunker::MAX_CHUNK as u64);
         let staged = limit.min(remaining).div_ceil(1024).saturating_mul(1024);
         Self(NonZeroU64::new(staged.max(pipeline.bytes())).expect("positive"))
     }
@@ -175,10 +176,14 @@ mod tests {
     #[test]
     fn a_part_reserves_its_cap_but_never_less_than_the_upload_footprint() {
         // Checks ADM-14 (the formula; `pdf_part_footprint` measures the pipeline).
-        let upload = Footprint::for_operation(Operation::Upload, crate::cas::chunker::MAX_CHUNK as u64);
+        let upload =
+            Footprint::for_operation(Operation::Upload, crate::cas::chunker::MAX_CHUNK as u64);
         let cap = 128 * MIB;
         assert_eq!(Footprint::for_part(cap, 1 << 40).bytes(), cap);
-        assert_eq!(Footprint::for_part(cap, 100 * MIB + 1).bytes(), 100 * MIB + 1024);
+        assert_eq!(
+            Footprint::for_part(cap, 100 * MIB + 1).bytes(),
+            100 * MIB + 1024
+        );
         for remaining in [0, 1, 10, MIB, upload.bytes()] {
             assert_eq!(Footprint::for_part(cap, remaining), upload, "{remaining}");
         }
