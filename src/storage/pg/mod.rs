@@ -99,12 +99,13 @@ pub async fn connect_pool(
 ) -> Result<PgPool, PlacementStoreError> {
     let options = connect_options(url, statement_timeout, name)?;
     first_connection(&options, statement_timeout).await?;
-    PgPoolOptions::new()
-        .max_connections(max_connections)
-        .acquire_timeout(statement_timeout.max(Duration::from_secs(1)) * 2)
-        .connect_with(options)
-        .await
-        .map_err(PlacementStoreError::Database)
+    pool_options(
+        max_connections,
+        statement_timeout.max(Duration::from_secs(1)) * 2,
+    )
+    .connect_with(options)
+    .await
+    .map_err(PlacementStoreError::Database)
 }
 
 /// How long the first connection of [`connect_pool`] may take, retries included: the
@@ -191,10 +192,43 @@ pub fn purpose_pool(base: &PgPool, purpose: &str, node: &str, max_connections: u
         .clone()
         .application_name(&format!("graviton-{purpose}:{node}"));
     let acquire = base.options().get_acquire_timeout();
+    pool_options(max_connections, acquire).connect_lazy_with(options)
+}
+
+/// The options of every pool of the product (the one place a pool is configured): at
+/// most `max_connections`, waiting at most `acquire_timeout` for one, and a connection is
+/// taken back only outside a transaction ([`outside_transaction`], PG-2).
+pub fn pool_options(max_connections: u32, acquire_timeout: Duration) -> PgPoolOptions {
     PgPoolOptions::new()
         .max_connections(max_connections)
-        .acquire_timeout(acquire)
-        .connect_lazy_with(options)
+        .acquire_timeout(acquire_timeout)
+        .after_release(|conn, _| Box::pin(outside_transaction(conn)))
+}
+
+/// Whether a connection handed back to its pool is outside any transaction, so that it may
+/// serve the next borrower (invariant PG-2). sqlx 0.9.0 can hand one back inside a
+/// transaction: a future dropped while `BEGIN` is in flight leaves the session in a
+/// transaction that nothing rolls back (transact-rs/sqlx#4393), and the pool's own check
+/// on release does not look at the transaction status. The next borrower's autocommit
+/// writes would then run inside that transaction and be lost when the server ends the
+/// session (`idle_in_transaction_session_timeout`): an acknowledged write, gone.
+///
+/// Outside a transaction every statement is the first of its own, so its transaction and
+/// statement timestamps are equal; inside a stale one they differ. `false` makes the pool
+/// close the connection (the server rolls the transaction back) and open a new one; an
+/// error (a session in a failed transaction answers 25P02) closes it too. One round trip,
+/// on the pool's release task, not on the borrower's path.
+async fn outside_transaction(conn: &mut sqlx::PgConnection) -> Result<bool, sqlx::Error> {
+    let stale: bool = sqlx::query_scalar("SELECT transaction_timestamp() <> statement_timestamp()")
+        .fetch_one(conn)
+        .await?;
+    if stale {
+        tracing::warn!(
+            "a PostgreSQL connection came back to its pool inside a transaction (a request \
+             cancelled during BEGIN); closed, so the server rolls that transaction back"
+        );
+    }
+    Ok(!stale)
 }
 
 /// The oldest PostgreSQL the product supports (`server_version_num`): 14, the first with
