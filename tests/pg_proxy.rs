@@ -256,6 +256,17 @@ async fn a_request_cancelled_inside_begin_hands_no_transaction_to_the_next_borro
         .await
         .unwrap();
     sqlx::query("SELECT 1").execute(&pool).await.unwrap();
+    // The check keeps a healthy connection: the same backend serves call after call.
+    let pid = || async {
+        sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let first = pid().await;
+    for _ in 0..3 {
+        assert_eq!(pid().await, first, "a healthy connection was closed");
+    }
 
     // The answer that carries `BEGIN`'s command tag is held (the pool's ping before the
     // acquire passes), so the server has run `BEGIN` and the client is waiting for it.
