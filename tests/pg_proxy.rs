@@ -1,5 +1,6 @@
 //! The PostgreSQL TCP proxy of `support::pg_proxy` (real sockets, real server), and a
-//! stale heartbeat reply staged with it on real processes (issue 25 item 5).
+//! stale heartbeat reply staged with it on real processes (issue 25 item 5), and a request
+//! cancelled inside `BEGIN` that must hand its pool no open transaction (PG-2).
 
 mod support;
 
@@ -206,4 +207,135 @@ async fn a_stale_dead_heartbeat_reply_does_not_fence_a_reregistered_node() {
     );
     drop(s);
     drop(m);
+}
+
+/// Rows of `probe` with this value, read on a connection of its own (not the pool's).
+async fn committed(direct: &mut PgConnection, value: i32) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM probe WHERE v = $1")
+        .bind(value)
+        .fetch_one(direct)
+        .await
+        .unwrap()
+}
+
+/// Sessions of `name` idle inside a transaction, from `pg_stat_activity`.
+async fn idle_in_transaction(direct: &mut PgConnection, name: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE application_name = $1 AND state LIKE 'idle in transaction%'",
+    )
+    .bind(name)
+    .fetch_one(direct)
+    .await
+    .unwrap()
+}
+
+// Checks PG-2 on real connections: a request cancelled while its `BEGIN` is in flight
+// (the server ran it; its answer is held by the proxy, so the cancel is certain to land
+// inside `begin`) must not hand the pool a connection inside a transaction. sqlx 0.9.0
+// does (transact-rs/sqlx#4393): the next borrower's autocommit insert then ran inside
+// the stale transaction, was answered OK and was invisible to every other session, to be
+// lost when the server ended the session. Then a sweep drops transactions at many points
+// (acquire, BEGIN, a statement, COMMIT) through a 15 ms delay each way, and after every
+// drop an autocommit insert must be committed when it returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_cancelled_inside_begin_hands_no_transaction_to_the_next_borrower() {
+    let Some(db) = support::TestDatabase::create("a_request_cancelled_inside_begin").await else {
+        return;
+    };
+    let name = "graviton-probe:cancel";
+    let mut direct = connect(db.url(), "probe-direct").await;
+    sqlx::query("CREATE TABLE probe (v int NOT NULL)")
+        .execute(&mut direct)
+        .await
+        .unwrap();
+    let proxy = PgProxy::start(upstream_of(db.url())).await;
+    let url = url_through(db.url(), proxy.port);
+    // One connection, so the next borrower gets the very connection the cancel touched.
+    let pool = graviton::storage::pg::connect_pool(&url, 1, Duration::from_secs(5), name)
+        .await
+        .unwrap();
+    sqlx::query("SELECT 1").execute(&pool).await.unwrap();
+    // The check keeps a healthy connection: the same backend serves call after call.
+    let pid = || async {
+        sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let first = pid().await;
+    for _ in 0..3 {
+        assert_eq!(pid().await, first, "a healthy connection was closed");
+    }
+
+    // The answer that carries `BEGIN`'s command tag is held (the pool's ping before the
+    // acquire passes), so the server has run `BEGIN` and the client is waiting for it.
+    proxy.set(
+        name,
+        Direction::ToClient,
+        Fault::HoldFrom(std::sync::Arc::new(b"BEGIN".to_vec())),
+    );
+    let begin = {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.begin().await.map(|_| ()) })
+    };
+    let caught = support::wait_until(Duration::from_secs(10), || async {
+        proxy.held(name, true) > 0
+    })
+    .await;
+    assert!(caught, "the answer to BEGIN was never caught");
+    begin.abort();
+    assert!(
+        begin.await.unwrap_err().is_cancelled(),
+        "begin finished before it was cancelled"
+    );
+    proxy.heal();
+
+    sqlx::query("INSERT INTO probe VALUES (1)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        committed(&mut direct, 1).await,
+        1,
+        "an acknowledged autocommit insert is not committed: it ran inside the transaction \
+         of the cancelled BEGIN"
+    );
+    assert_eq!(idle_in_transaction(&mut direct, name).await, 0);
+
+    // The sweep: a transaction dropped after `cut` ms, for cuts across its whole life.
+    proxy.set(
+        name,
+        Direction::Both,
+        Fault::Delay(Duration::from_millis(15)),
+    );
+    let mut dropped = 0;
+    for (i, cut) in (1..=140u64).step_by(3).enumerate() {
+        let i = i as i32 + 100;
+        let pool2 = pool.clone();
+        let attempt = tokio::time::timeout(Duration::from_millis(cut), async move {
+            let mut tx = pool2.begin().await?;
+            sqlx::query("INSERT INTO probe VALUES (0)")
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await
+        })
+        .await;
+        if attempt.is_err() {
+            dropped += 1;
+        }
+        sqlx::query("INSERT INTO probe VALUES ($1)")
+            .bind(i)
+            .execute(&pool)
+            .await
+            .unwrap();
+        assert_eq!(
+            committed(&mut direct, i).await,
+            1,
+            "an acknowledged insert after a transaction dropped at {cut} ms is not committed"
+        );
+    }
+    assert!(dropped >= 10, "only {dropped} transactions were cut short");
+    proxy.heal();
+    assert_eq!(idle_in_transaction(&mut direct, name).await, 0);
 }

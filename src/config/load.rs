@@ -486,6 +486,31 @@ mod tests {
         );
     }
 
+    // Checks STO-25's configuration half: a periodic collector with a grace below 1 s is
+    // refused by the one validation, naming the key and where it was set; 1 s is
+    // accepted, and so is 0 for runs by hand (no interval).
+    #[test]
+    fn a_periodic_collector_with_min_age_below_one_second_is_refused() {
+        let gc = |min_age: &str, interval: &str| {
+            findings(
+                Some(&format!(
+                    "[storage.gc]\nmin_age = \"{min_age}\"\ninterval = \"{interval}\"\n"
+                )),
+                &[],
+                &Overrides::default(),
+            )
+        };
+        for value in ["0s", "500ms"] {
+            assert_eq!(
+                gc(value, "10m"),
+                [("storage.gc.min_age".to_string(), in_file())],
+                "{value}"
+            );
+        }
+        assert!(gc("1s", "10m").is_empty());
+        assert!(gc("0s", "0s").is_empty());
+    }
+
     #[test]
     fn sources_match_sections_and_leaves() {
         let sources = Sources {

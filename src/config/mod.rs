@@ -343,6 +343,7 @@ impl Config {
             self.cluster.enabled,
             self.storage.shared_mount,
         ));
+        problems.extend(self.storage.gc.problems());
         if self.sessions.max_hot == 0 {
             problems.push(Problem::new("sessions.max_hot", "must be at least 1"));
         }

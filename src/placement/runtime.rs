@@ -143,8 +143,7 @@ impl Cluster {
             return Err(ClusterError::InvalidConfig(problems.join("; ")));
         }
         let store = PlacementStore::new(pg::purpose_pool(&pool, "placement", node.as_str(), 2));
-        let heartbeat_store =
-            PlacementStore::new(pg::purpose_pool(&pool, "heartbeat", node.as_str(), 1));
+        let heartbeat_store = PlacementStore::new(pg::heartbeat_pool(&pool, node.as_str()));
         let manager_store =
             PlacementStore::new(pg::purpose_pool(&pool, "manager", node.as_str(), 2));
         join_checks(&store, config, config.embedded_manager).await?;

@@ -87,6 +87,32 @@ impl Default for GcConfig {
     }
 }
 
+/// The smallest `storage.gc.min_age` accepted for the periodic collector.
+pub const MIN_GC_MIN_AGE: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl GcConfig {
+    /// Problems of the collector's keys. A periodic collector (`interval` > 0) runs beside
+    /// uploads, so its `min_age` below [`MIN_GC_MIN_AGE`] (0 above all) is refused: it is
+    /// the grace of every running upload's packs written but not yet indexed (an upload
+    /// whose pack is older than it when the collector runs fails with 503) and, in a
+    /// cluster, of a dedup hit before its commit. A manifest's own blocks never rely on it
+    /// (STO-25). A run by hand (`graviton gc`, `POST /v1/admin/gc`) may use 0, on a store
+    /// with no upload running (after a crash, in tests and benchmarks).
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut out = Vec::new();
+        if !self.interval.get().is_zero() && self.min_age.get() < MIN_GC_MIN_AGE {
+            out.push(Problem::new(
+                "storage.gc.min_age",
+                "must be at least 1s when storage.gc.interval runs the collector beside \
+                 uploads: running uploads rely on it for their packs not yet indexed (an \
+                 upload longer than min_age may fail with 503); use hours in production \
+                 (default 6h)",
+            ));
+        }
+        out
+    }
+}
+
 /// Defaults of the pack keys.
 pub fn default_pack_size() -> ByteSize {
     ByteSize(32 << 20)

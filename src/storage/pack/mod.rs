@@ -148,6 +148,23 @@ impl Pins {
     }
 }
 
+/// Blocks a local commit pinned across the gap between its index commit and the manifest
+/// that names them (STO-25), unpinned when dropped, after the manifest is written or the
+/// commit failed. In that gap nothing else references the upload's fresh blocks (and a
+/// tus upload's confirmed earlier blocks are referenced only by a row the final PATCH is
+/// about to complete), so a collector whose mark ran before the manifest would otherwise
+/// quarantine them, and with a short `min_age` purge them, under an acknowledged key.
+struct CommitPins {
+    store: PackStore,
+    keys: Vec<BlockKey>,
+}
+
+impl Drop for CommitPins {
+    fn drop(&mut self) {
+        self.store.inner.pins.unpin(&self.keys);
+    }
+}
+
 /// The set of spool files in use (see `Inner::live_spools`).
 type LiveSpools = Arc<std::sync::Mutex<HashSet<PathBuf>>>;
 
@@ -562,7 +579,7 @@ impl PackSession {
     async fn finish(
         mut self: Box<Self>,
         manifest: Option<(&Manifest, Option<&CommitFence>)>,
-    ) -> Result<(CommitReport, Option<CreateOutcome>), StoreError> {
+    ) -> Result<(CommitReport, Option<CreateOutcome>, Option<CommitPins>), StoreError> {
         let written = match self.writer.take() {
             Some(Writer { tx, done }) => {
                 drop(tx);
@@ -589,11 +606,27 @@ impl PackSession {
                 .commit(&batch, &self.store.inner.medium, manifest)
                 .await?;
             self.store.note("index committed");
-            return Ok((report, outcome));
+            return Ok((report, outcome, None));
         }
         if batch.packs.is_empty() && batch.new.is_empty() && batch.reused.is_empty() {
-            return Ok((report, None));
+            return Ok((report, None, None));
         }
+        // Pinned before the index commit (STO-25): the collector's quarantine either sees
+        // the pins, or committed first, and then the commit restores a quarantined
+        // reused block or fails on a purged one (STO-3). The dedup hits' pins move in too,
+        // so they outlive this session until the caller has written the manifest.
+        let mut keys: Vec<BlockKey> = batch
+            .new
+            .iter()
+            .map(|(key, _)| *key)
+            .chain(batch.reused.iter().copied())
+            .collect();
+        self.store.inner.pins.pin(&keys);
+        keys.append(&mut self.pinned);
+        let pins = CommitPins {
+            store: self.store.clone(),
+            keys,
+        };
         let store = self.store.clone();
         blocking(move || {
             let medium = store.medium().clone();
@@ -601,7 +634,7 @@ impl PackSession {
         })
         .await?;
         self.store.note("index committed");
-        Ok((report, None))
+        Ok((report, None, Some(pins)))
     }
 }
 
@@ -716,7 +749,7 @@ impl WriteSession for PackSession {
     }
 
     fn commit(self: Box<Self>) -> StoreFuture<'static, CommitReport> {
-        Box::pin(async move { self.finish(None).await.map(|(report, _)| report) })
+        Box::pin(async move { self.finish(None).await.map(|(report, _, _)| report) })
     }
 
     fn commit_manifest(
@@ -729,15 +762,17 @@ impl WriteSession for PackSession {
             let shared_tx = self.store.shared().is_some() && manifests.database().is_some();
             if shared_tx {
                 // Index entries, dedup confirmations, fence and manifest: one transaction.
-                let (report, outcome) = self.finish(Some((&manifest, fence.as_ref()))).await?;
+                let (report, outcome, _) = self.finish(Some((&manifest, fence.as_ref()))).await?;
                 let outcome = outcome.ok_or_else(|| {
                     StoreError::Unavailable("the manifest was not created".into())
                 })?;
                 return Ok((report, outcome));
             }
-            let (report, _) = self.finish(None).await?;
-            let outcome = manifests.create_fenced(&manifest, fence.as_ref()).await?;
-            Ok((report, outcome))
+            // The pins hold the manifest's blocks until it is written (STO-25).
+            let (report, _, pins) = self.finish(None).await?;
+            let outcome = manifests.create_fenced(&manifest, fence.as_ref()).await;
+            drop(pins);
+            Ok((report, outcome?))
         })
     }
 

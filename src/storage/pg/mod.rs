@@ -99,12 +99,14 @@ pub async fn connect_pool(
 ) -> Result<PgPool, PlacementStoreError> {
     let options = connect_options(url, statement_timeout, name)?;
     first_connection(&options, statement_timeout).await?;
-    PgPoolOptions::new()
-        .max_connections(max_connections)
-        .acquire_timeout(statement_timeout.max(Duration::from_secs(1)) * 2)
-        .connect_with(options)
-        .await
-        .map_err(PlacementStoreError::Database)
+    pool_options(
+        max_connections,
+        statement_timeout.max(Duration::from_secs(1)) * 2,
+        PoolUse::Any,
+    )
+    .connect_with(options)
+    .await
+    .map_err(PlacementStoreError::Database)
 }
 
 /// How long the first connection of [`connect_pool`] may take, retries included: the
@@ -191,10 +193,90 @@ pub fn purpose_pool(base: &PgPool, purpose: &str, node: &str, max_connections: u
         .clone()
         .application_name(&format!("graviton-{purpose}:{node}"));
     let acquire = base.options().get_acquire_timeout();
-    PgPoolOptions::new()
+    pool_options(max_connections, acquire, PoolUse::Any).connect_lazy_with(options)
+}
+
+/// The heartbeat pool of `node` ([`purpose_pool`]'s naming, `graviton-heartbeat:<node>`):
+/// [`PoolUse::SingleStatements`], so a heartbeat is one round trip (no check before it),
+/// and two connections, so the check of the connection the last heartbeat handed back
+/// overlaps the next heartbeat instead of delaying it. With a 100 ms delay each way on the
+/// node's PostgreSQL link, a heartbeat that also waited for a ping before its statement
+/// and for the last one's release took three round trips (600 ms) against an 800 ms
+/// self-fence, and the node flapped between healthy and fenced.
+pub fn heartbeat_pool(base: &PgPool, node: &str) -> PgPool {
+    let options = (*base.connect_options())
+        .clone()
+        .application_name(&format!("graviton-heartbeat:{node}"));
+    let acquire = base.options().get_acquire_timeout();
+    pool_options(2, acquire, PoolUse::SingleStatements).connect_lazy_with(options)
+}
+
+/// What a pool's connections are used for, which decides when [`outside_transaction`]
+/// runs (PG-2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolUse {
+    /// Anything, transactions included (the data, block index, placement and manager
+    /// pools). An idle connection is checked when it is acquired, in place of sqlx's ping
+    /// (one round trip, as before; nothing added to the release).
+    Any,
+    /// Single autocommit statements under a deadline only (heartbeats): nothing is checked
+    /// on acquire, so a call is one round trip, and a connection is checked as it is
+    /// handed back, on the pool's release task, while the next call takes another
+    /// connection. No `BEGIN` is ever sent on such a pool; the check is defence in depth.
+    SingleStatements,
+}
+
+/// The options of every pool of the product (the one place a pool is configured): at
+/// most `max_connections`, waiting at most `acquire_timeout` for one, and a connection is
+/// lent only outside a transaction ([`outside_transaction`], PG-2), checked where `usage`
+/// says.
+pub fn pool_options(
+    max_connections: u32,
+    acquire_timeout: Duration,
+    usage: PoolUse,
+) -> PgPoolOptions {
+    let options = PgPoolOptions::new()
         .max_connections(max_connections)
-        .acquire_timeout(acquire)
-        .connect_lazy_with(options)
+        .acquire_timeout(acquire_timeout)
+        .test_before_acquire(false);
+    match usage {
+        PoolUse::Any => options.before_acquire(|conn, _| Box::pin(outside_transaction(conn))),
+        PoolUse::SingleStatements => {
+            options.after_release(|conn, _| Box::pin(outside_transaction(conn)))
+        }
+    }
+}
+
+/// Whether a connection handed back to its pool is outside any transaction, so that it may
+/// serve the next borrower (invariant PG-2). sqlx 0.9.0 can hand one back inside a
+/// transaction: a future dropped while `BEGIN` is in flight leaves the session in a
+/// transaction that nothing rolls back (transact-rs/sqlx#4393), and the pool's own check
+/// on release does not look at the transaction status. The next borrower's autocommit
+/// writes would then run inside that transaction and be lost when the server ends the
+/// session (`idle_in_transaction_session_timeout`): an acknowledged write, gone.
+///
+/// Outside a transaction every simple-protocol statement is the first of its own, so its
+/// transaction and statement timestamps are equal; inside a stale one they differ. `false` makes the pool
+/// close the connection (the server rolls the transaction back) and open a new one; an
+/// error (a session in a failed transaction answers 25P02, a dead connection fails) closes
+/// it too, and the pool opens another. One round trip: on acquire it replaces sqlx's ping
+/// ([`PoolUse::Any`]); on release it runs on the pool's task ([`PoolUse::SingleStatements`]).
+async fn outside_transaction(conn: &mut sqlx::PgConnection) -> Result<bool, sqlx::Error> {
+    use sqlx::Row;
+    // The simple protocol (one message): through the extended protocol the transaction
+    // starts at Parse/Bind and the statement timestamp moves at Execute, so they differ
+    // even outside a transaction.
+    let row = sqlx::raw_sql("SELECT transaction_timestamp() <> statement_timestamp()")
+        .fetch_one(conn)
+        .await?;
+    let stale: bool = row.try_get(0)?;
+    if stale {
+        tracing::warn!(
+            "a pooled PostgreSQL connection was inside a transaction (a request cancelled \
+             during BEGIN); closed, so the server rolls that transaction back"
+        );
+    }
+    Ok(!stale)
 }
 
 /// The oldest PostgreSQL the product supports (`server_version_num`): 14, the first with
