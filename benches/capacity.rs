@@ -47,14 +47,15 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt;
 use graviton::actors::shard_manager::run_round;
 use graviton::admission::{
     Admission, AdmissionConfig, AdmissionMetrics, Footprint, Operation, Outcome,
     RedisAdmissionConfig, TransferRequest,
 };
 use graviton::config::{ByteSize, HumanDuration, Secret};
-use graviton::ids::TenantId;
 use graviton::ids::NodeId;
+use graviton::ids::TenantId;
 use graviton::placement::{Cluster, ClusterConfig, ClusterHandle, run_standalone_manager};
 use graviton::storage::pg::PlacementStore;
 use sqlx::{Connection, Executor, PgConnection};
@@ -223,7 +224,11 @@ fn tree_cpu_secs(root: u32) -> f64 {
         return 0.0;
     };
     for entry in entries.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
             continue;
         };
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
@@ -306,18 +311,16 @@ async fn check(store: &PlacementStore, live: &[(NodeId, ClusterHandle)]) -> Seen
     }
     let min = counts.values().copied().min().unwrap_or(0);
     let max = counts.values().copied().max().unwrap_or(0);
-    let stale_views = live
-        .iter()
-        .filter(|(_, h)| {
-            let view = h.view().table();
-            view.shards.len() != table.shards.len()
-                || view
-                    .shards
-                    .iter()
-                    .zip(&table.shards)
-                    .any(|(a, b)| a.owner != b.owner || a.epoch != b.epoch || a.moving_to.is_some())
-        })
-        .count();
+    let stale_views =
+        live.iter()
+            .filter(|(_, h)| {
+                let view = h.view().table();
+                view.shards.len() != table.shards.len()
+                    || view.shards.iter().zip(&table.shards).any(|(a, b)| {
+                        a.owner != b.owner || a.epoch != b.epoch || a.moving_to.is_some()
+                    })
+            })
+            .count();
     Seen {
         assigned,
         moving: table.moving(),
@@ -326,8 +329,8 @@ async fn check(store: &PlacementStore, live: &[(NodeId, ClusterHandle)]) -> Seen
     }
 }
 
-/// Poll [`check`] every 100 ms until converged or `deadline`; the elapsed time from
-/// `since`, or `None` with the last state.
+/// Poll [`check`] every 100 ms until converged or `deadline` (from now); the elapsed time
+/// from `since`, or the last state.
 async fn converge(
     store: &PlacementStore,
     live: &[(NodeId, ClusterHandle)],
@@ -335,12 +338,13 @@ async fn converge(
     since: Instant,
     deadline: Duration,
 ) -> Result<Duration, Seen> {
+    let give_up = Instant::now() + deadline;
     loop {
         let seen = check(store, live).await;
         if seen.converged(shards) {
             return Ok(since.elapsed());
         }
-        if since.elapsed() > deadline {
+        if Instant::now() > give_up {
             return Err(seen);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -370,26 +374,32 @@ async fn start_nodes(
     pool: &sqlx::PgPool,
     names: impl Iterator<Item = String>,
 ) -> Vec<(NodeId, ClusterHandle)> {
-    let mut out = Vec::new();
-    for name in names {
-        let id = NodeId::parse(&name).unwrap();
-        let handle = Cluster::start(
-            id.clone(),
-            &node_config(url, shards, &name, false),
-            "bench",
-            pool.clone(),
-        )
+    // Eight at a time, as a fleet coming up does.
+    futures_util::stream::iter(names)
+        .map(|name| async move {
+            let id = NodeId::parse(&name).unwrap();
+            let handle = Cluster::start(
+                id.clone(),
+                &node_config(url, shards, &name, false),
+                "bench",
+                pool.clone(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("start {name}: {e}"));
+            (id, handle)
+        })
+        .buffer_unordered(8)
+        .collect()
         .await
-        .unwrap_or_else(|e| panic!("start {name}: {e}"));
-        out.push((id, handle));
-    }
-    out
 }
 
 async fn cell(admin_url: &str, pg_pid: Option<u32>, nodes: usize, shards: u32) {
     let window = Duration::from_secs(env_or("GRAVITON_CAPACITY_WINDOW_S", 10));
     let deadline = Duration::from_secs(env_or("GRAVITON_CAPACITY_DEADLINE_S", 180));
-    let db = format!("capacity_{}", &uuid::Uuid::new_v4().simple().to_string()[..10]);
+    let db = format!(
+        "capacity_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..10]
+    );
     let mut admin = PgConnection::connect(admin_url).await.expect("admin");
     admin
         .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
@@ -399,7 +409,9 @@ async fn cell(admin_url: &str, pg_pid: Option<u32>, nodes: usize, shards: u32) {
     let pool = graviton::storage::pg::connect_pool(&url, 2, Duration::from_secs(5), "bench")
         .await
         .expect("pool");
-    graviton::storage::pg::migrate(&pool).await.expect("migrate");
+    graviton::storage::pg::migrate(&pool)
+        .await
+        .expect("migrate");
     let store = PlacementStore::new(pool.clone());
     let manager = run_standalone_manager(
         NodeId::parse("manager").unwrap(),
@@ -507,7 +519,7 @@ async fn cell(admin_url: &str, pg_pid: Option<u32>, nodes: usize, shards: u32) {
     drop(killed);
     let kill = converge(&store, &live, shard_n, killed_at, deadline).await;
     println!(
-        "  kill     -{joining} nodes: converged {} (node_ttl {:.1} s included)",
+        "  kill     -{joining} nodes: converged {} (includes node_ttl {:.1} s, counted from their last heartbeat)",
         show(&kill),
         ttl.as_secs_f64()
     );
@@ -694,7 +706,9 @@ async fn redis_cells(port: u16, node_counts: &[usize], ops: usize) {
             us * rate / 1e4,
             me / done * 1e6
         );
-        println!("SUMMARY redis nodes={n} admissions_per_s={rate:.0} redis_us_per_admission={us:.1}");
+        println!(
+            "SUMMARY redis nodes={n} admissions_per_s={rate:.0} redis_us_per_admission={us:.1}"
+        );
     }
 }
 

@@ -69,7 +69,12 @@ async fn start_graviton() -> Process {
     let dir = tempfile::tempdir().expect("tempdir");
     let port = support::free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_graviton"))
-        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--data-dir",
+        ])
         .arg(dir.path())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -81,10 +86,13 @@ async fn start_graviton() -> Process {
 }
 
 fn start_peer() -> Process {
-    let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/tus-peer-deps"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("scripts/tus-peer-deps");
+    let out = Command::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scripts/tus-peer-deps"
+    ))
+    .stderr(Stdio::inherit())
+    .output()
+    .expect("scripts/tus-peer-deps");
     assert!(
         out.status.success(),
         "scripts/tus-peer-deps failed (npm needed)"
