@@ -123,7 +123,6 @@ async fn one_shot(client: &reqwest::Client, base: &str, data: Bytes) -> Duration
     let started = Instant::now();
     let response = client
         .post(format!("{base}/v1/blobs"))
-        .header("x-graviton-tenant-id", TENANT)
         .body(data)
         .send()
         .await
