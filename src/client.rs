@@ -15,7 +15,7 @@ use futures_util::StreamExt;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::cas::BlobKey;
-use crate::config::Secret;
+use crate::values::Secret;
 use crate::ids::{SessionKey, TenantId};
 use crate::upload::UploadReceipt as UploadResponse;
 

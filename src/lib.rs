@@ -1,7 +1,10 @@
 //! Graviton: the upload path of a content-addressed blob store, on one node or a cluster.
 //!
 //! # Layout
-//! - [`config`]: the TOML + environment configuration, defaults and validation.
+//! - [`values`]: the value types of configuration (human units, [`values::Secret`],
+//!   [`values::Problem`]); a leaf that imports nothing from the crate.
+//! - [`config`]: the TOML + environment configuration, defaults and validation; it
+//!   assembles the sections' settings (each section defines its own, in `values` types).
 //! - [`ids`]: tenant, session and node identifiers.
 //! - [`cas`]: pure content addressing: chunking parameters, block and blob keys, manifests,
 //!   range planning, and the streaming ingest pipeline.
@@ -46,3 +49,4 @@ pub mod storage;
 pub mod telemetry;
 pub mod tus;
 pub mod upload;
+pub mod values;

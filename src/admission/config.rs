@@ -7,9 +7,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::problem::Problem;
-use crate::config::secret::Secret;
-use crate::config::units::{ByteSize, HumanDuration};
+use crate::values::Problem;
+use crate::values::Secret;
+use crate::values::{ByteSize, HumanDuration};
 use crate::storage::redis::coordinator::CALL_TIMEOUT;
 use crate::storage::redis::{CoordinatorConfig, Limits};
 

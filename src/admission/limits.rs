@@ -11,7 +11,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::config::{MAX_BYTES, MAX_TRANSFERS, RedisAdmissionConfig};
-use crate::config::ByteSize;
+use crate::values::ByteSize;
 use crate::storage::redis::reply::StoredLimits;
 
 /// The dotted config keys of the five limits, in the stored order.

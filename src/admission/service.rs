@@ -30,7 +30,7 @@ use super::metrics::{AdmissionMetrics, KindLabels, OperationLabels, OutcomeLabel
 use crate::actors::lease_holder::{
     HeldLease, LeaseHolder, LeaseHolderArgs, LeaseHolderMsg, LeaseTiming,
 };
-use crate::config::ByteSize;
+use crate::values::ByteSize;
 use crate::ids::TenantId;
 use crate::storage::redis::reply::{
     ChargeReply, FencingToken, LeaseId, Occupancy, ReleaseReply, SnapshotReply, StoredLimits,

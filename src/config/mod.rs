@@ -10,9 +10,6 @@
 
 pub mod files;
 pub mod load;
-pub mod problem;
-pub mod secret;
-pub mod units;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,9 +17,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use load::{Finding, Overrides, Source};
-pub use problem::Problem;
-pub use secret::Secret;
-pub use units::{ByteSize, HumanDuration, UnitError};
+// The value types live in the leaf `values` (sections use them without importing
+// `config`); re-exported here for the binaries and tests that name them through `config`.
+pub use crate::telemetry::LogFormat;
+pub use crate::values::{ByteSize, HumanDuration, Problem, Secret, UnitError};
 
 /// Default public listen address of `graviton serve`.
 pub const LISTEN_DEFAULT: &str = "127.0.0.1:7070";
@@ -231,15 +229,6 @@ impl Default for UploadConfig {
             resumable_sweep_interval: HumanDuration::secs(60),
         }
     }
-}
-
-/// Log output format.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    #[default]
-    Human,
-    Json,
 }
 
 /// `[log]`

@@ -39,7 +39,7 @@ use ractor_cluster::{
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::config::Secret;
+use crate::values::Secret;
 use crate::control::envelope::{self, Envelope, Reply};
 use crate::control::supervisor::{ControlSupervisor, PlaneMsg, PlaneSpec};
 use crate::control::transport::{ControlError, ControlHandler, ControlTransport, serve_bytes};

@@ -340,7 +340,7 @@ mod tests {
 
     use super::*;
     use crate::backoff::Backoff;
-    use crate::config::Secret;
+    use crate::values::Secret;
     use crate::control::cluster::ClusterTransport;
     use crate::control::envelope::{Envelope, OwnerReply, Reply, SessionRequest};
     use crate::control::transport::{ControlTransport, FnHandler};

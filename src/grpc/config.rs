@@ -4,8 +4,8 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::HumanDuration;
-use crate::config::problem::Problem;
+use crate::values::HumanDuration;
+use crate::values::Problem;
 use crate::http::config::TlsConfig;
 
 /// `[grpc]` section.

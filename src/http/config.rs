@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use super::listener::ConnectionLimits;
-use crate::config::problem::Problem;
-use crate::config::units::{ByteSize, HumanDuration};
+use crate::values::Problem;
+use crate::values::{ByteSize, HumanDuration};
 
 /// `[http]` section.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -39,7 +39,7 @@ use axum::{Json, Router};
 use futures_util::future::BoxFuture;
 use serde::Serialize;
 
-use crate::config::Secret;
+use crate::values::Secret;
 use crate::http::ApiError;
 use crate::http::headers::{bearer_token, parse_digits};
 use crate::ids::{NodeId, SessionId, SessionKey, TenantId};

@@ -43,7 +43,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
-use crate::config::Secret;
+use crate::values::Secret;
 mod source;
 mod tus;
 

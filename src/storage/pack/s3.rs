@@ -32,7 +32,7 @@ use tokio::runtime::Handle;
 
 use super::format::PackId;
 use super::medium::{Medium, OpenRange, SyncTrace, TraceHook};
-use crate::config::Secret;
+use crate::values::Secret;
 use crate::storage::StoreError;
 use crate::storage::config::S3Config;
 

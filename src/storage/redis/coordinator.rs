@@ -32,7 +32,7 @@ use super::reply::{
     SnapshotReply, StoredLimits,
 };
 use super::script::SCRIPT;
-use crate::config::Secret;
+use crate::values::Secret;
 use crate::ids::TenantId;
 
 /// Response timeout of one Redis call.
