@@ -23,9 +23,10 @@
 //! - [`http`]: the axum/hyper server: public API, ops endpoints, error mapping.
 //! - [`metrics`]: the Prometheus registry and the metric handles.
 //! - [`health`]: the probes of the node's dependencies (block store, PostgreSQL, Redis).
-//! - [`node`]: assembles one running node and shuts it down.
+//! - [`node`]: starts one running node and shuts it down; [`node::assemble`] is the one place
+//!   that decides the mode (embedded or cluster) and opens the stores, for every command.
 //! - [`client`]: the HTTP client used by `graviton put` and `graviton get`.
-//! - [`cli`]: CLI commands that act on a cluster's database directly.
+//! - [`cli`]: CLI commands that need no running node (a cluster's database, a node's stores).
 //! - `lua/` and `sql/` at the crate root hold the Redis script and PostgreSQL migrations.
 
 pub mod actors;

@@ -30,12 +30,12 @@ use super::metrics::{AdmissionMetrics, KindLabels, OperationLabels, OutcomeLabel
 use crate::actors::lease_holder::{
     HeldLease, LeaseHolder, LeaseHolderArgs, LeaseHolderMsg, LeaseTiming,
 };
-use crate::values::ByteSize;
 use crate::ids::TenantId;
 use crate::storage::redis::reply::{
     ChargeReply, FencingToken, LeaseId, Occupancy, ReleaseReply, SnapshotReply, StoredLimits,
 };
 use crate::storage::redis::{LeaseRequest, RedisCoordinator};
+use crate::values::ByteSize;
 
 /// One transfer asking to run.
 #[derive(Debug, Clone)]

@@ -8,9 +8,9 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::values::HumanDuration;
 use crate::values::Problem;
 use crate::values::Secret;
-use crate::values::HumanDuration;
 
 /// Default internal (owner ingest) HTTP listener.
 pub const INTERNAL_LISTEN_DEFAULT: &str = "127.0.0.1:7071";

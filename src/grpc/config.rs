@@ -4,9 +4,9 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::http::config::TlsConfig;
 use crate::values::HumanDuration;
 use crate::values::Problem;
-use crate::http::config::TlsConfig;
 
 /// `[grpc]` section.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -39,12 +39,12 @@ use axum::{Json, Router};
 use futures_util::future::BoxFuture;
 use serde::Serialize;
 
-use crate::values::Secret;
 use crate::http::ApiError;
 use crate::http::headers::{bearer_token, parse_digits};
 use crate::ids::{NodeId, SessionId, SessionKey, TenantId};
 use crate::placement::{ClusterHandle, Epoch, EpochVerdict, LocalRoute, ShardId};
 use crate::upload::UploadService;
+use crate::values::Secret;
 
 /// Header carrying the internal token.
 pub const INTERNAL_TOKEN_HEADER: &str = "x-graviton-internal-token";
