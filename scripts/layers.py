@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Top-level module import graph of src/ (use crate::X outside #[cfg(test)] modules), its cycles."""
+"""Top-level module import graph of src/ (crate::X paths outside comments and #[cfg(test)] modules,
+inline or in their own files), its cycles and mutual pairs. Usage: python3 scripts/layers.py src"""
 import os, re, sys, itertools
 root = sys.argv[1] if len(sys.argv) > 1 else 'src'
 edges = {}
@@ -7,11 +8,21 @@ def top(path):
     rel = os.path.relpath(path, root)
     parts = rel.split(os.sep)
     return parts[0][:-3] if len(parts) == 1 else parts[0]
+# files that are test modules: `#[cfg(test)] mod name;` declared in a sibling or parent
+test_files = set()
+for dp, _, fs in os.walk(root):
+    for f in fs:
+        if not f.endswith('.rs'): continue
+        text = open(os.path.join(dp, f)).read()
+        base = dp if f in ('mod.rs', 'lib.rs', 'main.rs') else os.path.join(dp, f[:-3])
+        for name in re.findall(r'#\[cfg\(test\)\]\s*(?:pub\s+)?mod\s+(\w+)\s*;', text):
+            test_files.add(os.path.join(base, name + '.rs'))
+            test_files.add(os.path.join(base, name, 'mod.rs'))
 for dp, _, fs in os.walk(root):
     for f in fs:
         if not f.endswith('.rs'): continue
         p = os.path.join(dp, f)
-        if f in ('tests.rs',) : continue
+        if f in ('tests.rs',) or p in test_files: continue
         src = open(p).read()
         # cut test modules: from '#[cfg(test)]' followed by 'mod' to the end (modules at the end by convention)
         m = re.search(r'#\[cfg\(test\)\]\s*(pub\s+)?mod\s+\w+\s*\{', src)

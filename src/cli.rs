@@ -7,11 +7,12 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::actors::ClusterError;
 use crate::config::Config;
 use crate::ids::NodeId;
 use crate::node::NodeOptions;
 use crate::node::assemble::{Mode, Stores};
-use crate::placement::{ClusterError, NodeSummary, ShardEntry};
+use crate::placement::{NodeSummary, ShardEntry};
 use crate::storage::pack::PackStore;
 use crate::storage::pack::cli as pack_cli;
 use crate::storage::pack::gc::{GcOptions, GcReport, VerifyReport};
@@ -103,7 +104,7 @@ pub async fn cluster_status(url: &str) -> Result<ClusterStatus, ClusterError> {
         shard_count: meta.shard_count,
         manager_term: meta.manager_term,
         manager_node: meta.manager_node,
-        nodes: crate::placement::runtime::summarize(&table),
+        nodes: crate::placement::snapshot::summarize(&table),
         unassigned_shards: table.shards.len() - table.assigned(),
         moving_shards: table.moving(),
         shards: table.shards,

@@ -6,10 +6,13 @@
 //! - [`config`]: the TOML + environment configuration, defaults and validation; it
 //!   assembles the sections' settings (each section defines its own, in `values` types).
 //! - [`ids`]: tenant, session and node identifiers.
-//! - [`cas`]: pure content addressing: chunking parameters, block and blob keys, manifests,
-//!   range planning, and the streaming ingest pipeline.
-//! - [`storage`]: I/O adapters that hold no policy: block and manifest stores (filesystem),
-//!   the Redis admission coordinator.
+//! - [`cas`]: pure content addressing: chunking parameters (FastCDC, PDF-aware), block and
+//!   blob keys, manifests, range planning. It imports no store.
+//! - [`storage`]: I/O adapters that hold no policy: the block and manifest store traits and
+//!   their filesystem, pack (`storage::pack`: local or S3) and PostgreSQL (`storage::pg`)
+//!   implementations, the Redis admission coordinator.
+//! - [`pipeline`]: the streaming ingest of one blob (chunks, blocks, the manifest under the
+//!   commit fence) and its verifying read, over the store traits.
 //! - [`backoff`]: the one jittered exponential back-off, and the supervisors' restart helper.
 //! - [`admission`]: transfer admission: local budget, cluster leases, quotas (docs/admission.md).
 //! - [`session`]: pure hot-state logic of upload sessions (phases, counters, the bounded table).
@@ -44,6 +47,7 @@ pub mod http;
 pub mod ids;
 pub mod metrics;
 pub mod node;
+pub mod pipeline;
 pub mod placement;
 pub mod session;
 pub mod storage;

@@ -286,7 +286,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             graviton::telemetry::init(config.log.format, &config.log.level);
             let node = graviton::ids::NodeId::parse(config.node.id.as_str())
                 .map_err(|e| anyhow::anyhow!("node.id in the config: {e}"))?;
-            match graviton::placement::run_standalone_manager(node, &config.cluster).await {
+            match graviton::actors::run_standalone_manager(node, &config.cluster).await {
                 Ok(manager) => {
                     tracing::info!(
                         term = manager.term().await.0,
@@ -305,7 +305,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         }
                     }
                 }
-                Err(graviton::placement::ClusterError::ManagerLockHeld) => {
+                Err(graviton::actors::ClusterError::ManagerLockHeld) => {
                     eprintln!(
                         "error: another shard manager holds the lock; refusing to start a second one"
                     );

@@ -11,7 +11,7 @@
 //!   the new manager carries a term no predecessor holds.
 //! - Mode [`ElectionMode::Standby`] (embedded): retries every `lock_retry_interval`.
 //!   Mode [`ElectionMode::FailClosed`] (standalone `graviton manager`): the lock is taken
-//!   once up front by [`crate::placement::run_standalone_manager`], which fails closed if
+//!   once up front by [`crate::actors::run_standalone_manager`], which fails closed if
 //!   another manager holds it. Losing the lock later does *not* leave the process idle:
 //!   it becomes a standby and retries every `lock_retry_interval`, so a cluster with
 //!   `embedded_manager = false` regains a manager without an external restart.

@@ -39,10 +39,11 @@ use axum::{Json, Router};
 use futures_util::future::BoxFuture;
 use serde::Serialize;
 
+use crate::actors::ClusterHandle;
 use crate::http::ApiError;
 use crate::http::headers::{bearer_token, parse_digits};
 use crate::ids::{NodeId, SessionId, SessionKey, TenantId};
-use crate::placement::{ClusterHandle, Epoch, EpochVerdict, LocalRoute, ShardId};
+use crate::placement::{Epoch, EpochVerdict, LocalRoute, ShardId};
 use crate::upload::UploadService;
 use crate::values::Secret;
 

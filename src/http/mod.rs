@@ -68,7 +68,7 @@ pub struct AppState {
     pub readiness: ops::Readiness,
     pub started_at: Instant,
     /// Placement: every shard local in embedded mode, the PostgreSQL table in cluster mode.
-    pub cluster: Arc<crate::placement::ClusterHandle>,
+    pub cluster: Arc<crate::actors::ClusterHandle>,
     /// Streams uploads of remotely owned sessions to their owner (cluster mode).
     pub forwarder: Option<forward::Forwarder>,
     /// Bearer-token verification; `None` when `auth.enabled = false`.

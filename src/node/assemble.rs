@@ -144,7 +144,7 @@ fn ledger_path(storage: &StorageConfig) -> PathBuf {
 
 /// The cluster's database (placement, manifests, ledger), migrated.
 async fn connect_database(config: &Config, node: &NodeId) -> Result<PgPool, StartError> {
-    let pool = crate::placement::connect(&config.cluster, node)
+    let pool = crate::actors::connect(&config.cluster, node)
         .await
         .map_err(|e| StartError::Cluster(e.to_string()))?;
     crate::storage::pg::migrate(&pool)

@@ -27,13 +27,13 @@ use tokio_util::sync::CancellationToken;
 use crate::actors::SupervisorHandle;
 use crate::actors::session_region::RegionArgs;
 use crate::actors::supervisor::SupervisorArgs;
+use crate::actors::{Cluster, ClusterHandle};
 use crate::config::Config;
 use crate::control::{ClusterOptions, ClusterTransport, ControlTransport};
 use crate::http::forward::{ForwardOptions, Forwarder};
 use crate::http::{AppState, internal, ops::Readiness};
 use crate::ids::NodeId;
 use crate::metrics::Metrics;
-use crate::placement::{Cluster, ClusterHandle};
 use crate::storage::{BlockStore, ManifestStore};
 use assemble::{Mode, Stores};
 

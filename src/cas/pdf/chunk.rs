@@ -27,7 +27,7 @@
 //! `s + max + LOOKAHEAD` (it is fed lazily, never further). Each decision is therefore a
 //! function of the body's bytes alone, whatever the transport pieces.
 //!
-//! Memory (stated, counted by `cas::ingest::memory_bound`): the buffer holds less than
+//! Memory (stated, counted by `pipeline::ingest::memory_bound`): the buffer holds less than
 //! `max + LOOKAHEAD` bytes between calls, plus the piece being pushed, in buffers of
 //! `chunker::BUFFER_CHUNKS` largest blocks like [`StreamChunker`]; the event queue holds
 //! at most [`MAX_EVENTS`] events of 16 bytes, allocated at that size up front (further

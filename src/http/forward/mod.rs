@@ -51,6 +51,7 @@ pub use tus::tus_path;
 
 use source::Source;
 
+use crate::actors::ClusterHandle;
 use crate::http::ApiError;
 use crate::http::error::RETRY_OWNERSHIP;
 use crate::http::headers::{CONTENT_DIGEST_HEADER, CONTENT_HASH_HEADER, parse_digits};
@@ -59,7 +60,7 @@ use crate::http::internal::{
     RESERVATION_HEADER, SHARD_EPOCH_HEADER, SHARD_HEADER, ingest_path, relayed_message,
 };
 use crate::ids::{NodeId, SessionKey};
-use crate::placement::{ClusterHandle, Epoch, OwnerTarget, RouteError, StaleEpoch};
+use crate::placement::{Epoch, OwnerTarget, RouteError, StaleEpoch};
 
 /// Largest owner response relayed (the owner answers a small JSON document).
 pub const MAX_OWNER_RESPONSE_BYTES: usize = 1024 * 1024;
