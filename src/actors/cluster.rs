@@ -12,7 +12,7 @@ use ractor::{Actor, ActorRef};
 use sqlx::{Connection, PgConnection, PgPool};
 
 use super::health::{HealthArgs, probe_once};
-use super::manager_election::{self, ElectionArgs, ElectionMode, ElectionMsg, ManagerElection};
+use super::manager_election::{ElectionArgs, ElectionMode, ElectionMsg, ManagerElection};
 use super::placement::PlacementArgs;
 pub use super::placement_supervisor::Child as PlacementChild;
 use super::placement_supervisor::{
@@ -125,7 +125,7 @@ impl Cluster {
         };
         let election = config.embedded_manager.then(|| ElectionSpec {
             node: node.clone(),
-            lock_options: manager_election::lock_connection_options(
+            lock_options: pg::connection::lock_connection_options(
                 (*pool.connect_options())
                     .clone()
                     .application_name(&format!("graviton-lock:{}", node.as_str())),
@@ -302,7 +302,7 @@ pub async fn run_standalone_manager(
     pg::migrate(&pool).await?;
     let store = PlacementStore::new(pool.clone());
     join_checks(&store, config, true).await?;
-    let lock_options = manager_election::lock_connection_options(
+    let lock_options = pg::connection::lock_connection_options(
         (*pool.connect_options())
             .clone()
             .application_name(&format!("graviton-lock:{}", node.as_str())),
@@ -311,7 +311,7 @@ pub async fn run_standalone_manager(
     let mut conn = PgConnection::connect_with(&lock_options)
         .await
         .map_err(PlacementStoreError::Database)?;
-    if !manager_election::try_lock(&mut conn)
+    if !pg::connection::try_lock(&mut conn)
         .await
         .map_err(PlacementStoreError::Database)?
     {

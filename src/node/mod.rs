@@ -453,10 +453,8 @@ fn dependency_probes(
             check: Arc::new(move || {
                 let pool = pool.clone();
                 Box::pin(async move {
-                    sqlx::query("SELECT 1")
-                        .execute(&pool)
+                    crate::storage::pg::connection::probe(&pool)
                         .await
-                        .map(drop)
                         .map_err(|e| e.to_string())
                 })
             }),
