@@ -14,13 +14,16 @@
 //! - [`pipeline`]: the streaming ingest of one blob (chunks, blocks, the manifest under the
 //!   commit fence) and its verifying read, over the store traits.
 //! - [`backoff`]: the one jittered exponential back-off, and the supervisors' restart helper.
-//! - [`admission`]: transfer admission: local budget, cluster leases, quotas (docs/admission.md).
+//! - [`admission`]: transfer admission: local budget, cluster leases (held by its own
+//!   `LeaseHolder` actor), quotas (docs/admission.md).
 //! - [`session`]: pure hot-state logic of upload sessions (phases, counters, the bounded table).
-//! - [`actors`]: ractor actors (node supervisor, session region and owners) as thin shells
-//!   over the pure modules. Bytes never travel through actor mailboxes.
+//! - [`actors`]: ractor actors (node supervisor, session region and owners, placement) as
+//!   thin shells over the pure modules, and the placement runtime ([`actors::ClusterHandle`]).
+//!   Bytes never travel through actor mailboxes.
 //! - [`control`]: node-to-node control plane (envelopes, transport over ractor_cluster).
 //! - [`auth`]: JWT bearer verification (issuers, JWKS, the caller's organization).
-//! - [`placement`]: which node owns a session: pure rules, the routing port, the runtime.
+//! - [`placement`]: which node owns a session: pure rules and the routing port (no actor,
+//!   no store; the runtime is in `actors::cluster`).
 //! - [`upload`]: owner-local ingest: the [`upload::UploadService`] both the public and the
 //!   internal listener call, and the [`upload::UploadClaim`] that holds an upload's guards.
 //! - [`http`]: the axum/hyper server: public API, ops endpoints, error mapping.
@@ -31,6 +34,11 @@
 //! - [`client`]: the HTTP client used by `graviton put` and `graviton get`.
 //! - [`cli`]: CLI commands that need no running node (a cluster's database, a node's stores).
 //! - `lua/` and `sql/` at the crate root hold the Redis script and PostgreSQL migrations.
+//!
+//! Imports between these folders run one way (`python3 scripts/layers.py src` lists any
+//! cycle; the one left is `config`/`http`/`grpc`, through the edge's `Arc<Config>`):
+//! `values` and `ids` at the bottom, `cas` below `storage` below `pipeline`, `placement`
+//! below `actors`, `config` above the sections it assembles, `node` and `cli` at the top.
 
 pub mod actors;
 pub mod admission;

@@ -7,7 +7,7 @@ use serde::Serialize;
 use super::{CounterSnapshot, HealthSnapshot, NodeState, ShardTable, Term};
 use crate::ids::NodeId;
 
-/// How [`ClusterHandle::drain_self`] ended.
+/// How `ClusterHandle::drain_self` (`actors::cluster`) ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DrainEnd {
     /// This node owns no shard.
