@@ -42,7 +42,7 @@ impl Credentials {
     fn apply(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
         let mut request = self.bearer(request);
         if let Some(tenant) = &self.tenant {
-            request = request.header(crate::http::headers::TENANT_HEADER, tenant.to_string());
+            request = request.header(crate::edge::headers::TENANT_HEADER, tenant.to_string());
         }
         request
     }
@@ -142,9 +142,9 @@ pub async fn put(
     request = credentials.bearer(request);
     if let Some(key) = session {
         request = request
-            .header(crate::http::headers::TENANT_HEADER, key.tenant.to_string())
+            .header(crate::edge::headers::TENANT_HEADER, key.tenant.to_string())
             .header(
-                crate::http::headers::SESSION_HEADER,
+                crate::edge::headers::SESSION_HEADER,
                 key.session.to_string(),
             );
     }

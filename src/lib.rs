@@ -26,7 +26,12 @@
 //!   no store; the runtime is in `actors::cluster`).
 //! - [`upload`]: owner-local ingest: the [`upload::UploadService`] both the public and the
 //!   internal listener call, and the [`upload::UploadClaim`] that holds an upload's guards.
-//! - [`http`]: the axum/hyper server: public API, ops endpoints, error mapping.
+//! - [`edge`]: what the HTTP and gRPC listeners share, below both: the handlers' state
+//!   ([`edge::AppState`]), the one error vocabulary ([`edge::ErrorCode`]: every status and
+//!   `Retry-After` a client sees), readiness, TLS, the accept loop, the tenant binding.
+//! - [`relay`]: the node-to-node client: one relay of plain and tus requests to a
+//!   session's owner, and the protocol it shares with the owner's internal listener.
+//! - [`http`]: the axum server: public API, ops and admin endpoints, the internal listener.
 //! - [`metrics`]: the Prometheus registry and the metric handles.
 //! - [`health`]: the probes of the node's dependencies (block store, PostgreSQL, Redis).
 //! - [`node`]: starts one running node and shuts it down; [`node::assemble`] is the one place
@@ -49,6 +54,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod control;
+pub mod edge;
 pub mod grpc;
 pub mod health;
 pub mod http;
@@ -57,6 +63,7 @@ pub mod metrics;
 pub mod node;
 pub mod pipeline;
 pub mod placement;
+pub mod relay;
 pub mod session;
 pub mod storage;
 pub mod telemetry;

@@ -14,7 +14,7 @@ use graviton::admission::{
     Operation, Outcome, QuotaKind, RedisAdmissionConfig, TenantOverride, TransferRequest,
 };
 use graviton::config::{ByteSize, HumanDuration};
-use graviton::http::ApiError;
+use graviton::edge::ApiError;
 use graviton::ids::TenantId;
 use graviton::storage::redis::reply::{AcquireReply, LeaseId, ReleaseReply, RenewReply};
 use graviton::storage::redis::{LeaseRequest, RedisCoordinator};
@@ -203,7 +203,7 @@ async fn tenants_stay_independent_under_the_shared_service_ceiling() {
     );
     let api: ApiError = err.into();
     assert_eq!(
-        (api.status.as_u16(), api.code),
+        (api.status.as_u16(), api.code.as_str()),
         (503, "transfer_admission_busy")
     );
     assert!(api.retry_after.is_some());
@@ -254,7 +254,10 @@ async fn request_and_egress_quotas_are_shared_by_providers() {
                 retry_after,
             }
             .into();
-            assert_eq!((api.status.as_u16(), api.code), (429, "quota_exceeded"));
+            assert_eq!(
+                (api.status.as_u16(), api.code.as_str()),
+                (429, "quota_exceeded")
+            );
         }
         other => panic!("third request in the minute was not refused: {other:?}"),
     }
@@ -770,7 +773,7 @@ async fn a_footprint_that_can_never_fit_is_rejected_at_once() {
     );
     let api: ApiError = err.into();
     assert_eq!(
-        (api.status.as_u16(), api.code),
+        (api.status.as_u16(), api.code.as_str()),
         (429, "transfer_admission_limited")
     );
     let err = p1.admit(request(None, 65)).await.unwrap_err();
@@ -808,7 +811,7 @@ async fn redis_outage_fails_closed_releases_local_permits_and_recovers() {
     assert!(matches!(err, Error::Unavailable(_)), "{err:?}");
     let api: ApiError = err.into();
     assert_eq!(
-        (api.status.as_u16(), api.code),
+        (api.status.as_u16(), api.code.as_str()),
         (503, "admission_unavailable")
     );
     assert!(api.retry_after.is_some());

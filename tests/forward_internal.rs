@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
-use graviton::http::ApiError;
-use graviton::http::internal::{CURRENT_OWNER_HEADER, IngestRequest, OwnerIngest};
+use graviton::edge::{ApiError, ErrorCode};
+use graviton::http::internal::{IngestRequest, OwnerIngest};
 use graviton::ids::{NodeId, SessionKey};
 use graviton::placement::{Epoch, EpochVerdict, ShardId};
+use graviton::relay::protocol::CURRENT_OWNER_HEADER;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -42,7 +43,7 @@ impl OwnerIngest for CountingIngest {
             let mut total = 0u64;
             while let Some(frame) = stream.next().await {
                 let frame = frame
-                    .map_err(|_| ApiError::bad_request("upload_interrupted", "body failed"))?;
+                    .map_err(|_| ApiError::new(ErrorCode::UploadInterrupted, "body failed"))?;
                 total += frame.len() as u64;
                 bytes.fetch_add(frame.len() as u64, Ordering::SeqCst);
             }

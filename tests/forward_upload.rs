@@ -18,11 +18,11 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
 use graviton::config::Secret;
-use graviton::http::ApiError;
-use graviton::http::forward::{ForwardOptions, Forwarder, OwnerResolver};
+use graviton::edge::{ApiError, ErrorCode};
 use graviton::http::internal::{EpochCheck, IngestRequest, OwnerIngest};
 use graviton::ids::{NodeId, SessionKey};
 use graviton::placement::{Epoch, EpochVerdict, OwnerTarget, RouteError, ShardId, StaleEpoch};
+use graviton::relay::{ForwardOptions, Forwarder, OwnerResolver, Relayed};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const TOKEN: &str = "internal-token-0123456789abcdefghijklmnopqrstuvwxyz";
@@ -69,7 +69,7 @@ struct HashingOwner {
     calls: Arc<AtomicU64>,
     received: Arc<AtomicU64>,
     max_in_flight: Arc<AtomicU64>,
-    pulled_by_forwarder: Option<Arc<graviton::http::forward::ForwardStats>>,
+    pulled_by_forwarder: Option<Arc<graviton::relay::ForwardStats>>,
     slow: bool,
     hash: bool,
     /// Answer `409 session_busy` instead of ingesting.
@@ -86,8 +86,7 @@ impl OwnerIngest for HashingOwner {
         Box::pin(async move {
             if owner.busy {
                 return Err(ApiError::new(
-                    axum::http::StatusCode::CONFLICT,
-                    "session_busy",
+                    ErrorCode::SessionBusy,
                     "this session is already uploading",
                 )
                 .with_retry_after(Duration::from_secs(2)));
@@ -98,7 +97,7 @@ impl OwnerIngest for HashingOwner {
             let mut stream = request.body.into_data_stream();
             while let Some(frame) = stream.next().await {
                 let frame = frame
-                    .map_err(|_| ApiError::bad_request("upload_interrupted", "body failed"))?;
+                    .map_err(|_| ApiError::new(ErrorCode::UploadInterrupted, "body failed"))?;
                 if owner.hash {
                     hasher.update(&frame);
                 }
@@ -214,9 +213,9 @@ async fn public_upload(State(front): State<Front>, headers: HeaderMap, body: Bod
     };
     front
         .forwarder
-        .forward_upload(
+        .relay(
             front.first.clone(),
-            key,
+            Relayed::Upload(key),
             &headers,
             body,
             front.resolver.as_ref(),

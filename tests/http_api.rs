@@ -22,6 +22,7 @@ async fn upload(url: &str, data: Vec<u8>) -> serde_json::Value {
     response.json().await.unwrap()
 }
 
+// Checks CAS-3: a 64 MiB download is byte-exact (the aborted case: OPS-3 in download_faults.rs).
 #[tokio::test]
 async fn random_64mib_round_trip_is_byte_exact() {
     let node = TestNode::start().await;
@@ -64,6 +65,7 @@ async fn random_64mib_round_trip_is_byte_exact() {
     assert!(bytes[..] == data[..], "downloaded bytes differ");
 }
 
+// Checks CAS-1 (same key, no new block on re-upload) and STO-2 over HTTP.
 #[tokio::test]
 async fn reupload_stores_no_new_blocks_and_shifted_content_mostly_dedups() {
     let node = TestNode::start().await;
@@ -94,6 +96,7 @@ async fn reupload_stores_no_new_blocks_and_shifted_content_mostly_dedups() {
     );
 }
 
+// Checks CAS-3 for ranges: every satisfiable range returns exactly its bytes.
 #[tokio::test]
 async fn single_range_reads_and_head() {
     let node = TestNode::start().await;
@@ -177,6 +180,7 @@ async fn unknown_and_malformed_keys() {
 const TENANT: &str = "0b4e7a1c-9a8e-4f5e-8d8f-2c3b4a5d6e7f";
 const SESSION: &str = "01890a5d-ac96-774b-bcce-b302099a8057";
 
+// Checks HTTP-1: each header refusal answers while the body is unsent, and no body byte is counted.
 #[tokio::test]
 async fn bad_headers_are_rejected_before_the_body_is_read() {
     let node = TestNode::start().await;
@@ -241,6 +245,7 @@ async fn bad_headers_are_rejected_before_the_body_is_read() {
     assert_eq!(node.manifest_count(), 0);
 }
 
+// Checks CAS-2: a body cut short leaves no manifest and no blob under either key.
 #[tokio::test]
 async fn truncated_body_stores_nothing() {
     use tokio::io::AsyncWriteExt;

@@ -110,6 +110,7 @@ async fn wait_for_plateau(written: &AtomicU64) -> u64 {
     panic!("the client never stopped being able to write: no back-pressure");
 }
 
+// Checks MEM-1: a stopped block store stops the client writing far below the body size.
 #[tokio::test]
 async fn stopped_block_store_back_pressures_the_client() {
     let dir = tempfile::tempdir().unwrap();
@@ -159,6 +160,7 @@ async fn stopped_block_store_back_pressures_the_client() {
     assert!(store.puts.load(Ordering::SeqCst) > 1000);
 }
 
+// Checks CAS-2: an upload aborted by the shutdown leaves no manifest.
 #[tokio::test]
 async fn shutdown_aborts_uploads_that_outlive_the_grace_period() {
     let mut node = TestNode::start_with(

@@ -99,8 +99,8 @@ async fn slowloris_clients_are_disconnected_while_others_are_served() {
 #[tokio::test]
 async fn internal_listener_cuts_slowloris_clients_too() {
     // The internal router served the way a cluster node serves it (`serve_with`).
+    use graviton::edge::listener::{ConnectionLimits, ServeOptions};
     use graviton::http::internal::{self, InternalState};
-    use graviton::http::listener::{ConnectionLimits, ServeOptions};
     use graviton::placement::{Epoch, EpochVerdict, ShardId};
     struct NoIngest;
     impl internal::OwnerIngest for NoIngest {
@@ -109,9 +109,9 @@ async fn internal_listener_cuts_slowloris_clients_too() {
             _: internal::IngestRequest,
         ) -> futures_util::future::BoxFuture<
             'static,
-            Result<axum::response::Response, graviton::http::ApiError>,
+            Result<axum::response::Response, graviton::edge::ApiError>,
         > {
-            Box::pin(async { Err(graviton::http::ApiError::internal("unused")) })
+            Box::pin(async { Err(graviton::edge::ApiError::internal("unused")) })
         }
     }
     let state = InternalState {
@@ -151,7 +151,7 @@ async fn internal_listener_cuts_slowloris_clients_too() {
     }
     let timeouts = metrics
         .header_timeouts
-        .get_or_create(&graviton::http::listener::ListenerLabels {
+        .get_or_create(&graviton::edge::listener::ListenerLabels {
             listener: "internal",
         })
         .get();

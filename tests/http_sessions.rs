@@ -41,6 +41,7 @@ async fn hot_sessions(url: &str) -> u64 {
     snapshot["sessions"]["hot"].as_u64().unwrap()
 }
 
+// Checks SES-1 over HTTP: never more than `max_hot` hot sessions.
 #[tokio::test]
 async fn hot_state_is_bounded_and_idle_sessions_are_evicted() {
     let node = TestNode::start_with(
@@ -86,6 +87,7 @@ async fn hot_state_is_bounded_and_idle_sessions_are_evicted() {
     assert!(stops("idle") >= 1);
 }
 
+// Checks SES-2 over HTTP: a second upload of a busy session gets 409; others are unaffected.
 #[tokio::test]
 async fn a_session_runs_one_upload_at_a_time() {
     use tokio::io::AsyncWriteExt;

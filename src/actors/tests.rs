@@ -71,6 +71,7 @@ async fn owner_is_spawned_on_first_use_and_tracks_counters() {
     sup.shutdown().await;
 }
 
+// Checks SES-1: at `max_hot` the idle owner is evicted and, all busy, a begin is refused.
 #[tokio::test]
 async fn bound_evicts_idle_owners_and_refuses_when_all_active() {
     let (sup, metrics) = start(2, Duration::from_secs(60)).await;

@@ -1,13 +1,13 @@
-//! Admission errors. Their HTTP answers are mapped in `http::error` (this module does not
-//! import `http`):
+//! Admission errors. Their answers are mapped in `edge::error` (this module does not
+//! import the edge):
 //!
 //! | error | status | code | Retry-After |
 //! |---|---|---|---|
 //! | [`Error::NeverFits`] | 429 | `transfer_admission_limited` | no (waiting cannot help) |
 //! | [`Error::QuotaExceeded`] | 429 | `quota_exceeded` | until the Redis-time window ends |
-//! | [`Error::TimedOut`] | 503 | `transfer_admission_busy` | the retry hint |
-//! | [`Error::Saturated`] | 503 | `transfer_admission_busy` | the retry hint |
-//! | [`Error::Unavailable`], [`Error::Protocol`] | 503 | `admission_unavailable` | the retry hint |
+//! | [`Error::TimedOut`] | 503 | `transfer_admission_busy` | `RETRY_ADMISSION` |
+//! | [`Error::Saturated`] | 503 | `transfer_admission_busy` | `RETRY_ADMISSION` |
+//! | [`Error::Unavailable`], [`Error::Protocol`] | 503 | `admission_unavailable` | `RETRY_ADMISSION` |
 //! | [`Error::NotDistributed`] | 409 | `admission_not_distributed` | no |
 //! | [`Error::InvalidOverride`] | 400 | `invalid_admission_override` | no |
 //!
@@ -18,9 +18,6 @@ use std::time::Duration;
 use crate::storage::redis::CoordinatorError;
 pub use crate::storage::redis::QuotaKind;
 use crate::storage::redis::reply::{Dimension, ReplyError};
-
-/// Retry hint for busy and unavailable answers.
-pub const RETRY_HINT: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {

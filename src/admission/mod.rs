@@ -7,7 +7,7 @@
 //!
 //! Pure parts (no I/O): [`config`] (sections and validation), [`footprint`] (what each
 //! operation reserves), [`limits`] (cluster-wide limits stored in Redis: the file
-//! comparison and update checks), [`error`] (errors; their HTTP answers are in `http::error`).
+//! comparison and update checks), [`error`] (errors; their HTTP answers are in `edge::error`).
 //! Stateful parts: [`budget`] (the local `TransferBudget`), [`metrics`], [`acquire`] (the
 //! wait for a cluster lease: polls, back-off, timeout decision, abandon), [`lease`] (the
 //! `LeaseBackend` port of the `LeaseHolder` actor, and [`Outcome`]), [`lease_holder`] (the

@@ -1,7 +1,7 @@
 //! JWT bearer authentication: which caller (organization) a request acts for.
 //!
 //! Owns token verification only; the HTTP glue (which requests need a token, the
-//! tenant-header binding, error responses) is `http::auth`.
+//! tenant-header binding, error responses) is `edge::auth`.
 //!
 //! Verification of one token, in order: the header parses (`alg: none` and garbage are
 //! malformed) -> the unverified `iss` claim picks one configured issuer (none matches:

@@ -70,13 +70,13 @@ pub fn problems(config: &Config) -> Vec<Problem> {
         problems.push(Problem::new("storage.s3.credentials_file", err.to_string()));
     }
     // The listeners' own builders, so a certificate that does not parse fails here too.
-    if public_tls && let Err(err) = crate::http::tls::public_acceptor(tls) {
+    if public_tls && let Err(err) = crate::edge::tls::public_acceptor(tls) {
         problems.push(Problem::new("http.tls", err));
     }
-    if grpc_tls && let Err(err) = crate::http::tls::grpc_acceptor(&config.grpc.tls) {
+    if grpc_tls && let Err(err) = crate::edge::tls::grpc_acceptor(&config.grpc.tls) {
         problems.push(Problem::new("grpc.tls", err));
     }
-    if internal_tls && let Err(err) = crate::http::tls::internal_acceptor(itls) {
+    if internal_tls && let Err(err) = crate::edge::tls::internal_acceptor(itls) {
         problems.push(Problem::new("http.internal_tls", err));
     }
     problems

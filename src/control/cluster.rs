@@ -281,7 +281,7 @@ pub struct DialerArgs {
 
 /// Mutual TLS of the control plane: the NodeServer's acceptor (client certificates
 /// required) and the dialer's connector (this node's certificate). Built by
-/// `http::tls::control_tls`.
+/// `edge::tls::control_tls`.
 #[derive(Clone)]
 pub struct ControlTls {
     pub acceptor: tokio_rustls::TlsAcceptor,

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::http::config::TlsConfig;
+use crate::edge::tls::TlsConfig;
 use crate::values::HumanDuration;
 use crate::values::Problem;
 

@@ -1,5 +1,5 @@
 //! Connections of the gRPC listener, with the same hygiene as the HTTP listeners
-//! (`http::listener`), for HTTP/2:
+//! (`edge::listener`), for HTTP/2:
 //! - at most `grpc.max_connections` connections are open at once. An excess connection is
 //!   closed at once (a gRPC client sees the connection closed, `UNAVAILABLE` or
 //!   `CANCELLED`, and may retry) and counted in
@@ -31,10 +31,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
-use crate::http::listener::{ConnectionMetrics, ListenerLabels};
-
-/// Metric label of the gRPC listener.
-pub const LISTENER: &str = "grpc";
+use crate::edge::listener::{ConnectionMetrics, GRPC as LISTENER, ListenerLabels};
 
 /// How the gRPC listener accepts connections.
 pub struct AcceptOptions {
@@ -185,7 +182,7 @@ async fn accept_loop(
             accepted = listener.accept() => match accepted {
                 Ok((stream, _peer)) => stream,
                 Err(err) => {
-                    // EMFILE and the like must not end the listener (http::listener).
+                    // EMFILE and the like must not end the listener (edge::listener).
                     tracing::warn!(listener = LISTENER, error = %err, "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;

@@ -3,7 +3,7 @@
 //! `[grpc.tls]` is set. `grpc::listener` bounds and times its connections.
 //!
 //! Every call, in this order (docs/api.md, "gRPC"; invariants GRPC-1…GRPC-3):
-//! 1. the caller is authenticated with the HTTP rules (`http::auth::caller_tenant`): the
+//! 1. the caller is authenticated with the HTTP rules (`edge::auth::caller_tenant`): the
 //!    `authorization: Bearer …` metadata with `[auth]` on, the `x-graviton-tenant-id`
 //!    metadata otherwise. Nothing is charged before this (GRPC-1);
 //! 2. one request-counter charge (`Admission::charge_request`);
@@ -30,7 +30,6 @@ pub mod proto {
 use std::pin::Pin;
 use std::sync::Arc;
 
-use axum::http::StatusCode;
 use futures_util::{Stream, StreamExt};
 use tokio::net::TcpListener;
 use tonic::{Request, Response, Status};
@@ -39,7 +38,8 @@ use crate::admission::egress::{EgressStop, charge_egress};
 use crate::admission::{AdmissionPermit, Operation};
 use crate::cas::BlobKey;
 use crate::cas::range::ByteRange;
-use crate::http::{ApiError, AppState};
+use crate::edge::AppState;
+use crate::edge::{ApiError, ErrorCode};
 use crate::ids::TenantId;
 use crate::metrics::MeteredDownload;
 use crate::pipeline::read::{ReadError, read_blob};
@@ -59,10 +59,11 @@ impl BlobService {
     /// Steps 1 and 2 of the module doc: who calls, then one request charge.
     async fn caller<T>(&self, request: &Request<T>) -> Result<Option<TenantId>, Status> {
         let headers = request.metadata().clone().into_headers();
-        let header_tenant = crate::http::admission::tenant_header(&headers).map_err(api_status)?;
-        let tenant = crate::http::auth::caller_tenant(&self.app, &headers, header_tenant)
+        let header_tenant =
+            crate::edge::auth::tenant_header(&headers).map_err(ApiError::into_grpc)?;
+        let tenant = crate::edge::auth::caller_tenant(&self.app, &headers, header_tenant)
             .await
-            .map_err(api_status)?;
+            .map_err(ApiError::into_grpc)?;
         if let Some(tenant) = &tenant {
             self.app
                 .admission
@@ -76,10 +77,16 @@ impl BlobService {
     async fn manifest(&self, key: BlobKey) -> Result<Arc<crate::cas::manifest::Manifest>, Status> {
         match self.app.manifests.get(key).await {
             Ok(Some(manifest)) => Ok(Arc::new(manifest)),
-            Ok(None) => Err(Status::not_found("no blob with this key")),
+            Ok(None) => {
+                Err(ApiError::new(ErrorCode::BlobNotFound, "no blob with this key").into_grpc())
+            }
             Err(err) => {
                 tracing::error!(error = %err, "gRPC: manifest store failed");
-                Err(Status::unavailable("the manifest store is unavailable"))
+                Err(ApiError::new(
+                    ErrorCode::StorageUnavailable,
+                    "the manifest store is unavailable",
+                )
+                .into_grpc())
             }
         }
     }
@@ -139,7 +146,7 @@ impl Blobs for BlobService {
 
 fn parse_key(key: &str) -> Result<BlobKey, Status> {
     key.parse().map_err(|e: crate::cas::KeyError| {
-        Status::invalid_argument(format!("invalid blob key: {e}"))
+        ApiError::new(ErrorCode::InvalidBlobKey, format!("invalid blob key: {e}")).into_grpc()
     })
 }
 
@@ -151,9 +158,11 @@ fn plan_range(range: Option<proto::ByteRange>, size: u64) -> Result<Option<ByteR
         return Ok(None);
     };
     if range.offset >= size {
-        return Err(Status::out_of_range(format!(
-            "the range starts at or past the end of the blob ({size} bytes)"
-        )));
+        return Err(ApiError::new(
+            ErrorCode::RangeNotSatisfiable,
+            format!("the range starts at or past the end of the blob ({size} bytes)"),
+        )
+        .into_grpc());
     }
     let end = if range.length == 0 {
         size
@@ -200,53 +209,33 @@ where
 /// Why a GetBlob stream ended early, as a gRPC status.
 fn stop_status(stop: EgressStop<ReadError>) -> Status {
     match stop {
+        // Damage found mid-stream: gRPC's own code for it (over HTTP the transfer aborts).
         EgressStop::Source(ReadError::MissingBlock(_) | ReadError::CorruptBlock(_)) => {
             Status::data_loss("a block of this blob is missing or corrupt")
         }
-        EgressStop::Source(ReadError::Store(_)) => Status::unavailable("the block store failed"),
-        EgressStop::LeaseLost => Status::unavailable("the transfer admission lease was lost"),
+        EgressStop::Source(ReadError::Store(_)) => {
+            ApiError::new(ErrorCode::StorageUnavailable, "the block store failed").into_grpc()
+        }
+        EgressStop::LeaseLost => ApiError::new(
+            ErrorCode::AdmissionUnavailable,
+            "the transfer admission lease was lost",
+        )
+        .into_grpc(),
         EgressStop::Refused(err) => admission_status(err),
     }
 }
 
-/// Admission errors as gRPC statuses: refusals are `RESOURCE_EXHAUSTED`, coordinator
-/// failures `UNAVAILABLE`; both carry a `retry-after` metadata (seconds) when waiting
-/// helps, like HTTP's `Retry-After`.
+/// Admission errors as gRPC statuses, through the error vocabulary
+/// (`edge::error`): refusals are `RESOURCE_EXHAUSTED`, coordinator failures
+/// `UNAVAILABLE`; both carry a `retry-after` metadata (seconds) when waiting helps, as
+/// HTTP's `Retry-After`. The message is the admission error's own.
 pub fn admission_status(err: crate::admission::Error) -> Status {
-    use crate::admission::Error;
-    let retry = match &err {
-        Error::QuotaExceeded { retry_after, .. } => Some(*retry_after),
-        Error::TimedOut(_) | Error::Saturated(_) | Error::Unavailable(_) | Error::Protocol(_) => {
-            Some(crate::admission::error::RETRY_HINT)
-        }
-        _ => None,
-    };
-    let mut status = match &err {
-        Error::NeverFits(_)
-        | Error::TimedOut(_)
-        | Error::Saturated(_)
-        | Error::QuotaExceeded { .. } => Status::resource_exhausted(err.to_string()),
-        Error::Unavailable(_) | Error::Protocol(_) => Status::unavailable(err.to_string()),
-        Error::NotDistributed | Error::InvalidOverride(_) => Status::internal(err.to_string()),
-    };
-    if let Some(retry) = retry {
-        let secs = retry.as_secs_f64().ceil().max(1.0) as u64;
-        if let Ok(value) = secs.to_string().parse() {
-            status.metadata_mut().insert("retry-after", value);
-        }
+    let message = err.to_string();
+    ApiError {
+        message,
+        ..ApiError::from(err)
     }
-    status
-}
-
-/// An HTTP edge refusal (tenant metadata, authentication) as a gRPC status.
-fn api_status(err: ApiError) -> Status {
-    match err.status {
-        StatusCode::UNAUTHORIZED => Status::unauthenticated(err.message),
-        StatusCode::FORBIDDEN => Status::permission_denied(err.message),
-        StatusCode::SERVICE_UNAVAILABLE => Status::unavailable(err.message),
-        StatusCode::BAD_REQUEST => Status::invalid_argument(err.message),
-        _ => Status::internal(err.message),
-    }
+    .into_grpc()
 }
 
 /// Serve `graviton.v1.Blobs` on `listener` until `shutdown` resolves; calls in flight
@@ -261,7 +250,7 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let config = &app.config.grpc;
     let tls = if config.tls.enabled() {
-        match crate::http::tls::grpc_acceptor(&config.tls) {
+        match crate::edge::tls::grpc_acceptor(&config.tls) {
             Ok(acceptor) => Some(acceptor),
             Err(err) => {
                 tracing::error!(error = %err, "gRPC listener not started");
@@ -324,12 +313,19 @@ mod tests {
         });
         assert_eq!(quota.code(), tonic::Code::ResourceExhausted);
         assert_eq!(quota.metadata().get("retry-after").unwrap(), "2");
+        assert_eq!(quota.message(), "egress quota exceeded");
         let unavailable = admission_status(Error::Unavailable("io".into()));
         assert_eq!(unavailable.code(), tonic::Code::Unavailable);
         assert_eq!(unavailable.metadata().get("retry-after").unwrap(), "1");
         assert_eq!(
             admission_status(Error::TimedOut("bytes")).code(),
             tonic::Code::ResourceExhausted
+        );
+        assert!(
+            admission_status(Error::NeverFits(crate::admission::Dimension::TenantBytes))
+                .metadata()
+                .get("retry-after")
+                .is_none()
         );
     }
 }

@@ -12,7 +12,7 @@ use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use super::AppState;
+use crate::edge::AppState;
 
 /// Is this request one of the admin API?
 pub fn is_admin(method: &Method, path: &str) -> bool {

@@ -20,27 +20,17 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use serde::{Deserialize, Serialize};
 
-use super::headers::{TENANT_HEADER, single_value};
-use super::{ApiError, AppState};
 use crate::admission::{AdmissionSnapshot, LimitsUpdate, TenantOverride};
+use crate::edge::AppState;
+use crate::edge::{ApiError, ErrorCode};
 use crate::ids::TenantId;
 use crate::storage::redis::reply::StoredLimits;
 
 /// A boxed error for streamed bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// The optional `X-Graviton-Tenant-Id` header as a tenant.
-pub fn tenant_header(headers: &HeaderMap) -> Result<Option<TenantId>, ApiError> {
-    let Some(text) = single_value(headers, TENANT_HEADER, "invalid_tenant_id")? else {
-        return Ok(None);
-    };
-    text.parse().map(Some).map_err(|e| {
-        ApiError::bad_request("invalid_tenant_id", format!("X-Graviton-Tenant-Id {e}"))
-    })
-}
 
 /// Charge one request to the tenant's quota (no-op without a tenant or without Redis).
 /// Only the node that receives the client's request charges it.
@@ -54,18 +44,16 @@ pub async fn charge_request(app: &AppState, tenant: Option<&TenantId>) -> Result
 pub(crate) fn require_admin(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(token) = &app.config.admin.token else {
         return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "admin_disabled",
+            ErrorCode::AdminDisabled,
             "admin endpoints are disabled: set admin.token (or GRAVITON_ADMIN__TOKEN) on this node",
         ));
     };
-    let presented = super::headers::bearer_token(headers).unwrap_or("");
+    let presented = crate::edge::headers::bearer_token(headers).unwrap_or("");
     if token.matches(presented.as_bytes()) {
         Ok(())
     } else {
         Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
+            ErrorCode::Unauthorized,
             "a valid admin bearer token is required",
         ))
     }
@@ -73,7 +61,7 @@ pub(crate) fn require_admin(app: &AppState, headers: &HeaderMap) -> Result<(), A
 
 fn tenant_path(text: &str) -> Result<TenantId, ApiError> {
     text.parse()
-        .map_err(|e| ApiError::bad_request("invalid_tenant_id", format!("tenant {e}")))
+        .map_err(|e| ApiError::new(ErrorCode::InvalidTenantId, format!("tenant {e}")))
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -160,8 +148,8 @@ fn backend_path(text: &str) -> Result<String, ApiError> {
     if ok {
         Ok(text.to_string())
     } else {
-        Err(ApiError::bad_request(
-            "invalid_backend",
+        Err(ApiError::new(
+            ErrorCode::InvalidBackend,
             "backend must be 1 to 64 ASCII letters, digits, '-', '_' or '.'",
         ))
     }

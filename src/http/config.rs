@@ -1,11 +1,11 @@
 //! `[http]`: connection hygiene of every listener, CORS and TLS of the public listener
-//! (shape, defaults and validation; applied by `http::listener`, `http::cors`, `http::tls`).
-
-use std::path::PathBuf;
+//! (shape, defaults and validation; applied by `edge::listener`, `http::cors`, `edge::tls`,
+//! whose TLS sections' types are `edge::tls`'s).
 
 use serde::{Deserialize, Serialize};
 
-use super::listener::ConnectionLimits;
+use crate::edge::listener::ConnectionLimits;
+use crate::edge::tls::{InternalTlsConfig, TlsConfig};
 use crate::values::Problem;
 use crate::values::{ByteSize, HumanDuration};
 
@@ -65,45 +65,6 @@ impl Default for CorsConfig {
             allowed_origins: Vec::new(),
             max_age: HumanDuration::secs(600),
         }
-    }
-}
-
-/// `[http.tls]`: TLS on the public listener.
-#[derive(Debug, Clone, Serialize, Deserialize, Default)]
-#[serde(default, deny_unknown_fields)]
-pub struct TlsConfig {
-    /// PEM certificate chain (leaf first). Set together with `key_file`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cert_file: Option<PathBuf>,
-    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub key_file: Option<PathBuf>,
-}
-
-impl TlsConfig {
-    pub fn enabled(&self) -> bool {
-        self.cert_file.is_some()
-    }
-}
-
-/// `[http.internal_tls]`: mutual TLS on the internal listener. Every node presents
-/// `cert_file` (as server and as forwarding client) and accepts peers whose certificate
-/// chains to `ca_file`. The internal token is still required on top.
-#[derive(Debug, Clone, Serialize, Deserialize, Default)]
-#[serde(default, deny_unknown_fields)]
-pub struct InternalTlsConfig {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cert_file: Option<PathBuf>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub key_file: Option<PathBuf>,
-    /// PEM CA certificate(s) that peer certificates must chain to.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ca_file: Option<PathBuf>,
-}
-
-impl InternalTlsConfig {
-    pub fn enabled(&self) -> bool {
-        self.cert_file.is_some()
     }
 }
 

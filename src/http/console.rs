@@ -26,7 +26,8 @@ use axum::http::{HeaderMap, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
-use super::{ApiError, AppState};
+use crate::edge::ApiError;
+use crate::edge::AppState;
 use crate::metrics::KindLabels;
 
 const INDEX: &str = include_str!("../../assets/console/index.html");

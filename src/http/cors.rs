@@ -13,7 +13,9 @@ use axum::http::{HeaderName, HeaderValue, Method, header};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use super::config::CorsConfig;
-use super::headers::{CONTENT_DIGEST_HEADER, CONTENT_HASH_HEADER, SESSION_HEADER, TENANT_HEADER};
+use crate::edge::headers::{
+    CONTENT_DIGEST_HEADER, CONTENT_HASH_HEADER, SESSION_HEADER, TENANT_HEADER,
+};
 use crate::tus;
 
 /// The layer for `config`, or `None` when CORS is off.

@@ -15,15 +15,16 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Method, header};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 
-use super::{ApiError, AppState};
 use crate::admission::egress::{EgressStop, charge_egress};
 use crate::admission::{Operation, Outcome};
 use crate::cas::BlobKey;
 use crate::cas::range::{RangeRequest, parse_range};
+use crate::edge::AppState;
+use crate::edge::{Answer, ApiError, ErrorCode};
 use crate::metrics::{MeteredDownload, OutcomeLabels};
 use crate::pipeline::read::{ReadError, read_blob};
 
@@ -37,12 +38,12 @@ pub async fn delete_blob(
 ) -> Result<Response, ApiError> {
     super::admission::require_admin(&app, &headers)?;
     let key: BlobKey = key.parse().map_err(|e: crate::cas::KeyError| {
-        ApiError::bad_request("invalid_blob_key", e.to_string())
+        ApiError::new(ErrorCode::InvalidBlobKey, e.to_string())
     })?;
     match app.manifests.delete(key).await {
-        Ok(true) => Ok(StatusCode::NO_CONTENT.into_response()),
-        Ok(false) => Err(ApiError::not_found(
-            "blob_not_found",
+        Ok(true) => Ok(Answer::NoContent.into_response()),
+        Ok(false) => Err(ApiError::new(
+            ErrorCode::BlobNotFound,
             "no blob with this key",
         )),
         Err(err) => Err(err.into()),
@@ -66,8 +67,7 @@ pub async fn run_gc(
     super::admission::require_admin(&app, &headers)?;
     let Some((store, metrics)) = &app.packs else {
         return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "gc_unsupported",
+            ErrorCode::GcUnsupported,
             "this node does not keep blocks in packs",
         ));
     };
@@ -91,18 +91,13 @@ pub async fn run_gc(
             Ok(axum::Json(report).into_response())
         }
         Err(crate::storage::StoreError::Busy(detail)) => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "gc_running",
+            ErrorCode::GcRunning,
             format!("{detail}; retry when that run has finished"),
-        )
-        .with_retry_after(std::time::Duration::from_secs(30))),
+        )),
         Err(err) => {
             metrics.failures.inc();
             tracing::error!(error = %err, "collector run failed");
-            Err(
-                ApiError::unavailable("storage_unavailable", "the collector run failed")
-                    .with_retry_after(super::error::RETRY_GC),
-            )
+            Err(ApiError::gc_failed())
         }
     }
 }
@@ -114,13 +109,13 @@ pub async fn get_blob(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let key: BlobKey = key.parse().map_err(|e: crate::cas::KeyError| {
-        ApiError::bad_request("invalid_blob_key", e.to_string())
+        ApiError::new(ErrorCode::InvalidBlobKey, e.to_string())
     })?;
     // Quota and admission before the manifest or any block is read. HEAD moves no body
     // bytes: it is charged as a request but holds no transfer permit.
-    let tenant = super::admission::tenant_header(&headers)?;
+    let tenant = crate::edge::auth::tenant_header(&headers)?;
     // With auth on: bearer verified, tenant bound to the token's organization.
-    let tenant = super::auth::caller_tenant(&app, &headers, tenant).await?;
+    let tenant = crate::edge::auth::caller_tenant(&app, &headers, tenant).await?;
     super::admission::charge_request(&app, tenant.as_ref()).await?;
     let permit = if method == Method::HEAD {
         None
@@ -138,8 +133,8 @@ pub async fn get_blob(
     let manifest = match app.manifests.get(key).await {
         Ok(Some(manifest)) => Arc::new(manifest),
         Ok(None) => {
-            return Err(ApiError::not_found(
-                "blob_not_found",
+            return Err(ApiError::new(
+                ErrorCode::BlobNotFound,
                 "no blob with this key",
             ));
         }
@@ -153,7 +148,7 @@ pub async fn get_blob(
             .split(',')
             .any(|c| c.trim() == etag || c.trim() == "*")
     {
-        let mut response = StatusCode::NOT_MODIFIED.into_response();
+        let mut response = Answer::NotModified.into_response();
         response.headers_mut().insert(
             header::ETAG,
             HeaderValue::from_str(&etag).expect("hex etag"),
@@ -164,12 +159,11 @@ pub async fn get_blob(
     let size = manifest.size();
     let range_header = headers.get(header::RANGE).and_then(|v| v.to_str().ok());
     let (status, range) = match parse_range(range_header, size) {
-        RangeRequest::Full => (StatusCode::OK, None),
-        RangeRequest::Partial(range) => (StatusCode::PARTIAL_CONTENT, Some(range)),
+        RangeRequest::Full => (Answer::Ok, None),
+        RangeRequest::Partial(range) => (Answer::PartialContent, Some(range)),
         RangeRequest::Unsatisfiable => {
             let mut response = ApiError::new(
-                StatusCode::RANGE_NOT_SATISFIABLE,
-                "range_not_satisfiable",
+                ErrorCode::RangeNotSatisfiable,
                 "the requested range lies outside the blob",
             )
             .into_response();
@@ -205,7 +199,7 @@ pub async fn get_blob(
         Body::from_stream(MeteredDownload::new(stream, app.metrics.clone(), length))
     };
     let mut response = Response::builder()
-        .status(status)
+        .status(status.status())
         .header(header::CONTENT_TYPE, "application/octet-stream")
         .header(header::CONTENT_LENGTH, length)
         .header(header::ACCEPT_RANGES, "bytes")

@@ -25,14 +25,14 @@
 //! routing port (`ClusterHandle::check_forwarded`, advisory: the commit fence binds) and
 //! [`OwnerIngest`] to the `upload::UploadService`, the same service direct uploads use.
 //!
-//! Failure model: errors are JSON `{"error","message"}` (see `http::error`); the token
+//! Failure model: errors are JSON `{"error","message"}` (see `edge::error`); the token
 //! and tenant ids never appear in responses or logs above debug.
 
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::head;
 use axum::{Json, Router};
@@ -40,39 +40,16 @@ use futures_util::future::BoxFuture;
 use serde::Serialize;
 
 use crate::actors::ClusterHandle;
-use crate::http::ApiError;
-use crate::http::headers::{bearer_token, parse_digits};
+use crate::edge::headers::{bearer_token, parse_digits};
+use crate::edge::{Answer, ApiError, ErrorCode};
 use crate::ids::{NodeId, SessionId, SessionKey, TenantId};
 use crate::placement::{Epoch, EpochVerdict, LocalRoute, ShardId};
+use crate::relay::protocol::{
+    CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, ERROR_CODE_HEADER, ERROR_MESSAGE_HEADER,
+    INTERNAL_TOKEN_HEADER, RESERVATION_HEADER, SHARD_EPOCH_HEADER, SHARD_HEADER, message_header,
+};
 use crate::upload::UploadService;
 use crate::values::Secret;
-
-/// Header carrying the internal token.
-pub const INTERNAL_TOKEN_HEADER: &str = "x-graviton-internal-token";
-/// Header carrying the shard the forwarder routed by.
-pub const SHARD_HEADER: &str = "x-graviton-shard";
-/// Header carrying the shard epoch the forwarder routed by.
-pub const SHARD_EPOCH_HEADER: &str = "x-graviton-shard-epoch";
-/// On 409: the node that owns the shard now (when known).
-pub const CURRENT_OWNER_HEADER: &str = "x-graviton-current-owner";
-/// On 409: the shard's current epoch.
-pub const CURRENT_EPOCH_HEADER: &str = "x-graviton-current-epoch";
-/// Pre-flight answer and POST header: the admission the owner parked for this upload.
-pub const RESERVATION_HEADER: &str = "x-graviton-admission-reservation";
-/// On a refused pre-flight (HEAD has no body): the error code the POST would answer.
-pub const ERROR_CODE_HEADER: &str = "x-graviton-error";
-/// On a refused pre-flight: the message the POST would answer (printable ASCII, at most
-/// [`ERROR_MESSAGE_MAX`] bytes), so a forwarding node relays the reason, not only the code.
-pub const ERROR_MESSAGE_HEADER: &str = "x-graviton-error-message";
-/// Longest relayed error message, in bytes.
-pub const ERROR_MESSAGE_MAX: usize = 512;
-/// Stable error code of a stale epoch.
-pub const STALE_EPOCH: &str = "stale_epoch";
-
-/// The path of the owner-ingest resource.
-pub fn ingest_path(key: &SessionKey) -> String {
-    format!("/internal/v1/sessions/{}/{}/blobs", key.tenant, key.session)
-}
 
 /// Implemented by the node's placement: does this node own `shard` at `epoch`?
 /// `key` is given so the implementation can verify that `shard` is the key's shard.
@@ -184,8 +161,8 @@ pub(crate) fn reservation_header(headers: &HeaderMap) -> Result<Option<String>, 
     if bytes.len() == 32 && bytes.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
         Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
     } else {
-        Err(ApiError::bad_request(
-            "invalid_reservation",
+        Err(ApiError::new(
+            ErrorCode::InvalidReservation,
             "X-Graviton-Admission-Reservation is malformed",
         ))
     }
@@ -194,7 +171,7 @@ pub(crate) fn reservation_header(headers: &HeaderMap) -> Result<Option<String>, 
 /// A refusal answered to a HEAD pre-flight: the status, headers and error code of the
 /// JSON error the POST would answer.
 pub(crate) fn refused_preflight(error: ApiError) -> Response {
-    let code = HeaderValue::from_static(error.code);
+    let code = HeaderValue::from_static(error.code.as_str());
     let message = message_header(&error.message);
     let mut response = error.into_response();
     response.headers_mut().insert(ERROR_CODE_HEADER, code);
@@ -202,32 +179,6 @@ pub(crate) fn refused_preflight(error: ApiError) -> Response {
         response.headers_mut().insert(ERROR_MESSAGE_HEADER, message);
     }
     response
-}
-
-/// `message` as a header value: printable ASCII (anything else becomes `?`), cut at
-/// [`ERROR_MESSAGE_MAX`] bytes.
-pub(crate) fn message_header(message: &str) -> Option<HeaderValue> {
-    let text: String = message
-        .chars()
-        .map(|c| {
-            if c == ' ' || c.is_ascii_graphic() {
-                c
-            } else {
-                '?'
-            }
-        })
-        .take(ERROR_MESSAGE_MAX)
-        .collect();
-    HeaderValue::from_str(text.trim()).ok()
-}
-
-/// The message an owner sent with a refused pre-flight, when it is well formed.
-pub(crate) fn relayed_message(headers: &reqwest::header::HeaderMap) -> Option<String> {
-    let text = headers.get(ERROR_MESSAGE_HEADER)?.to_str().ok()?;
-    (!text.is_empty()
-        && text.len() <= ERROR_MESSAGE_MAX
-        && text.bytes().all(|b| b == b' ' || b.is_ascii_graphic()))
-    .then(|| text.to_string())
 }
 
 /// Everything the internal router needs.
@@ -259,21 +210,21 @@ pub async fn serve(
     serve_with(
         listener,
         router,
-        crate::http::listener::ServeOptions::plain("internal"),
+        crate::edge::listener::ServeOptions::plain(crate::edge::listener::INTERNAL),
         shutdown,
     )
     .await
 }
 
 /// Serve `router` with explicit connection limits, TLS (mutual, in a cluster) and
-/// metrics (see `http::listener`).
+/// metrics (see `edge::listener`).
 pub async fn serve_with(
     listener: tokio::net::TcpListener,
     router: Router,
-    options: crate::http::listener::ServeOptions,
+    options: crate::edge::listener::ServeOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    crate::http::listener::serve(listener, router, options, shutdown).await
+    crate::edge::listener::serve(listener, router, options, shutdown).await
 }
 
 /// The parsed, validated head of a forwarded upload.
@@ -288,7 +239,7 @@ pub(crate) struct Checked {
 
 #[derive(Serialize)]
 struct StaleBody<'a> {
-    error: &'static str,
+    error: ErrorCode,
     message: &'static str,
     current_owner: Option<&'a str>,
     current_epoch: i64,
@@ -296,12 +247,12 @@ struct StaleBody<'a> {
 
 fn stale_response(current_owner: Option<NodeId>, current_epoch: Epoch) -> Response {
     let body = StaleBody {
-        error: STALE_EPOCH,
+        error: ErrorCode::StaleEpoch,
         message: "the shard epoch is stale; re-resolve the owner",
         current_owner: current_owner.as_ref().map(|n| n.as_str()),
         current_epoch: current_epoch.0,
     };
-    let mut response = (StatusCode::CONFLICT, Json(body)).into_response();
+    let mut response = (ErrorCode::StaleEpoch.status(), Json(body)).into_response();
     let headers = response.headers_mut();
     if let Some(owner) = current_owner.and_then(|n| HeaderValue::from_str(n.as_str()).ok()) {
         headers.insert(CURRENT_OWNER_HEADER, owner);
@@ -320,16 +271,14 @@ fn presented_token(headers: &HeaderMap) -> Option<&[u8]> {
 fn numeric_header<T: TryFrom<u64>>(
     headers: &HeaderMap,
     name: &'static str,
-    code: &'static str,
+    code: ErrorCode,
 ) -> Result<T, ApiError> {
     let value = headers
         .get(name)
-        .ok_or_else(|| ApiError::bad_request(code, format!("the {name} header is required")))?;
+        .ok_or_else(|| ApiError::new(code, format!("the {name} header is required")))?;
     parse_digits(value.as_bytes())
         .and_then(|n| T::try_from(n).ok())
-        .ok_or_else(|| {
-            ApiError::bad_request(code, format!("the {name} header must be ASCII digits"))
-        })
+        .ok_or_else(|| ApiError::new(code, format!("the {name} header must be ASCII digits")))
 }
 
 /// Why a forwarded upload is refused before its body is read.
@@ -362,21 +311,20 @@ pub(crate) fn check(
     let token_ok = presented_token(headers).is_some_and(|t| state.token.matches(t));
     if !token_ok {
         return Err(Refusal::Api(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
+            ErrorCode::Unauthorized,
             "missing or invalid internal credentials",
         )));
     }
     let (Ok(tenant), Ok(session)) = (tenant.parse::<TenantId>(), session.parse::<SessionId>())
     else {
-        return Err(Refusal::Api(ApiError::bad_request(
-            "invalid_session",
+        return Err(Refusal::Api(ApiError::new(
+            ErrorCode::InvalidSession,
             "tenant and session must be canonical UUIDs",
         )));
     };
     let key = SessionKey { tenant, session };
-    let content_length = super::headers::content_length(headers).map_err(Refusal::Api)?;
-    let digest = super::headers::content_digest(headers).map_err(Refusal::Api)?;
+    let content_length = crate::edge::headers::content_length(headers).map_err(Refusal::Api)?;
+    let digest = crate::edge::headers::content_digest(headers).map_err(Refusal::Api)?;
     let content_type = match headers.get(header::CONTENT_TYPE) {
         None => "application/octet-stream".to_string(),
         Some(value) => value
@@ -385,17 +333,18 @@ pub(crate) fn check(
             .filter(|v| !v.trim().is_empty() && v.contains('/'))
             .map(str::to_string)
             .ok_or_else(|| {
-                Refusal::Api(ApiError::bad_request(
-                    "invalid_content_type",
+                Refusal::Api(ApiError::new(
+                    ErrorCode::InvalidContentType,
                     "Content-Type is malformed",
                 ))
             })?,
     };
     let shard = ShardId(
-        numeric_header::<u32>(headers, SHARD_HEADER, "invalid_shard").map_err(Refusal::Api)?,
+        numeric_header::<u32>(headers, SHARD_HEADER, ErrorCode::InvalidShard)
+            .map_err(Refusal::Api)?,
     );
     let epoch = Epoch(
-        numeric_header::<i64>(headers, SHARD_EPOCH_HEADER, "invalid_epoch")
+        numeric_header::<i64>(headers, SHARD_EPOCH_HEADER, ErrorCode::InvalidEpoch)
             .map_err(Refusal::Api)?,
     );
     match state.epochs.check(&key, shard, epoch) {
@@ -437,9 +386,9 @@ async fn preflight(
         Err(refusal) => return refusal.into_response(),
     };
     match state.ingest.reserve(&checked.key).await {
-        Ok(None) => StatusCode::NO_CONTENT.into_response(),
+        Ok(None) => Answer::NoContent.into_response(),
         Ok(Some(id)) => {
-            let mut response = StatusCode::NO_CONTENT.into_response();
+            let mut response = Answer::NoContent.into_response();
             if let Ok(value) = HeaderValue::from_str(&id) {
                 response.headers_mut().insert(RESERVATION_HEADER, value);
             }
@@ -498,7 +447,7 @@ mod tests {
     #[test]
     fn stale_response_names_the_owner_in_body_and_headers() {
         let response = stale_response(Some(NodeId::parse("node-c").unwrap()), Epoch(9));
-        assert_eq!(response.status(), StatusCode::CONFLICT);
+        assert_eq!(response.status(), ErrorCode::StaleEpoch.status());
         assert_eq!(response.headers()[CURRENT_OWNER_HEADER], "node-c");
         assert_eq!(response.headers()[CURRENT_EPOCH_HEADER], "9");
     }

@@ -1,4 +1,7 @@
-//! HTTP server: public API, ops endpoints, and the error mapping.
+//! HTTP server: the public API, ops and admin endpoints, and the owner side of relayed
+//! requests (the internal listener). What it shares with gRPC (the state, error
+//! vocabulary, listener loop, TLS, tenant binding and header checks) is `edge`'s; the
+//! node-to-node client is `relay`.
 //!
 //! - [`upload`]: `POST /v1/blobs`
 //! - [`admission`]: transfer admission at the edge, egress charging, admin admission API
@@ -9,113 +12,69 @@
 //! - [`rejections`]: extractor rejections answered in the JSON error format
 //! - [`unread`]: `Connection: close` on answers sent before the request body was read
 //! - [`admin_gate`]: the admin token checked before an admin request's extractors
-//! - [`headers`]: header checks that run before the body is read
-//! - [`error`]: [`ApiError`], the one place errors become responses
 //! - [`observe`]: request metrics
-//! - [`auth`]: the JWT binding of the tenant (which caller a request acts for)
 //! - [`cors`]: the CORS layer for browser clients
-//! - [`listener`]: the accept loop of every listener (timeouts, bounds, TLS, shutdown)
-//! - [`tls`]: rustls configurations of the public and internal listeners
+//! - [`internal`], [`tus_internal`]: the owner side of relayed uploads and tus requests
 //! - [`config`]: the `[http]` section
 
 pub mod admin_gate;
 pub mod admission;
-pub mod auth;
 pub mod config;
 pub mod console;
 pub mod cors;
 pub mod download;
-pub mod error;
-pub mod forward;
-pub mod headers;
 pub mod internal;
-pub mod listener;
 pub mod observe;
 pub mod openapi;
 pub mod ops;
 pub mod rejections;
-pub mod tls;
 pub mod tus;
 pub mod tus_internal;
 pub mod unread;
 pub mod upload;
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::Router;
+use axum::extract::FromRef;
 use axum::routing::{MethodRouter, get, post, put};
 
-pub use error::ApiError;
+use crate::edge::AppState;
+use crate::edge::{listener, tls};
+use crate::relay::Forwarder;
 
-use crate::actors::SessionRegionHandle;
-use crate::config::Config;
-use crate::ids::NodeId;
-use crate::metrics::Metrics;
-use crate::storage::{BlockStore, ManifestStore};
-
-/// Everything a request handler may use.
-pub struct AppState {
-    pub node_id: NodeId,
-    pub config: Arc<Config>,
-    pub blocks: Arc<dyn BlockStore>,
-    pub manifests: Arc<dyn ManifestStore>,
-    pub sessions: SessionRegionHandle,
-    /// Owner-local ingest, shared by the public and the internal listener.
-    pub uploads: Arc<crate::upload::UploadService>,
-    pub metrics: Metrics,
-    pub admission: crate::admission::Admission,
-    pub readiness: ops::Readiness,
-    pub started_at: Instant,
-    /// Placement: every shard local in embedded mode, the PostgreSQL table in cluster mode.
-    pub cluster: Arc<crate::actors::ClusterHandle>,
-    /// Streams uploads of remotely owned sessions to their owner (cluster mode).
-    pub forwarder: Option<forward::Forwarder>,
-    /// Bearer-token verification; `None` when `auth.enabled = false`.
-    pub auth: Option<Arc<crate::auth::Authenticator>>,
-    pub edge: EdgeMetrics,
-    /// The pack store and its collector's metrics, when blocks live in packs.
-    pub packs: Option<(
-        crate::storage::pack::PackStore,
-        crate::storage::pack::gc::GcMetrics,
-    )>,
-    /// The probed state of the block store, PostgreSQL and Redis (`health`).
-    pub dependencies: crate::health::DependencyHealth,
+/// The public router's state: the shared [`AppState`], and the relay to sessions' owners
+/// (cluster mode), which only the upload and tus handlers use. Handlers extract either.
+#[derive(Clone)]
+pub struct PublicState {
+    pub app: Arc<AppState>,
+    pub relay: Relay,
 }
 
-/// Metrics of the edge: connections of every listener and refused tokens.
-#[derive(Clone, Debug, Default)]
-pub struct EdgeMetrics {
-    pub connections: listener::ConnectionMetrics,
-    /// Refused bearer tokens and tenant bindings, by reason (bounded enum).
-    pub auth_failures: prometheus_client::metrics::family::Family<
-        crate::metrics::ReasonLabels,
-        prometheus_client::metrics::counter::Counter,
-    >,
+/// The relay of the public API: streams requests of remotely owned sessions to their
+/// owner; `None` when this node forwards nothing (embedded mode).
+#[derive(Clone, Default)]
+pub struct Relay(pub Option<Forwarder>);
+
+impl FromRef<PublicState> for Arc<AppState> {
+    fn from_ref(state: &PublicState) -> Self {
+        state.app.clone()
+    }
 }
 
-impl EdgeMetrics {
-    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
-        self.connections.register(registry);
-        for reason in auth::FAILURE_REASONS {
-            drop(
-                self.auth_failures
-                    .get_or_create(&crate::metrics::ReasonLabels { reason }),
-            );
-        }
-        registry.register(
-            "auth_failures",
-            "Requests refused by bearer-token authentication, by reason",
-            self.auth_failures.clone(),
-        );
+impl FromRef<PublicState> for Relay {
+    fn from_ref(state: &PublicState) -> Self {
+        state.relay.clone()
     }
 }
 
 /// Serve the public API of `state` on `listener` until `shutdown` completes, with the
-/// connection limits, CORS and TLS of `state.config.http` (see [`listener`]).
+/// connection limits, CORS and TLS of `state.config.http` (see `edge::listener`);
+/// requests of sessions owned elsewhere go through `relay`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
+    relay: Option<Forwarder>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let tls = if state.config.http.tls.enabled() {
@@ -127,29 +86,22 @@ pub async fn serve(
         None
     };
     let options = listener::ServeOptions {
-        name: "public",
+        name: listener::PUBLIC,
         limits: state.config.http.public_limits(),
         tls,
         metrics: state.edge.connections.clone(),
     };
-    listener::serve(listener, router(state), options, shutdown).await
-}
-
-impl AppState {
-    /// The manifests as the collector must see them: with the blocks of every live
-    /// resumable upload marked (docs/resumable.md).
-    pub fn gc_manifests(&self) -> crate::upload::ledger::LiveUploads {
-        crate::upload::ledger::LiveUploads {
-            manifests: self.manifests.clone(),
-            ledger: self.uploads.ledger().clone(),
-        }
-    }
+    let router = router(PublicState {
+        app: state,
+        relay: Relay(relay),
+    });
+    listener::serve(listener, router, options, shutdown).await
 }
 
 /// The routes of the public router, as `(path, handlers)`. [`router`] serves exactly these;
 /// [`route_paths`] lists them for the OpenAPI check (`tests/openapi.rs`). Built without
 /// state, so the list can be read without a running node.
-pub fn routes() -> Vec<(&'static str, MethodRouter<Arc<AppState>>)> {
+pub fn routes() -> Vec<(&'static str, MethodRouter<PublicState>)> {
     vec![
         ("/v1/blobs", post(upload::post_blob)),
         ("/v1/uploads", post(tus::create).options(tus::options)),
@@ -198,8 +150,9 @@ pub fn route_paths() -> Vec<&'static str> {
 }
 
 /// The public router.
-pub fn router(state: Arc<AppState>) -> Router {
-    let cors = cors::layer(&state.config.http.cors);
+pub fn router(state: PublicState) -> Router {
+    let app = state.app.clone();
+    let cors = cors::layer(&app.config.http.cors);
     let router = routes()
         .into_iter()
         .fold(Router::new(), |router, (path, handlers)| {
@@ -207,13 +160,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         })
         // inner: the admin gate runs after routing, before any extractor
         .route_layer(axum::middleware::from_fn_with_state(
-            state.clone(),
+            app.clone(),
             admin_gate::check,
         ))
-        .route_layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            observe::record,
-        ))
+        .route_layer(axum::middleware::from_fn_with_state(app, observe::record))
         .layer(axum::middleware::from_fn(rejections::json_errors))
         .layer(axum::middleware::from_fn(unread::close_if_unread))
         .with_state(state);

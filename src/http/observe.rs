@@ -19,7 +19,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 
-use super::AppState;
+use crate::edge::AppState;
 use crate::metrics::{HttpLabels, Metrics, status_class};
 
 pub async fn record(State(app): State<Arc<AppState>>, request: Request, next: Next) -> Response {

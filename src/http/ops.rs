@@ -3,33 +3,15 @@
 //! `graviton drain NODE` (a flag on the node's row that the placement manager acts on).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Json;
 use axum::extract::{Path, State};
-use axum::http::{StatusCode, header};
+use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
-use super::{ApiError, AppState};
-
-/// Whether this node should receive traffic. In embedded mode it becomes ready once the
-/// stores are open and the actors run (every shard is local), and stops being ready when
-/// shutdown begins.
-#[derive(Debug, Clone, Default)]
-pub struct Readiness {
-    ready: Arc<AtomicBool>,
-}
-
-impl Readiness {
-    pub fn set(&self, ready: bool) {
-        self.ready.store(ready, Ordering::SeqCst);
-    }
-
-    pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::SeqCst)
-    }
-}
+use crate::edge::AppState;
+use crate::edge::{Answer, ApiError, ErrorCode};
 
 #[derive(Serialize)]
 struct Status<'a> {
@@ -71,12 +53,8 @@ pub async fn readyz(State(app): State<Arc<AppState>>) -> Response {
         dependencies,
         degraded,
     };
-    let status = if ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (status, Json(body)).into_response()
+    let status = if ready { Answer::Ok } else { Answer::NotReady };
+    (status.status(), Json(body)).into_response()
 }
 
 pub async fn metrics(State(app): State<Arc<AppState>>) -> Response {
@@ -172,25 +150,24 @@ pub async fn drain(
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
     if !valid {
-        return Err(ApiError::bad_request(
-            "invalid_node_id",
+        return Err(ApiError::new(
+            ErrorCode::InvalidNodeId,
             "node ids are ASCII letters, digits, '-', '_' and '.'",
         ));
     }
     if !app.config.cluster.enabled {
         return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "not_clustered",
+            ErrorCode::NotClustered,
             "this node runs in embedded mode; there is nothing to drain to",
         ));
     }
     let node = crate::ids::NodeId::parse(node)
-        .map_err(|e| ApiError::bad_request("invalid_node_id", format!("the node id {e}")))?;
+        .map_err(|e| ApiError::new(ErrorCode::InvalidNodeId, format!("the node id {e}")))?;
     match app.cluster.drain(&node).await {
         Ok(true) => {
             tracing::info!(%node, "drain requested over the admin API");
             Ok((
-                StatusCode::ACCEPTED,
+                Answer::Accepted.status(),
                 Json(DrainAccepted {
                     node: node.to_string(),
                     status: "drain_requested",
@@ -198,17 +175,13 @@ pub async fn drain(
             )
                 .into_response())
         }
-        Ok(false) => Err(ApiError::not_found(
-            "node_not_found",
+        Ok(false) => Err(ApiError::new(
+            ErrorCode::NodeNotFound,
             "no live node with this id in the cluster",
         )),
         Err(err) => {
             tracing::warn!(error = %err, "drain request failed");
-            Err(ApiError::unavailable(
-                "placement_unavailable",
-                "the placement store is unavailable; retry",
-            )
-            .with_retry_after(super::error::RETRY_DRAIN))
+            Err(ApiError::drain_unavailable())
         }
     }
 }

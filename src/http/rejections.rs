@@ -7,11 +7,11 @@
 //! 4xx answer with an [`ApiError`] of a fixed code and message. Found by `scripts/fuzz-api`.
 
 use axum::extract::Request;
-use axum::http::{StatusCode, header};
+use axum::http::header;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use super::ApiError;
+use crate::edge::{ApiError, ErrorCode};
 
 /// Middleware: rewrite plain-text 4xx rejections as JSON errors.
 pub async fn json_errors(request: Request, next: Next) -> Response {
@@ -24,27 +24,28 @@ pub async fn json_errors(request: Request, next: Next) -> Response {
     if !plain {
         return response;
     }
-    let error = match response.status() {
-        StatusCode::BAD_REQUEST => ApiError::bad_request(
-            "invalid_request",
+    // Each rejection status, as the code of the same status.
+    let Some((code, message)) = [
+        (
+            ErrorCode::InvalidRequest,
             "the request's path, query string or body could not be parsed",
         ),
-        StatusCode::UNPROCESSABLE_ENTITY => ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_body",
+        (
+            ErrorCode::InvalidBody,
             "the JSON body does not have the documented shape",
         ),
-        StatusCode::UNSUPPORTED_MEDIA_TYPE => ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
+        (
+            ErrorCode::UnsupportedMediaType,
             "this endpoint takes a body of the documented content type",
         ),
-        StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
+        (
+            ErrorCode::BodyTooLarge,
             "the request body is too large for this endpoint",
         ),
-        _ => return response,
+    ]
+    .into_iter()
+    .find(|(code, _)| code.status() == response.status()) else {
+        return response;
     };
-    error.into_response()
+    ApiError::new(code, message).into_response()
 }

@@ -2,7 +2,7 @@
 //!
 //! Thin: the headers are parsed by `crate::tus` (pure), the work is the upload service's
 //! (`upload::resumable`). Order of work for every request: `Tus-Resumable` → the
-//! request's own headers → bearer token and tenant binding (`http::auth`, the upload id's
+//! request's own headers → bearer token and tenant binding (`edge::auth`, the upload id's
 //! tenant plays the tenant header's part) → request quota → route by the upload's session
 //! key → the service here, or the forwarder to the owner. Nothing before the service's
 //! claim (or the forwarder's pre-flight) touches a body.
@@ -11,12 +11,14 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 
-use super::headers::{SESSION_HEADER, content_length, single_value};
-use super::{ApiError, AppState};
+use super::Relay;
 use crate::admission::Outcome;
+use crate::edge::AppState;
+use crate::edge::headers::{SESSION_HEADER, content_length, single_value};
+use crate::edge::{Answer, ApiError, ErrorCode};
 use crate::ids::{SessionId, SessionKey};
 use crate::pipeline::ingest::IngestError;
 use crate::placement::{LocalRoute, OwnerTarget, Route};
@@ -26,19 +28,17 @@ use crate::upload::{UploadError, UploadService};
 
 fn tus_error(err: TusError) -> ApiError {
     match err {
-        TusError::UnsupportedVersion => ApiError::new(
-            StatusCode::PRECONDITION_FAILED,
-            "unsupported_tus_version",
-            err.to_string(),
-        ),
+        TusError::UnsupportedVersion => {
+            ApiError::new(ErrorCode::UnsupportedTusVersion, err.to_string())
+        }
         TusError::InvalidLength | TusError::DeferLength => {
-            ApiError::bad_request("invalid_upload_length", err.to_string())
+            ApiError::new(ErrorCode::InvalidUploadLength, err.to_string())
         }
-        TusError::InvalidOffset => ApiError::bad_request("invalid_upload_offset", err.to_string()),
+        TusError::InvalidOffset => ApiError::new(ErrorCode::InvalidUploadOffset, err.to_string()),
         TusError::InvalidMetadata => {
-            ApiError::bad_request("invalid_upload_metadata", err.to_string())
+            ApiError::new(ErrorCode::InvalidUploadMetadata, err.to_string())
         }
-        TusError::InvalidChecksum => ApiError::bad_request("invalid_checksum", err.to_string()),
+        TusError::InvalidChecksum => ApiError::new(ErrorCode::InvalidChecksum, err.to_string()),
     }
 }
 
@@ -57,7 +57,7 @@ pub(crate) fn set(response: &mut Response, name: &'static str, value: impl ToStr
 /// Every tus answer carries `Tus-Resumable`; a 412 also `Tus-Version`.
 pub(crate) fn tus_answer(mut response: Response) -> Response {
     set(&mut response, tus::TUS_RESUMABLE, tus::VERSION);
-    if response.status() == StatusCode::PRECONDITION_FAILED {
+    if response.status() == ErrorCode::UnsupportedTusVersion.status() {
         set(&mut response, tus::TUS_VERSION, tus::VERSION);
     }
     response
@@ -74,13 +74,10 @@ pub(crate) fn upload_api_error(err: UploadError) -> (ApiError, Option<u64>) {
         UploadError::OffsetMismatch { current } => Some(*current),
         _ => None,
     };
-    let checksum = matches!(&err, UploadError::Ingest(IngestError::DigestMismatch));
-    let mut api: ApiError = err.into();
-    if checksum {
-        api.status = StatusCode::from_u16(460).unwrap_or(StatusCode::BAD_REQUEST);
-        api.message =
-            "the PATCH body differs from its Upload-Checksum; the offset did not advance".into();
-    }
+    let api = match err {
+        UploadError::Ingest(IngestError::DigestMismatch) => ApiError::tus_checksum_mismatch(),
+        err => err.into(),
+    };
     (api, current)
 }
 
@@ -113,13 +110,13 @@ fn resumable(headers: &HeaderMap) -> Result<(), ApiError> {
 
 pub(crate) fn upload_id(raw: &str) -> Result<UploadId, ApiError> {
     raw.parse()
-        .map_err(|_| ApiError::not_found("upload_not_found", "no such upload"))
+        .map_err(|_| ApiError::new(ErrorCode::UploadNotFound, "no such upload"))
 }
 
 /// The bearer token (with auth on) must belong to the upload's tenant; the request quota
 /// is charged to it.
 async fn authorize(app: &AppState, headers: &HeaderMap, id: &UploadId) -> Result<(), ApiError> {
-    let tenant = super::auth::caller_tenant(app, headers, Some(id.key().tenant)).await?;
+    let tenant = crate::edge::auth::caller_tenant(app, headers, Some(id.key().tenant)).await?;
     super::admission::charge_request(app, tenant.as_ref()).await
 }
 
@@ -130,7 +127,7 @@ fn route(app: &AppState, id: &UploadId) -> Result<Route, ApiError> {
 
 /// `OPTIONS /v1/uploads` (and on an upload): discovery.
 pub async fn options(State(app): State<Arc<AppState>>) -> Response {
-    let mut response = StatusCode::NO_CONTENT.into_response();
+    let mut response = Answer::NoContent.into_response();
     set(&mut response, tus::TUS_VERSION, tus::VERSION);
     set(&mut response, tus::TUS_EXTENSION, tus::EXTENSIONS);
     set(
@@ -161,36 +158,43 @@ fn is_part_body(headers: &HeaderMap) -> bool {
 }
 
 /// `POST /v1/uploads`: creation (and creation-with-upload).
-pub async fn create(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    match create_inner(&app, &headers, body).await {
+pub async fn create(
+    State(app): State<Arc<AppState>>,
+    State(relay): State<Relay>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match create_inner(&app, &relay, &headers, body).await {
         Ok(response) | Err(response) => response,
     }
 }
 
 async fn create_inner(
     app: &Arc<AppState>,
+    relay: &Relay,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Response, Response> {
     let (length, metadata, with_upload, declared) =
         creation_headers(headers, app.config.upload.max_blob_size.bytes()).map_err(refused)?;
-    let header_tenant = super::admission::tenant_header(headers).map_err(refused)?;
-    let session =
-        match single_value(headers, SESSION_HEADER, "invalid_session_id").map_err(refused)? {
-            Some(text) => text.parse::<SessionId>().map_err(|e| {
-                refused(ApiError::bad_request(
-                    "invalid_session_id",
-                    format!("X-Graviton-Upload-Session-Id {e}"),
-                ))
-            })?,
-            None => SessionId::new_random(),
-        };
-    let tenant = super::auth::caller_tenant(app, headers, header_tenant)
+    let header_tenant = crate::edge::auth::tenant_header(headers).map_err(refused)?;
+    let session = match single_value(headers, SESSION_HEADER, ErrorCode::InvalidSessionId)
+        .map_err(refused)?
+    {
+        Some(text) => text.parse::<SessionId>().map_err(|e| {
+            refused(ApiError::new(
+                ErrorCode::InvalidSessionId,
+                format!("X-Graviton-Upload-Session-Id {e}"),
+            ))
+        })?,
+        None => SessionId::new_random(),
+    };
+    let tenant = crate::edge::auth::caller_tenant(app, headers, header_tenant)
         .await
         .map_err(refused)?
         .ok_or_else(|| {
-            refused(ApiError::bad_request(
-                "tenant_required",
+            refused(ApiError::new(
+                ErrorCode::TenantRequired,
                 "a resumable upload needs a tenant: a bearer token, or X-Graviton-Tenant-Id",
             ))
         })?;
@@ -201,7 +205,7 @@ async fn create_inner(
     let local = match route(app, &id).map_err(refused)? {
         Route::Local(local) => local,
         Route::Remote(target) => {
-            return Ok(forward(app, target, id, reqwest::Method::POST, headers, body).await);
+            return Ok(forward(app, relay, target, id, reqwest::Method::POST, headers, body).await);
         }
     };
     create_here(
@@ -250,7 +254,7 @@ pub(crate) async fn create_here(
             }
         }
     }
-    let mut response = StatusCode::CREATED.into_response();
+    let mut response = Answer::Created.into_response();
     set(&mut response, "location", &location);
     state_headers(&mut response, &receipt);
     Ok(tus_answer(response))
@@ -284,16 +288,18 @@ pub(crate) fn creation_headers(
 /// `HEAD /v1/uploads/{id}`: the offset.
 pub async fn head(
     State(app): State<Arc<AppState>>,
+    State(relay): State<Relay>,
     Path(raw): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    bodyless(&app, &raw, &headers, reqwest::Method::HEAD).await
+    bodyless(&app, &relay, &raw, &headers, reqwest::Method::HEAD).await
 }
 
 /// `HEAD` and `DELETE`, which carry no body: the tus checks, then the answer of the
 /// upload's owner, here or forwarded.
 async fn bodyless(
     app: &Arc<AppState>,
+    relay: &Relay,
     raw: &str,
     headers: &HeaderMap,
     method: reqwest::Method,
@@ -305,7 +311,7 @@ async fn bodyless(
         let local = match route(app, &id).map_err(refused)? {
             Route::Local(local) => local,
             Route::Remote(target) => {
-                return Ok(forward(app, target, id, method, headers, Body::empty()).await);
+                return Ok(forward(app, relay, target, id, method, headers, Body::empty()).await);
             }
         };
         if method == reqwest::Method::DELETE {
@@ -329,7 +335,7 @@ pub(crate) async fn status_here(
 
 /// The answer of a HEAD.
 pub fn status_response(receipt: &PartReceipt, metadata: Option<&str>) -> Response {
-    let mut response = StatusCode::OK.into_response();
+    let mut response = Answer::Ok.into_response();
     state_headers(&mut response, receipt);
     set(&mut response, tus::UPLOAD_LENGTH, receipt.length);
     if let Some(metadata) = metadata {
@@ -349,8 +355,7 @@ pub fn patch_headers(
     let id = upload_id(raw)?;
     if !is_part_body(headers) {
         return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
+            ErrorCode::UnsupportedMediaType,
             "a PATCH body must be Content-Type: application/offset+octet-stream",
         ));
     }
@@ -361,6 +366,7 @@ pub fn patch_headers(
 /// `PATCH /v1/uploads/{id}`: one part.
 pub async fn patch(
     State(app): State<Arc<AppState>>,
+    State(relay): State<Relay>,
     Path(raw): Path<String>,
     headers: HeaderMap,
     body: Body,
@@ -372,7 +378,7 @@ pub async fn patch(
             Route::Local(local) => local,
             Route::Remote(target) => {
                 let method = reqwest::Method::PATCH;
-                return Ok(forward(&app, target, id, method, &headers, body).await);
+                return Ok(forward(&app, &relay, target, id, method, &headers, body).await);
             }
         };
         patch_here(&app.uploads, local, None, id, offset, declared, body).await
@@ -403,7 +409,7 @@ pub(crate) async fn patch_here(
         )
         .await
         .map_err(upload_refused)?;
-    let mut response = StatusCode::NO_CONTENT.into_response();
+    let mut response = Answer::NoContent.into_response();
     state_headers(&mut response, &receipt);
     Ok(tus_answer(response))
 }
@@ -411,10 +417,11 @@ pub(crate) async fn patch_here(
 /// `DELETE /v1/uploads/{id}`: termination.
 pub async fn delete(
     State(app): State<Arc<AppState>>,
+    State(relay): State<Relay>,
     Path(raw): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    bodyless(&app, &raw, &headers, reqwest::Method::DELETE).await
+    bodyless(&app, &relay, &raw, &headers, reqwest::Method::DELETE).await
 }
 
 /// Terminate an upload owned here (under the shard's ingest permit and fence).
@@ -427,21 +434,22 @@ pub(crate) async fn terminate_here(
         .terminate(Some(local), id)
         .await
         .map_err(upload_refused)?;
-    Ok(tus_answer(StatusCode::NO_CONTENT.into_response()))
+    Ok(tus_answer(Answer::NoContent.into_response()))
 }
 
-/// Hand a request for an upload owned by another node to the owner (`forward::tus`).
+/// Hand a request for an upload owned by another node to the owner (`relay`).
 async fn forward(
     app: &AppState,
+    relay: &Relay,
     target: OwnerTarget,
     id: UploadId,
     method: reqwest::Method,
     headers: &HeaderMap,
     body: Body,
 ) -> Response {
-    let Some(forwarder) = &app.forwarder else {
-        return refused(ApiError::unavailable(
-            "owner_unavailable",
+    let Some(forwarder) = &relay.0 else {
+        return refused(ApiError::new(
+            ErrorCode::OwnerUnavailable,
             "this upload is owned by another node and forwarding is not configured",
         ));
     };
@@ -459,7 +467,13 @@ async fn forward(
     };
     app.metrics.forwarded_uploads.inc();
     let response = forwarder
-        .forward_tus(target, id, method, headers, body, app.cluster.as_ref())
+        .relay(
+            target,
+            crate::relay::Relayed::Tus { id, method },
+            headers,
+            body,
+            app.cluster.as_ref(),
+        )
         .await;
     if let Some(admission) = admission {
         admission.set_outcome(if response.status().is_success() {

@@ -15,18 +15,17 @@ use std::sync::Arc;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{head, post};
 
-use super::internal::{
-    InternalState, RESERVATION_HEADER, Refusal, check, refused_preflight, reservation_header,
-};
+use super::internal::{InternalState, Refusal, check, refused_preflight, reservation_header};
 use super::tus::{
     create_here, creation_headers, patch_headers, patch_here, refused, status_here, terminate_here,
     upload_api_error, upload_id,
 };
 use crate::placement::LocalRoute;
+use crate::relay::protocol::RESERVATION_HEADER;
 use crate::tus::UploadId;
 use crate::upload::UploadService;
 
@@ -148,7 +147,7 @@ async fn preflight(
             .await
         {
             Ok(reservation) => {
-                let mut response = StatusCode::NO_CONTENT.into_response();
+                let mut response = crate::edge::Answer::NoContent.into_response();
                 if let Ok(value) = HeaderValue::from_str(&reservation) {
                     response.headers_mut().insert(RESERVATION_HEADER, value);
                 }

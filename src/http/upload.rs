@@ -1,7 +1,7 @@
 //! `POST /v1/blobs`: the public upload handler.
 //!
 //! Order of work: header checks (length syntax, size limit, media type, locality
-//! headers) -> bearer token and tenant binding (`http::auth`, when auth is on) -> request
+//! headers) -> bearer token and tenant binding (`edge::auth`, when auth is on) -> request
 //! quota -> route (`placement::routing`) -> either the upload service ingests here
 //! (`upload::UploadService`: admission, ingest permit, session, body, fenced commit), or
 //! the relay's local permits and the forwarder stream the body to the owner. Nothing
@@ -13,26 +13,29 @@ use std::sync::Arc;
 use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 
-use super::headers::upload_headers;
-use super::{ApiError, AppState};
+use super::Relay;
 use crate::admission::Outcome;
+use crate::edge::AppState;
+use crate::edge::headers::upload_headers;
+use crate::edge::{Answer, ApiError, ErrorCode};
 use crate::metrics::KindLabels;
 use crate::placement::Route;
 use crate::upload::{Declared, UploadReceipt};
 
 pub async fn post_blob(
     State(app): State<Arc<AppState>>,
+    State(relay): State<Relay>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
     let parsed = upload_headers(&headers, app.config.upload.max_blob_size.bytes())?;
     // With auth on, the bearer token is verified here and the tenant is its organization
-    // (a differing tenant header is refused); all before the body (`http::auth`).
+    // (a differing tenant header is refused); all before the body (`edge::auth`).
     let tenant =
-        super::auth::caller_tenant(&app, &headers, parsed.session.as_ref().map(|k| k.tenant))
+        crate::edge::auth::caller_tenant(&app, &headers, parsed.session.as_ref().map(|k| k.tenant))
             .await?;
     // The request quota is charged here, on the node the client called, before the body
     // is read; admission happens where the bytes are held (the upload service, or the
@@ -81,10 +84,10 @@ pub async fn post_blob(
         Route::Remote(target) => target,
     };
     count(&app.metrics.routing, "remote");
-    let Some(forwarder) = &app.forwarder else {
+    let Some(forwarder) = &relay.0 else {
         count(&app.metrics.routing_failures, "forward_config");
-        return Err(ApiError::unavailable(
-            "owner_unavailable",
+        return Err(ApiError::new(
+            ErrorCode::OwnerUnavailable,
             "this session is owned by another node and forwarding is not configured",
         ));
     };
@@ -93,7 +96,13 @@ pub async fn post_blob(
     let admission = app.admission.admit_relay(key.tenant).await?;
     app.metrics.forwarded_uploads.inc();
     let response = forwarder
-        .forward_upload(target, key, &headers, body, app.cluster.as_ref())
+        .relay(
+            target,
+            crate::relay::Relayed::Upload(key),
+            &headers,
+            body,
+            app.cluster.as_ref(),
+        )
         .await;
     admission.set_outcome(if response.status().is_success() {
         Outcome::Completed
@@ -107,7 +116,7 @@ pub async fn post_blob(
 pub fn created(receipt: UploadReceipt) -> Response {
     let location = HeaderValue::from_str(&format!("/v1/blobs/{}", receipt.key));
     let etag = HeaderValue::from_str(&receipt.etag);
-    let mut response = (StatusCode::CREATED, Json(receipt)).into_response();
+    let mut response = (Answer::Created.status(), Json(receipt)).into_response();
     let headers = response.headers_mut();
     if let Ok(location) = location {
         headers.insert(header::LOCATION, location);

@@ -30,10 +30,11 @@ use crate::actors::supervisor::SupervisorArgs;
 use crate::actors::{Cluster, ClusterHandle};
 use crate::config::Config;
 use crate::control::{ClusterOptions, ClusterTransport, ControlTransport};
-use crate::http::forward::{ForwardOptions, Forwarder};
-use crate::http::{AppState, internal, ops::Readiness};
+use crate::edge::{AppState, Readiness};
+use crate::http::internal;
 use crate::ids::NodeId;
 use crate::metrics::Metrics;
+use crate::relay::{ForwardOptions, Forwarder};
 use crate::storage::{BlockStore, ManifestStore};
 use assemble::{Mode, Stores};
 
@@ -145,6 +146,11 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
         }
     };
     let mode = stores.mode;
+    // The relay to sessions' owners (cluster mode), the public router's besides the state.
+    let relay = match mode {
+        Mode::Cluster => Some(forwarder(&config)?),
+        Mode::Embedded => None,
+    };
     let state = start_services(
         config,
         node_id,
@@ -170,15 +176,16 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     };
     if state.config.http.tls.enabled() {
         // Fail the start, not the first connection, on a bad certificate or key.
-        crate::http::tls::public_acceptor(&state.config.http.tls).map_err(StartError::Tls)?;
+        crate::edge::tls::public_acceptor(&state.config.http.tls).map_err(StartError::Tls)?;
     }
     if grpc_listener.is_some() && state.config.grpc.tls.enabled() {
-        crate::http::tls::grpc_acceptor(&state.config.grpc.tls).map_err(StartError::Tls)?;
+        crate::edge::tls::grpc_acceptor(&state.config.grpc.tls).map_err(StartError::Tls)?;
     }
     let stop_accepting = CancellationToken::new();
     let server = tokio::spawn(crate::http::serve(
         listener,
         state.clone(),
+        relay,
         stop_accepting.clone().cancelled_owned(),
     ));
     let grpc = match grpc_listener {
@@ -284,7 +291,7 @@ async fn start_placement(
     Ok(Arc::new(handle))
 }
 
-/// The services a request uses, gathered in the [`AppState`]: forwarder, authentication,
+/// The services a request uses, gathered in the [`AppState`]: authentication,
 /// the upload service, the dependency probes (their first round before the node serves:
 /// `/readyz` never shows an unprobed dependency, and one down at start is logged now).
 async fn start_services(
@@ -301,12 +308,8 @@ async fn start_services(
         metrics.register_with(|registry| gc_metrics.register(registry));
         (store, gc_metrics)
     });
-    let forwarder = match stores.mode {
-        Mode::Cluster => Some(forwarder(&config)?),
-        Mode::Embedded => None,
-    };
     let auth = start_auth(&config).await?;
-    let edge = crate::http::EdgeMetrics::default();
+    let edge = crate::edge::EdgeMetrics::default();
     metrics.register_with(|registry| edge.register(registry));
     let uploads = Arc::new(crate::upload::UploadService::new(
         crate::upload::UploadParts {
@@ -355,7 +358,6 @@ async fn start_services(
         readiness: Readiness::default(),
         started_at: Instant::now(),
         cluster,
-        forwarder,
         auth,
         edge,
         packs,
@@ -363,7 +365,7 @@ async fn start_services(
     }))
 }
 
-/// The node-to-node forwarder of a cluster node.
+/// The node-to-node relay of a cluster node.
 fn forwarder(config: &Config) -> Result<Forwarder, StartError> {
     let options = ForwardOptions::from_config(&config.control).ok_or_else(|| {
         StartError::Control("control.internal_token is required in cluster mode".into())
@@ -508,14 +510,14 @@ async fn start_cluster_parts(
     let router = internal::router(internal_state).merge(tus_routes);
     let tls = if config.http.internal_tls.enabled() {
         Some(
-            crate::http::tls::internal_acceptor(&config.http.internal_tls)
+            crate::edge::tls::internal_acceptor(&config.http.internal_tls)
                 .map_err(StartError::Tls)?,
         )
     } else {
         None
     };
-    let options = crate::http::listener::ServeOptions {
-        name: "internal",
+    let options = crate::edge::listener::ServeOptions {
+        name: crate::edge::listener::INTERNAL,
         limits: config.http.internal_limits(),
         tls,
         metrics: state.edge.connections.clone(),
@@ -534,7 +536,7 @@ async fn start_cluster_parts(
         internal_addr,
     });
     let control_tls = if config.http.internal_tls.enabled() {
-        Some(crate::http::tls::control_tls(&config.http.internal_tls).map_err(StartError::Tls)?)
+        Some(crate::edge::tls::control_tls(&config.http.internal_tls).map_err(StartError::Tls)?)
     } else {
         None
     };

@@ -19,7 +19,7 @@ use futures_util::future::BoxFuture;
 use crate::actors::ClusterHandle;
 use crate::control::envelope::{HotStateSnapshot, OwnerReply, Reply, ReplyErrorCode, SessionPhase};
 use crate::control::{ControlHandler, ControlTransport, Envelope};
-use crate::http::AppState;
+use crate::edge::AppState;
 use crate::ids::{NodeId, SessionKey};
 use crate::placement::ShardId;
 use crate::session::{HotSnapshot, Phase};

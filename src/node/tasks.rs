@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::http::AppState;
+use crate::edge::AppState;
 use crate::storage::pack::gc::{self, GcOptions};
 
 type TaskFuture = Pin<Box<dyn Future<Output = ()> + Send>>;

@@ -821,6 +821,7 @@ mod tests {
             .collect()
     }
 
+    // Checks CAS-1: the same content gives the same key, and the second ingest writes no block.
     #[tokio::test]
     async fn ingest_produces_content_key_and_dedups() {
         let dir = tempfile::tempdir().unwrap();
@@ -858,6 +859,7 @@ mod tests {
         assert!(manifests.get(first.key).await.unwrap().is_some());
     }
 
+    // Checks CAS-2: a body shorter or longer than declared leaves no manifest.
     #[tokio::test]
     async fn short_or_long_bodies_store_no_manifest() {
         let dir = tempfile::tempdir().unwrap();

@@ -241,6 +241,7 @@ mod tests {
     }
 
     proptest! {
+        // Checks SES-1: the bound holds and a busy session is never evicted, for any operations.
         #[test]
         fn bound_holds_and_active_sessions_are_never_evicted(
             capacity in 1usize..8,

@@ -51,8 +51,8 @@ pub const READ_AHEAD: usize = 4;
 /// HTTP responses a [`BlockStore::read_blocks`] stream keeps open at once: the run of
 /// blocks being read and the next two, whose requests are sent early so their latency is
 /// hidden and the server streams them while the current run is read (a third response
-/// took S3 downloads from 0.62–0.80 to 0.89–1.02 of four parallel whole-pack GETs, stop 20,
-/// docs/performance.md). Each holds at most one HTTP/1 read buffer
+/// took S3 downloads from 0.62–0.80 to 0.89–1.02 of four parallel whole-pack GETs,
+/// docs/performance.md, "S3"). Each holds at most one HTTP/1 read buffer
 /// (`pipeline::ingest::MAX_BODY_FRAME`).
 pub const READ_RESPONSES: usize = 3;
 

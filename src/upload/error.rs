@@ -1,4 +1,4 @@
-//! Why an upload did not commit. `http::error` maps every variant to an answer.
+//! Why an upload did not commit. `edge::error` maps every variant to an answer.
 
 use crate::admission;
 use crate::pipeline::ingest::IngestError;
@@ -42,7 +42,7 @@ pub enum UploadError {
 }
 
 impl UploadError {
-    /// Is the server (or the cluster), not the request, the reason? `http::error` answers
+    /// Is the server (or the cluster), not the request, the reason? `edge::error` answers
     /// these with a 5xx (a test there checks the two agree).
     pub fn is_server_side(&self) -> bool {
         match self {

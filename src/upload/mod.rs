@@ -7,7 +7,7 @@
 //! listener (`http::upload`, direct uploads) and the internal listener (`http::internal`,
 //! uploads forwarded by another node) both call it; neither holds ingest logic.
 //!
-//! It returns domain errors ([`UploadError`]); `http::error` is the one place they become
+//! It returns domain errors ([`UploadError`]); `edge::error` is the one place they become
 //! HTTP answers. It holds its own dependencies, not the HTTP `AppState`.
 //!
 //! Order of work (every refusal before the body leaves it unread): admission (unless a

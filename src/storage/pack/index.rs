@@ -142,7 +142,7 @@ impl RedbIndex {
     pub fn open(path: &Path) -> Result<Self, StoreError> {
         // redb's page cache defaults to 1 GiB, so a full scan (the collector's select)
         // made the process as large as the index; bounded here (docs/performance.md,
-        // "GC at 1 M blocks").
+        // "Collector").
         let db = match redb::Builder::new()
             .set_cache_size(INDEX_CACHE_BYTES)
             .create(path)

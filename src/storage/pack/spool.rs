@@ -7,7 +7,7 @@
 //!   thread while the writer fills the other, so the bytes skip the page cache: no copy
 //!   into it, no dirty-page and extent bookkeeping, no write-back work on the writer's
 //!   core. Buffered writes cost more CPU than the cut-point search on a 2-core VM
-//!   (docs/performance.md, "Stop 21"). The last partial stage is written with the
+//!   (docs/performance.md, "Ingest"). The last partial stage is written with the
 //!   aligned part direct and the rest buffered; the medium's `fdatasync` at publish
 //!   covers both, so durability (STO-1) is unchanged.
 //! - **Buffered** (S3 spools, which are read back for the PUT and then deleted; fsync

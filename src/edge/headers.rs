@@ -1,8 +1,8 @@
 //! Request header checks that run before any body byte is read (pure functions).
 
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, header};
 
-use super::ApiError;
+use crate::edge::{ApiError, ErrorCode};
 use crate::ids::{SessionId, SessionKey, TenantId};
 
 /// Header naming the tenant of an upload session.
@@ -28,14 +28,14 @@ pub struct UploadHeaders {
 pub(crate) fn single_value<'a>(
     headers: &'a HeaderMap,
     name: &str,
-    code: &'static str,
+    code: ErrorCode,
 ) -> Result<Option<&'a str>, ApiError> {
     let mut values = headers.get_all(name).iter();
     let Some(first) = values.next() else {
         return Ok(None);
     };
     if values.next().is_some() {
-        return Err(ApiError::bad_request(
+        return Err(ApiError::new(
             code,
             format!("{name} must appear at most once"),
         ));
@@ -43,7 +43,7 @@ pub(crate) fn single_value<'a>(
     first
         .to_str()
         .map(Some)
-        .map_err(|_| ApiError::bad_request(code, format!("{name} must be visible ASCII")))
+        .map_err(|_| ApiError::new(code, format!("{name} must be visible ASCII")))
 }
 
 /// Digits only (no sign, no spaces), fitting in u64. The one parser of numeric headers.
@@ -56,12 +56,12 @@ pub fn parse_digits(value: &[u8]) -> Option<u64> {
 
 /// `Content-Length` must be ASCII digits only (no sign, spaces, or list).
 pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
-    const CODE: &str = "invalid_content_length";
+    const CODE: ErrorCode = ErrorCode::InvalidContentLength;
     let Some(value) = single_value(headers, header::CONTENT_LENGTH.as_str(), CODE)? else {
         return Ok(None);
     };
     parse_digits(value.as_bytes()).map(Some).ok_or_else(|| {
-        ApiError::bad_request(
+        ApiError::new(
             CODE,
             "Content-Length must be ASCII digits only, within 64 bits",
         )
@@ -70,21 +70,24 @@ pub fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
 
 /// Both locality headers or neither; each a canonical UUID.
 pub fn session_key(headers: &HeaderMap) -> Result<Option<SessionKey>, ApiError> {
-    let tenant = single_value(headers, TENANT_HEADER, "invalid_tenant_id")?;
-    let session = single_value(headers, SESSION_HEADER, "invalid_session_id")?;
+    let tenant = single_value(headers, TENANT_HEADER, ErrorCode::InvalidTenantId)?;
+    let session = single_value(headers, SESSION_HEADER, ErrorCode::InvalidSessionId)?;
     match (tenant, session) {
         (None, None) => Ok(None),
-        (Some(_), None) | (None, Some(_)) => Err(ApiError::bad_request(
-            "incomplete_session_headers",
+        (Some(_), None) | (None, Some(_)) => Err(ApiError::new(
+            ErrorCode::IncompleteSessionHeaders,
             "X-Graviton-Tenant-Id and X-Graviton-Upload-Session-Id must be sent together",
         )),
         (Some(tenant), Some(session)) => {
             let tenant: TenantId = tenant.parse().map_err(|e| {
-                ApiError::bad_request("invalid_tenant_id", format!("X-Graviton-Tenant-Id {e}"))
+                ApiError::new(
+                    ErrorCode::InvalidTenantId,
+                    format!("X-Graviton-Tenant-Id {e}"),
+                )
             })?;
             let session: SessionId = session.parse().map_err(|e| {
-                ApiError::bad_request(
-                    "invalid_session_id",
+                ApiError::new(
+                    ErrorCode::InvalidSessionId,
                     format!("X-Graviton-Upload-Session-Id {e}"),
                 )
             })?;
@@ -99,15 +102,14 @@ pub fn content_type(headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(value) = single_value(
         headers,
         header::CONTENT_TYPE.as_str(),
-        "invalid_content_type",
+        ErrorCode::InvalidContentType,
     )?
     else {
         return Ok(());
     };
     if value.trim().to_ascii_lowercase().starts_with("multipart/") {
         return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
+            ErrorCode::UnsupportedMediaType,
             "send the blob as the raw request body (for curl: --data-binary @FILE), not as a multipart form",
         ));
     }
@@ -162,10 +164,10 @@ pub fn upload_headers(headers: &HeaderMap, max_blob_size: u64) -> Result<UploadH
 pub fn content_digest(
     headers: &HeaderMap,
 ) -> Result<Option<crate::cas::digest::ContentDigest>, ApiError> {
-    let rfc = single_value(headers, CONTENT_DIGEST_HEADER, "invalid_digest")?;
-    let hex = single_value(headers, CONTENT_HASH_HEADER, "invalid_digest")?;
+    let rfc = single_value(headers, CONTENT_DIGEST_HEADER, ErrorCode::InvalidDigest)?;
+    let hex = single_value(headers, CONTENT_HASH_HEADER, ErrorCode::InvalidDigest)?;
     crate::cas::digest::declared(rfc, hex)
-        .map_err(|e| ApiError::bad_request("invalid_digest", e.to_string()))
+        .map_err(|e| ApiError::new(ErrorCode::InvalidDigest, e.to_string()))
 }
 
 #[cfg(test)]
@@ -253,14 +255,14 @@ mod tests {
             "99999999999999999999999",
         ] {
             let err = content_length(&headers(&[("content-length", bad)])).unwrap_err();
-            assert_eq!(err.code, "invalid_content_length", "{bad:?}");
+            assert_eq!(err.code.as_str(), "invalid_content_length", "{bad:?}");
         }
         let err = content_length(&headers(&[
             ("content-length", "1"),
             ("content-length", "1"),
         ]))
         .unwrap_err();
-        assert_eq!(err.code, "invalid_content_length");
+        assert_eq!(err.code.as_str(), "invalid_content_length");
     }
 
     #[test]
@@ -273,13 +275,15 @@ mod tests {
         assert_eq!(
             session_key(&headers(&[(TENANT_HEADER, T)]))
                 .unwrap_err()
-                .code,
+                .code
+                .as_str(),
             "incomplete_session_headers"
         );
         assert_eq!(
             session_key(&headers(&[(SESSION_HEADER, S)]))
                 .unwrap_err()
-                .code,
+                .code
+                .as_str(),
             "incomplete_session_headers"
         );
         assert_eq!(
@@ -288,13 +292,15 @@ mod tests {
                 (SESSION_HEADER, S)
             ]))
             .unwrap_err()
-            .code,
+            .code
+            .as_str(),
             "invalid_tenant_id"
         );
         assert_eq!(
             session_key(&headers(&[(TENANT_HEADER, T), (SESSION_HEADER, "{x}")]))
                 .unwrap_err()
-                .code,
+                .code
+                .as_str(),
             "invalid_session_id"
         );
     }
@@ -302,13 +308,13 @@ mod tests {
     #[test]
     fn size_limit_and_multipart_are_refused_up_front() {
         let err = upload_headers(&headers(&[("content-length", "1001")]), 1000).unwrap_err();
-        assert_eq!(err.status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(err.code, ErrorCode::BlobTooLarge);
         let err = upload_headers(
             &headers(&[("content-type", "multipart/form-data; boundary=x")]),
             1000,
         )
         .unwrap_err();
-        assert_eq!(err.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+        assert_eq!(err.code, ErrorCode::UnsupportedMediaType);
         assert!(
             upload_headers(
                 &headers(&[("content-type", "application/x-www-form-urlencoded")]),

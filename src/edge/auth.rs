@@ -1,7 +1,8 @@
-//! Who a public request acts for: the JWT binding of the tenant (see `crate::auth`).
+//! Who a request acts for, over HTTP and gRPC alike: the JWT binding of the tenant (see
+//! `crate::auth`), and the tenant header ([`tenant_header`]).
 //!
-//! [`caller_tenant`] is called by uploads and downloads before anything else that
-//! charges a quota or touches the body. With `auth.enabled = false` the tenant is the
+//! [`caller_tenant`] is called by uploads, downloads and every gRPC call before anything
+//! else that charges a quota or touches the body. With `auth.enabled = false` the tenant is the
 //! `X-Graviton-Tenant-Id` header as sent (the embedded default). With auth on:
 //! - no `Authorization: Bearer` -> 401 `unauthenticated` with `WWW-Authenticate: Bearer`;
 //! - a token that fails verification -> 401 `invalid_token` (the challenge says
@@ -10,11 +11,25 @@
 //! - otherwise the tenant is the token's organization, whether the header was sent or
 //!   not: quotas and admission never see a tenant the caller did not prove.
 
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 
-use super::{ApiError, AppState};
+use super::headers::{TENANT_HEADER, single_value};
+use super::{ApiError, AppState, ErrorCode};
 use crate::auth::AuthError;
 use crate::ids::TenantId;
+
+/// The optional `X-Graviton-Tenant-Id` header as a tenant.
+pub fn tenant_header(headers: &HeaderMap) -> Result<Option<TenantId>, ApiError> {
+    let Some(text) = single_value(headers, TENANT_HEADER, ErrorCode::InvalidTenantId)? else {
+        return Ok(None);
+    };
+    text.parse().map(Some).map_err(|e| {
+        ApiError::new(
+            ErrorCode::InvalidTenantId,
+            format!("X-Graviton-Tenant-Id {e}"),
+        )
+    })
+}
 
 const REALM: &str = "Bearer realm=\"graviton\"";
 
@@ -47,8 +62,7 @@ pub async fn caller_tenant(
             })
             .inc();
         return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "tenant_mismatch",
+            ErrorCode::TenantMismatch,
             "X-Graviton-Tenant-Id differs from the organization of the bearer token",
         ));
     }
@@ -102,15 +116,12 @@ fn reason(err: &AuthError) -> &'static str {
 pub fn refusal(err: AuthError) -> ApiError {
     match err {
         AuthError::Missing => {
-            ApiError::new(StatusCode::UNAUTHORIZED, "unauthenticated", err.to_string())
-                .with_challenge(REALM)
+            ApiError::new(ErrorCode::Unauthenticated, err.to_string()).with_challenge(REALM)
         }
-        AuthError::KeysUnavailable => ApiError::unavailable("auth_unavailable", err.to_string())
-            .with_retry_after(super::error::RETRY_AUTH),
-        other => ApiError::new(StatusCode::UNAUTHORIZED, "invalid_token", other.to_string())
-            .with_challenge(format!(
-                "{REALM}, error=\"invalid_token\", error_description=\"{other}\""
-            )),
+        AuthError::KeysUnavailable => ApiError::new(ErrorCode::AuthUnavailable, err.to_string()),
+        other => ApiError::new(ErrorCode::InvalidToken, other.to_string()).with_challenge(format!(
+            "{REALM}, error=\"invalid_token\", error_description=\"{other}\""
+        )),
     }
 }
 
@@ -122,18 +133,21 @@ mod tests {
     #[test]
     fn a_missing_bearer_is_unauthenticated_and_a_malformed_one_an_invalid_token() {
         let mut headers = HeaderMap::new();
-        assert_eq!(bearer(&headers).unwrap_err().code, "unauthenticated");
+        assert_eq!(
+            bearer(&headers).unwrap_err().code,
+            ErrorCode::Unauthenticated
+        );
         headers.insert(
             axum::http::header::AUTHORIZATION,
             HeaderValue::from_static("Basic abc"),
         );
-        assert_eq!(bearer(&headers).unwrap_err().code, "invalid_token");
+        assert_eq!(bearer(&headers).unwrap_err().code, ErrorCode::InvalidToken);
     }
 
     #[test]
     fn refusals_carry_a_challenge() {
         let err = refusal(AuthError::Expired);
-        assert_eq!(err.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(err.status.as_u16(), 401);
         assert!(err.challenge.unwrap().contains("error=\"invalid_token\""));
         assert_eq!(refusal(AuthError::Missing).challenge.unwrap(), REALM);
     }

@@ -1,4 +1,4 @@
-//! The accept loop shared by every HTTP listener (public and internal): connection
+//! The accept loop shared by every HTTP/1 listener (public and internal): connection
 //! hygiene, optional TLS, and graceful shutdown.
 //!
 //! Each accepted connection is served by hyper's HTTP/1 connection builder with a tokio
@@ -71,6 +71,15 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// Metric label of the public listener.
+pub const PUBLIC: &str = "public";
+/// Metric label of the internal listener (relayed requests, cluster mode).
+pub const INTERNAL: &str = "internal";
+/// Metric label of the gRPC listener (`grpc::listener`).
+pub const GRPC: &str = "grpc";
+/// Every listener of a node, by metric label.
+pub const LISTENERS: [&str; 3] = [PUBLIC, INTERNAL, GRPC];
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ListenerLabels {
     /// "public", "internal" or "grpc"
@@ -92,7 +101,7 @@ impl ConnectionMetrics {
     /// Register into a registry (the node's `Metrics::register_with`).
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
         // Every series at zero from the start (listed in /metrics, first event counted).
-        for listener in ["public", "internal", crate::grpc::listener::LISTENER] {
+        for listener in LISTENERS {
             let labels = ListenerLabels { listener };
             drop(self.refused.get_or_create(&labels));
             drop(self.header_timeouts.get_or_create(&labels));
@@ -138,15 +147,6 @@ impl ServeOptions {
     }
 }
 
-/// Body of the answer to a connection over the bound.
-const REFUSED_RESPONSE: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
-content-type: application/json\r\n\
-retry-after: 1\r\n\
-connection: close\r\n\
-content-length: 82\r\n\
-\r\n\
-{\"error\":\"too_many_connections\",\"message\":\"the server is at its connection limit\"}";
-
 /// Largest body frame read from a connection at once. hyper grows its read buffer up to
 /// this only while reads fill it (a fast upload); a 24 KiB cap made a 512 MiB upload cost
 /// about 22,000 reads, wake-ups and writes per hop, which was most of a forwarding node's
@@ -185,6 +185,11 @@ pub async fn serve(
         // write) buffer, so also the size of each body frame read from the socket.
         .max_buf_size(read_buffer_max(options.limits.max_header_bytes));
     let builder = Arc::new(builder);
+    let refused = super::ApiError::new(
+        super::ErrorCode::TooManyConnections,
+        "the server is at its connection limit",
+    )
+    .to_http1_bytes();
     let stop = CancellationToken::new();
     let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
@@ -205,7 +210,7 @@ pub async fn serve(
         };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             options.metrics.refused.get_or_create(&labels).inc();
-            refuse(stream);
+            refuse(stream, &refused);
             continue;
         };
         let _ = stream.set_nodelay(true);
@@ -247,10 +252,10 @@ pub async fn serve(
 }
 
 /// Answer a connection over the bound without waiting on it, then close it.
-fn refuse(stream: TcpStream) {
+fn refuse(stream: TcpStream, answer: &[u8]) {
     // A fresh socket's send buffer takes the whole answer; if it does not, the client
     // simply sees the connection closed.
-    let _ = stream.try_write(REFUSED_RESPONSE);
+    let _ = stream.try_write(answer);
     if let Ok(std) = stream.into_std() {
         let _ = std.shutdown(std::net::Shutdown::Write);
     }

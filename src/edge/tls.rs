@@ -7,9 +7,12 @@
 //!   certificate and trusting only the same CA;
 //! - [`control_tls`]: the same pair for the ractor_cluster control plane.
 //!
+//! The TLS sections' types ([`TlsConfig`] for `[http.tls]` and `[grpc.tls]`,
+//! [`InternalTlsConfig`] for `[http.internal_tls]`) live here, where they are read.
+//!
 //! Errors name the file at fault, never key material.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls_pki_types::pem::PemObject;
@@ -17,7 +20,46 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::{self, ClientConfig, RootCertStore, ServerConfig};
 
-use super::config::{InternalTlsConfig, TlsConfig};
+use serde::{Deserialize, Serialize};
+
+/// `[http.tls]`: TLS on the public listener.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM certificate chain (leaf first). Set together with `key_file`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_file: Option<PathBuf>,
+}
+
+impl TlsConfig {
+    pub fn enabled(&self) -> bool {
+        self.cert_file.is_some()
+    }
+}
+
+/// `[http.internal_tls]`: mutual TLS on the internal listener. Every node presents
+/// `cert_file` (as server and as forwarding client) and accepts peers whose certificate
+/// chains to `ca_file`. The internal token is still required on top.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct InternalTlsConfig {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cert_file: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key_file: Option<PathBuf>,
+    /// PEM CA certificate(s) that peer certificates must chain to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+}
+
+impl InternalTlsConfig {
+    pub fn enabled(&self) -> bool {
+        self.cert_file.is_some()
+    }
+}
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::aws_lc_rs::default_provider())
