@@ -41,7 +41,8 @@
 //! - `lua/` and `sql/` at the crate root hold the Redis script and PostgreSQL migrations.
 //!
 //! Imports between these folders run one way (`python3 scripts/layers.py src` lists any
-//! cycle; the one left is `config`/`http`/`grpc`, through the edge's `Arc<Config>`):
+//! cycle; the one left is `config` <-> `edge`: the edge's state holds the `Config`, while
+//! `config` holds the `[http]`/`[grpc]` sections, which use the edge's TLS types):
 //! `values` and `ids` at the bottom, `cas` below `storage` below `pipeline`, `placement`
 //! below `actors`, `config` above the sections it assembles, `node` and `cli` at the top.
 
