@@ -9,7 +9,10 @@
 //! then counts the fresh bytes of revision N+1 (blocks not stored before, each counted
 //! once) with each chunker, at the same target size (64 KiB), and prints their ratio.
 //! Throughput: the cut plus the BLAKE3 of every block (what the ingest's chunk thread and
-//! block hashing do per byte), over every file of the corpus, in 9 interleaved rounds
+//! block hashing do per byte), both cutting the file in memory with no copy into a chunker
+//! buffer (the ingest copies into either chunker's buffer alike; an earlier version of
+//! this benchmark charged the copy to the PDF-aware side only, about 20 % of its cycles),
+//! over every file of the corpus, in 9 interleaved rounds
 //! (FastCDC, PDF-aware, FastCDC, …): the median of each, and the median of the per-round
 //! ratios PDF-aware / FastCDC.
 

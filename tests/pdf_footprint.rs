@@ -5,7 +5,10 @@
 //!   holds while it cuts worst-case bodies (a window full of tiny objects, so its event
 //!   queue is full; large streams whose `/Length` is indirect; a body that is no PDF),
 //!   against FastCDC's `StreamChunker` on the same bodies in the same pieces: the
-//!   difference stays within `EXTRA_MEMORY`, and both within their stated buffers;
+//!   difference stays within `EXTRA_MEMORY`, and both within their stated buffers; and
+//!   the chunker's own heap beyond its buffer (the event queue, allocated at its bound,
+//!   never grown), measured apart from the buffers, stays within `EXTRA_MEMORY` less
+//!   the lookahead (which lives in the buffer);
 //! * a real `graviton serve` process ingests a PDF of large image streams, generated
 //!   while it is sent (several hundred MiB here; `GRAVITON_PDF_FOOTPRINT_MIB=1024` for
 //!   the 1 GiB run), and its resident memory (`VmHWM` of `/proc/<pid>/status`, reset
@@ -27,7 +30,7 @@ use futures_util::StreamExt;
 use graviton::admission::{Footprint, Operation};
 use graviton::cas::MAX_CHUNK;
 use graviton::cas::chunker::{BUFFER_CHUNKS, StreamChunker};
-use graviton::cas::pdf::chunk::{EXTRA_MEMORY, MAX_EVENTS};
+use graviton::cas::pdf::chunk::{EXTRA_MEMORY, LOOKAHEAD, MAX_EVENTS};
 use graviton::cas::pdf::{PdfChunker, PdfSizes};
 use graviton::pipeline::ingest::{BATCH_BYTES, MAX_BODY_FRAME};
 
@@ -181,11 +184,41 @@ fn the_pdf_chunker_holds_at_most_its_stated_extra_memory() {
         );
         assert!(pdf <= 2 * buffer + slack + EXTRA_MEMORY, "{name}: {pdf} B");
     }
+    // The chunker's own heap beyond its buffer (the event queue: the scanner and the
+    // lookahead take none), measured apart from the buffers. The comparison above cannot
+    // see a queue that grows by doubling instead of being allocated at its bound: the
+    // growth (old and new allocation at once, 1.5 times the bound) happens while only one
+    // buffer is held, below the two-buffer peak.
+    for (name, data) in bodies() {
+        let own = own_heap(&data);
+        println!("{name}: PDF-aware chunker's own heap beyond its buffer {own} B");
+        assert!(
+            own <= EXTRA_MEMORY - LOOKAHEAD + 1024,
+            "{name}: the PDF-aware chunker held {own} B beyond its buffer, stated {} B",
+            EXTRA_MEMORY - LOOKAHEAD
+        );
+    }
     // The event queue was full in the tiny-objects body (its bound was reached).
     let mut chunker = PdfChunker::new(PdfSizes::default());
     chunker.push(&bodies()[0].1[..1 << 20]);
     while chunker.next_chunk(false).is_some() {}
     assert!(chunker.counts().dropped_events > 0);
+}
+
+/// The peak heap a PDF-aware chunker holds beyond its buffer while it cuts `data`: what
+/// `new` allocates besides the buffer, plus the peak growth while it cuts `data` held in
+/// one buffer (pushed whole, so the buffer is never replaced and every other allocation
+/// is the chunker's own, or the small shared header of the frozen blocks).
+fn own_heap(data: &[u8]) -> usize {
+    let before = LIVE.with(Cell::get);
+    let mut chunker = PdfChunker::new(PdfSizes::default());
+    let at_start = (LIVE.with(Cell::get) - before) as usize - BUFFER_CHUNKS * MAX_CHUNK;
+    chunker.push(data);
+    let cutting = peak_of(|| {
+        while chunker.next_chunk(false).is_some() {}
+        while chunker.next_chunk(true).is_some() {}
+    });
+    at_start + cutting
 }
 
 const BIN: &str = env!("CARGO_BIN_EXE_graviton");

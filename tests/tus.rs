@@ -545,11 +545,13 @@ async fn a_dropped_connection_keeps_only_durable_bytes_and_resumes_byte_exact() 
 
 #[tokio::test]
 async fn a_refused_part_leaves_its_body_unread_and_holds_nothing() {
-    // Checks TUS-3. The part's footprint (min(part_footprint, remaining) = 8 MiB) never fits a tenant
-    // limit of 1 MiB: 429 before the body, and the permits are all free afterwards.
+    // Checks TUS-3. The part's footprint (`Footprint::for_part`: min(part_footprint,
+    // remaining) = 32 MiB) never fits a tenant limit of 16 MiB: 429 before the body, and
+    // the permits are all free afterwards. A part of 1000 bytes reserves the upload
+    // footprint (about 13.3 MiB, ADM-14), which fits.
     let node = TestNode::start_with(
         |config| {
-            config.admission.tenant_bytes = ByteSize::mib(1);
+            config.admission.tenant_bytes = ByteSize::mib(16);
             // One transfer per tenant: a slot leaked by the refusal would block the next.
             config.admission.tenant_transfers = 1;
             config.admission.acquisition_timeout = HumanDuration(Duration::from_secs(2));
@@ -557,7 +559,7 @@ async fn a_refused_part_leaves_its_body_unread_and_holds_nothing() {
         Default::default(),
     )
     .await;
-    let upload = create(&node.url, 8 << 20).await;
+    let upload = create(&node.url, 32 << 20).await;
     let path = upload.trim_start_matches(&node.url).to_string();
     let head = format!(
         "PATCH {path} HTTP/1.1\r\nhost: x\r\ntus-resumable: 1.0.0\r\ncontent-type: {OCTETS}\r\nupload-offset: 0\r\ncontent-length: {}\r\n\r\n",

@@ -14,6 +14,14 @@
 //!
 //! Each is rounded up to whole KiB (the local budget's unit).
 //!
+//! One PATCH of a resumable (tus) upload reserves [`Footprint::for_part`]:
+//! `min(upload.resumable_part_footprint, remaining length)`, but never less than the
+//! upload footprint above. The pipeline of a PATCH is an upload's pipeline (its chunker
+//! buffer, the PDF-aware chunker's fixed extra, the staged tail it resumes from, frame
+//! batches and socket buffers are there whatever few bytes are left), so a last PATCH of a
+//! few bytes holds about as much as a one-shot upload of a few bytes, which reserves the
+//! upload footprint too (ADM-14).
+//!
 //! Footprints bound anonymous memory (heap and stacks). An upload on S3 also keeps the
 //! pack it is sealing mapped while its PUT is in flight (`storage::pack::s3`): file-backed,
 //! reclaimable page cache, up to `pack_size` plus one block per upload, which resident-size
@@ -88,6 +96,17 @@ impl Footprint {
         };
         Self(NonZeroU64::new(bytes.div_ceil(1024).saturating_mul(1024)).expect("positive"))
     }
+
+    /// The footprint of one resumable (tus) PATCH with `remaining` bytes left until the
+    /// upload's declared length, under the configured cap `limit`
+    /// (`upload.resumable_part_footprint`): `min(limit, remaining)`, raised to the upload
+    /// footprint of the generic chunker's largest block (see the module docs).
+    pub fn for_part(limit: u64, remaining: u64) -> Self {
+        let pipeline =
+            Self::for_operation(Operation::Upload, crate::cas::chunker::MAX_CHUNK as u64);
+        let staged = limit.min(remaining).div_ceil(1024).saturating_mul(1024);
+        Self(NonZeroU64::new(staged.max(pipeline.bytes())).expect("positive"))
+    }
 }
 
 fn as_usize(chunk: u64) -> usize {
@@ -152,6 +171,24 @@ mod tests {
         assert!(Footprint::new(0).is_none());
         assert_eq!(Footprint::new(1).unwrap().kib(), 1);
         assert_eq!(Footprint::new(1025).unwrap().kib(), 2);
+    }
+
+    #[test]
+    fn a_part_reserves_its_cap_but_never_less_than_the_upload_footprint() {
+        // Checks ADM-14 (the formula; `pdf_part_footprint` measures the pipeline).
+        let upload =
+            Footprint::for_operation(Operation::Upload, crate::cas::chunker::MAX_CHUNK as u64);
+        let cap = 128 * MIB;
+        assert_eq!(Footprint::for_part(cap, 1 << 40).bytes(), cap);
+        assert_eq!(
+            Footprint::for_part(cap, 100 * MIB + 1).bytes(),
+            100 * MIB + 1024
+        );
+        for remaining in [0, 1, 10, MIB, upload.bytes()] {
+            assert_eq!(Footprint::for_part(cap, remaining), upload, "{remaining}");
+        }
+        // A cap below the pipeline's bound cannot make a part reserve less than it holds.
+        assert_eq!(Footprint::for_part(MIB, 1 << 40), upload);
     }
 
     proptest! {

@@ -49,7 +49,7 @@ impl Admission {
     }
 
     /// One PATCH of a resumable upload on the node that holds its bytes: local permits
-    /// and the cluster lease for `footprint` (the staged part's, see `tus::part_footprint`).
+    /// and the cluster lease for `footprint` (the staged part's, [`Footprint::for_part`]).
     pub async fn admit_part(
         &self,
         tenant: TenantId,

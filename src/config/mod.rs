@@ -211,7 +211,8 @@ pub struct UploadConfig {
     /// An upload whose body delivers nothing for this long is aborted.
     pub body_idle_timeout: HumanDuration,
     /// The admission footprint of one resumable (tus) PATCH is
-    /// `min(resumable_part_footprint, remaining length)`.
+    /// `min(resumable_part_footprint, remaining length)`, never less than the upload
+    /// footprint (`admission::Footprint::for_part`).
     pub resumable_part_footprint: ByteSize,
     /// A resumable upload expires this long after its last progress.
     pub resumable_expiry: HumanDuration,

@@ -171,11 +171,6 @@ impl FromStr for UploadId {
     }
 }
 
-/// The admission footprint of one PATCH: `min(limit, remaining)`, at least 1 byte.
-pub fn part_footprint(limit: u64, remaining: u64) -> u64 {
-    limit.min(remaining).max(1)
-}
-
 /// `Upload-Expires` (an RFC 9110 HTTP date) of a unix-ms instant.
 pub fn http_date(unix_ms: u64) -> String {
     httpdate::fmt_http_date(UNIX_EPOCH + Duration::from_millis(unix_ms))
@@ -293,13 +288,6 @@ mod tests {
         ] {
             assert_eq!(bad.parse::<UploadId>(), Err(BadUploadId));
         }
-    }
-
-    #[test]
-    fn part_footprint_is_capped_by_the_remaining_length() {
-        assert_eq!(part_footprint(128 << 20, 10), 10);
-        assert_eq!(part_footprint(128 << 20, 1 << 40), 128 << 20);
-        assert_eq!(part_footprint(128 << 20, 0), 1);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //!
 //! A PATCH, in order (every refusal before the body leaves it unread): the ledger row is
 //! checked (exists, not expired, offset matches, length not exceeded) → the claim with
-//! the part's footprint (`min(part_footprint, remaining)`: admission, ingest permit,
+//! the part's footprint ([`Footprint::for_part`]: admission, ingest permit,
 //! session ticket, the same [`UploadClaim`] as a plain upload) → the row is read again
 //! under the ticket → the body runs through `pipeline::ingest::ingest_part` from the staged
 //! tail → the write session commits (with the manifest, under the commit fence, on the
@@ -34,7 +34,7 @@ use crate::pipeline::ingest::{IngestError, IngestLimits, PartOutcome, PartStart,
 use crate::placement::{IngestPermit, LocalRoute, Route};
 use crate::storage::StoreError;
 use crate::storage::manifest::CommitFence;
-use crate::tus::{UploadId, now_ms, part_footprint};
+use crate::tus::{UploadId, now_ms};
 
 pub use super::ledger::{Advance, RowVersion, UploadLedger, UploadRow, new_generation};
 
@@ -274,11 +274,10 @@ impl UploadService {
         let (row, _) = self.live_row(id).await?;
         check_row(&row, offset, declared)?;
         let remaining = row.length.saturating_sub(row.offset);
-        Ok(Footprint::new(part_footprint(
+        Ok(Footprint::for_part(
             self.parts.resumable.part_footprint,
             remaining,
         ))
-        .expect("part_footprint is at least 1"))
     }
 
     /// Admit a forwarded PATCH in its pre-flight and park the admission for the PATCH.

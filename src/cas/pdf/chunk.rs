@@ -26,6 +26,9 @@
 //! buffered (or the body ended), and the scanner has then consumed exactly the bytes up to
 //! `s + max + LOOKAHEAD` (it is fed lazily, never further). Each decision is therefore a
 //! function of the body's bytes alone, whatever the transport pieces.
+//! The decisions are a `Cutter`'s, over a slice that starts at the block start: the
+//! chunker's buffer, or a whole body held in memory ([`chunk_lengths`], which so cuts with
+//! no copy of the body, like FastCDC's `chunker::chunk_lengths`).
 //!
 //! Memory (stated, counted by `pipeline::ingest::memory_bound`): the buffer holds less than
 //! `max + LOOKAHEAD` bytes between calls, plus the piece being pushed, in buffers of
@@ -119,12 +122,21 @@ enum Region {
     InData,
 }
 
-/// The PDF-aware chunker (see the module docs).
+/// The PDF-aware chunker (see the module docs): a buffer, and the [`Cutter`] that
+/// decides each cut over it.
 #[derive(Debug)]
 pub struct PdfChunker {
-    sizes: PdfSizes,
     buffer: BytesMut,
-    /// Offset of `buffer[0]` in the body.
+    cutter: Cutter,
+}
+
+/// Everything that decides the cuts, over a slice that starts at the block start: the
+/// buffer of a [`PdfChunker`], or a whole body held in memory ([`chunk_lengths`], which
+/// then cuts with no copy of the body).
+#[derive(Debug)]
+struct Cutter {
+    sizes: PdfSizes,
+    /// Offset of the slice's first byte in the body.
     start: u64,
     scanner: Scanner,
     events: VecDeque<Event>,
@@ -138,16 +150,8 @@ const BUFFER_CAPACITY: usize = BUFFER_CHUNKS * MAX_CHUNK;
 impl PdfChunker {
     pub fn new(sizes: PdfSizes) -> Self {
         Self {
-            sizes,
             buffer: BytesMut::with_capacity(BUFFER_CAPACITY),
-            start: 0,
-            scanner: Scanner::new(),
-            // At its bound from the start: a queue that grew by doubling would hold the old
-            // and the new allocation at once (1.5 times the bound) while it copies.
-            events: VecDeque::with_capacity(MAX_EVENTS),
-            region: Region::Normal,
-            counts: CutCounts::default(),
-            finished: false,
+            cutter: Cutter::new(sizes),
         }
     }
 
@@ -170,13 +174,40 @@ impl PdfChunker {
 
     /// How the cuts so far were chosen.
     pub fn counts(&self) -> CutCounts {
-        self.counts
+        self.cutter.counts
     }
 
     /// The first unsupported structure the scanner saw (complete after the last
     /// `next_chunk(true)`).
     pub fn unsupported(&self) -> Option<Unsupported> {
-        self.scanner.unsupported()
+        self.cutter.scanner.unsupported()
+    }
+
+    /// The next block, if its cut is decided. With `eof`, the rest is cut as the end.
+    pub fn next_chunk(&mut self, eof: bool) -> Option<Bytes> {
+        let len = self.cutter.next_cut(&self.buffer, eof)?;
+        Some(self.buffer.split_to(len).freeze())
+    }
+
+    /// Take the bytes not cut yet (the chunker's state is then spent).
+    pub fn take_rest(&mut self) -> Bytes {
+        self.buffer.split().freeze()
+    }
+}
+
+impl Cutter {
+    fn new(sizes: PdfSizes) -> Self {
+        Self {
+            sizes,
+            start: 0,
+            scanner: Scanner::new(),
+            // At its bound from the start: a queue that grew by doubling would hold the old
+            // and the new allocation at once (1.5 times the bound) while it copies.
+            events: VecDeque::with_capacity(MAX_EVENTS),
+            region: Region::Normal,
+            counts: CutCounts::default(),
+            finished: false,
+        }
     }
 
     /// Bytes the chunker must hold past a block start before it decides the cut.
@@ -184,15 +215,15 @@ impl PdfChunker {
         self.sizes.max + LOOKAHEAD
     }
 
-    /// Feed the scanner up to `limit` bytes of the buffer.
-    fn scan_to(&mut self, limit: usize) {
+    /// Feed the scanner up to `limit` bytes of `buf` (which starts at the block start).
+    fn scan_to(&mut self, buf: &[u8], limit: usize) {
         let scanned = (self.scanner.position() - self.start) as usize;
         if scanned >= limit {
             return;
         }
         let events = &mut self.events;
         let dropped = &mut self.counts.dropped_events;
-        self.scanner.feed(&self.buffer[scanned..limit], &mut |e| {
+        self.scanner.feed(&buf[scanned..limit], &mut |e| {
             if events.len() < MAX_EVENTS {
                 events.push_back(e);
             } else {
@@ -210,15 +241,17 @@ impl PdfChunker {
         }
     }
 
-    /// The next block, if its cut is decided. With `eof`, the rest is cut as the end.
-    pub fn next_chunk(&mut self, eof: bool) -> Option<Bytes> {
-        let avail = self.buffer.len();
+    /// The length of the next block at the start of `buf` (every byte not cut yet, or, for
+    /// an in-memory body, all the rest of it), if its cut is decided, and the state moved
+    /// past it. With `eof`, `buf` ends where the body does.
+    fn next_cut(&mut self, buf: &[u8], eof: bool) -> Option<usize> {
+        let avail = buf.len();
         let horizon = self.horizon();
         if avail == 0 || (!eof && avail < horizon) {
             return None;
         }
         let last_window = avail < horizon;
-        self.scan_to(avail.min(horizon));
+        self.scan_to(buf, avail.min(horizon));
         if last_window && !self.finished {
             self.finished = true;
             self.scanner.finish();
@@ -245,12 +278,12 @@ impl PdfChunker {
                     Some(q) if q <= window_end => (q - s) as usize,
                     _ => window,
                 };
-                let cut = chunker::first_cut(&self.buffer[..len]);
+                let cut = chunker::first_cut(&buf[..len]);
                 if end == Some(s + cut as u64) {
                     self.region = Region::Normal;
                 }
                 self.counts.stream += 1;
-                return Some(self.cut(cut));
+                return Some(self.advance(cut, avail));
             }
         }
         let target = s + self.sizes.target as u64;
@@ -293,16 +326,16 @@ impl PdfChunker {
             None if last_window && avail <= self.sizes.max => avail,
             None => {
                 self.counts.fallback += 1;
-                chunker::first_cut(&self.buffer[..window])
+                chunker::first_cut(&buf[..window])
             }
         };
-        Some(self.cut(cut))
+        Some(self.advance(cut, avail))
     }
 
-    /// Cut `len` bytes off the front and drop the events they covered.
-    fn cut(&mut self, len: usize) -> Bytes {
-        let len = len.clamp(1, self.buffer.len());
-        let block = self.buffer.split_to(len).freeze();
+    /// Move the block start `len` bytes on (at least 1, at most `avail`) and drop the
+    /// events those bytes covered; returns the length cut.
+    fn advance(&mut self, len: usize, avail: usize) -> usize {
+        let len = len.clamp(1, avail);
         self.start += len as u64;
         let start = self.start;
         while let Some(e) = self.events.front() {
@@ -317,29 +350,26 @@ impl PdfChunker {
             }
             self.events.pop_front();
         }
-        block
-    }
-
-    /// Take the bytes not cut yet (the chunker's state is then spent).
-    pub fn take_rest(&mut self) -> Bytes {
-        self.buffer.split().freeze()
+        len
     }
 }
 
-/// Block lengths of a complete in-memory body (tests and the benchmark).
+/// Block lengths of a complete in-memory body (tests and the benchmark): the cuts a
+/// [`PdfChunker`] makes for the body in any pieces (CAS-10), decided over the body itself
+/// rather than a copy of it in a chunker buffer.
 pub fn chunk_lengths(data: &[u8], sizes: PdfSizes) -> (Vec<usize>, CutCounts) {
-    let mut chunker = PdfChunker::new(sizes);
-    chunker.push(data);
+    let mut cutter = Cutter::new(sizes);
     let mut lengths = Vec::new();
-    while let Some(block) = chunker.next_chunk(false) {
-        lengths.push(block.len());
+    let mut at = 0;
+    // As `next_chunk(false)` until fewer than `max + LOOKAHEAD` bytes are left, then
+    // `next_chunk(true)`; a cut never depends on bytes past the horizon, so the slice may
+    // run to the body's end.
+    while let Some(len) = cutter.next_cut(&data[at..], data.len() - at < cutter.horizon()) {
+        lengths.push(len);
+        at += len;
     }
-    while let Some(block) = chunker.next_chunk(true) {
-        lengths.push(block.len());
-    }
-    (lengths, chunker.counts())
+    (lengths, cutter.counts)
 }
-
 /// Version tag of a saved [`PdfChunker`] state.
 const STATE_VERSION: u8 = 1;
 /// Bytes of one saved event.
@@ -356,24 +386,24 @@ impl PdfChunker {
     /// bytes for ordinary PDFs).
     pub fn save(&self) -> Vec<u8> {
         let mut w = StateWriter(Vec::with_capacity(
-            64 + SCANNER_STATE_LEN + self.events.len() * EVENT_STATE_LEN,
+            64 + SCANNER_STATE_LEN + self.cutter.events.len() * EVENT_STATE_LEN,
         ));
         w.u8(STATE_VERSION);
-        w.u64(self.sizes.target as u64);
-        w.u64(self.sizes.max as u64);
-        w.u8(match self.region {
+        w.u64(self.cutter.sizes.target as u64);
+        w.u64(self.cutter.sizes.max as u64);
+        w.u8(match self.cutter.region {
             Region::Normal => 0,
             Region::InData => 1,
         });
-        w.bool(self.finished);
-        w.u64(self.start);
-        w.u64(self.counts.boundary);
-        w.u64(self.counts.stream);
-        w.u64(self.counts.fallback);
-        w.u64(self.counts.dropped_events);
-        self.scanner.save(&mut w);
-        w.u32(self.events.len() as u32);
-        for event in &self.events {
+        w.bool(self.cutter.finished);
+        w.u64(self.cutter.start);
+        w.u64(self.cutter.counts.boundary);
+        w.u64(self.cutter.counts.stream);
+        w.u64(self.cutter.counts.fallback);
+        w.u64(self.cutter.counts.dropped_events);
+        self.cutter.scanner.save(&mut w);
+        w.u32(self.cutter.events.len() as u32);
+        for event in &self.cutter.events {
             let (tag, at) = match *event {
                 Event::Boundary(at) => (0, at),
                 Event::Revision(at) => (1, at),
@@ -423,7 +453,7 @@ impl PdfChunker {
         for _ in 0..n {
             let tag = r.u8()?;
             let at = r.u64()?;
-            chunker.events.push_back(match tag {
+            chunker.cutter.events.push_back(match tag {
                 0 => Event::Boundary(at),
                 1 => Event::Revision(at),
                 2 => Event::StreamStart(at),
@@ -442,16 +472,16 @@ impl PdfChunker {
             return Err(StateError("does not fit the staged tail"));
         }
         chunker.push(tail);
-        chunker.start = start;
-        chunker.scanner = scanner;
-        chunker.region = region;
-        chunker.counts = counts;
-        chunker.finished = finished;
+        chunker.cutter.start = start;
+        chunker.cutter.scanner = scanner;
+        chunker.cutter.region = region;
+        chunker.cutter.counts = counts;
+        chunker.cutter.finished = finished;
         Ok(chunker)
     }
 
     /// The sizes this chunker cuts with.
     pub fn sizes(&self) -> PdfSizes {
-        self.sizes
+        self.cutter.sizes
     }
 }
