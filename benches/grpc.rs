@@ -1,7 +1,7 @@
 //! gRPC `GetBlob` against the HTTP download of the same blob, on one in-process node, in
 //! one run: the blob is uploaded once, then downloaded `ROUNDS` times over each path,
 //! alternating, and the median throughput of each path is printed. Both read through the
-//! same verifying reader (`cas::read`); no tenant, so no quota is charged.
+//! same verifying reader (`pipeline::read`); no tenant, so no quota is charged.
 //!
 //! Run: `cargo bench --bench grpc`. `GRAVITON_BENCH_GRPC_MIB` sets the blob size (default
 //! 256), `GRAVITON_BENCH_ROUNDS` the rounds per path (default 5).

@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::StreamExt;
-use graviton::cas::ingest::{IngestLimits, ingest};
-use graviton::cas::read::read_blob;
 use graviton::cas::{AVG_CHUNK, BlockKey, MAX_CHUNK, MIN_CHUNK};
 use graviton::config::Config;
+use graviton::pipeline::ingest::{IngestLimits, ingest};
+use graviton::pipeline::read::read_blob;
 use graviton::storage::fs::{FsBlockStore, FsManifestStore};
 use graviton::storage::pack::{PackOptions, PackStore};
 use graviton::storage::{

@@ -4,8 +4,8 @@
 
 use std::time::Instant;
 
+use graviton::actors::Cluster;
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
-use graviton::placement::Cluster;
 use graviton::placement::hash::shard_of;
 
 fn main() {

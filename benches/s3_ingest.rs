@@ -24,10 +24,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::StreamExt;
-use graviton::cas::ingest::{IngestLimits, ingest};
-use graviton::cas::read::read_blob;
 use graviton::cas::{AVG_CHUNK, MAX_CHUNK, MIN_CHUNK};
 use graviton::config::{HumanDuration, Secret};
+use graviton::pipeline::ingest::{IngestLimits, ingest};
+use graviton::pipeline::read::read_blob;
 use graviton::storage::config::S3Config;
 use graviton::storage::fs::FsManifestStore;
 use graviton::storage::pack::format::PackId;

@@ -1,12 +1,21 @@
-//! Command-line operations that act on a cluster's PostgreSQL database directly (no
-//! running node needed): `graviton migrate`, `graviton cluster status`, `graviton drain`.
+//! Command-line operations that need no running node: on a cluster's PostgreSQL
+//! database (`graviton migrate`, `graviton cluster status`, `graviton drain`), and on a
+//! node's stores (`graviton gc`, `graviton verify`, `graviton migrate-blocks`: the stores
+//! from [`Stores::open`], the work in `storage::pack::cli`).
 
 use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::actors::ClusterError;
+use crate::config::Config;
 use crate::ids::NodeId;
-use crate::placement::{ClusterError, NodeSummary, ShardEntry};
+use crate::node::NodeOptions;
+use crate::node::assemble::{Mode, Stores};
+use crate::placement::{NodeSummary, ShardEntry};
+use crate::storage::pack::PackStore;
+use crate::storage::pack::cli as pack_cli;
+use crate::storage::pack::gc::{GcOptions, GcReport, VerifyReport};
 use crate::storage::pg::placement::{ClusterMeta, PlacementStore};
 use crate::storage::pg::{self as pg};
 
@@ -95,9 +104,67 @@ pub async fn cluster_status(url: &str) -> Result<ClusterStatus, ClusterError> {
         shard_count: meta.shard_count,
         manager_term: meta.manager_term,
         manager_node: meta.manager_node,
-        nodes: crate::placement::runtime::summarize(&table),
+        nodes: crate::placement::snapshot::summarize(&table),
         unassigned_shards: table.shards.len() - table.assigned(),
         moving_shards: table.moving(),
         shards: table.shards,
     })
+}
+
+/// The stores of the node `config` describes, for an offline `command`: in cluster mode
+/// only the shared pack store on S3 has packs to work on.
+async fn offline_stores(config: &Config, command: &str) -> anyhow::Result<(Stores, PackStore)> {
+    if Mode::of(config) == Mode::Cluster
+        && config.storage.backend_in(true) != crate::storage::config::Backend::S3
+    {
+        anyhow::bail!(
+            "{command} in cluster mode needs storage.backend = \"s3\" (the shared-mount \
+             file-per-block layout has no packs)"
+        );
+    }
+    let node = NodeId::parse(config.node.id.as_str())
+        .map_err(|e| anyhow::anyhow!("node.id in the config: {e}"))?;
+    let stores = Stores::open(config, &node, NodeOptions::default()).await?;
+    let packs = stores
+        .packs
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("{command}: the block store has no packs"))?;
+    Ok((stores, packs))
+}
+
+/// `graviton gc [--dry-run] [--purge] [--restore]`. In cluster mode on S3: the shared
+/// index and the PostgreSQL manifests; the cluster's advisory lock keeps it to one run
+/// (running nodes may keep serving).
+pub async fn run_gc(
+    config: &Config,
+    dry_run: bool,
+    purge: bool,
+    restore: bool,
+) -> anyhow::Result<GcReport> {
+    if restore && Mode::of(config) == Mode::Cluster {
+        anyhow::bail!(
+            "`graviton gc --restore` works on a single node's data directory; in a \
+             cluster on S3 a quarantined block is stored again by the next upload of its \
+             bytes"
+        );
+    }
+    let (stores, packs) = offline_stores(config, "gc").await?;
+    if restore {
+        return pack_cli::run_restore(&packs);
+    }
+    let options = GcOptions::from_config(&config.storage.gc, dry_run, purge);
+    pack_cli::run_gc(&packs, &stores.gc_manifests(), options).await
+}
+
+/// `graviton verify`: a node's own data directory, or in cluster mode on S3 the shared
+/// index and bucket.
+pub async fn run_verify(config: &Config) -> anyhow::Result<VerifyReport> {
+    let (_stores, packs) = offline_stores(config, "verify").await?;
+    pack_cli::run_verify(&packs).await
+}
+
+/// `graviton migrate-blocks`: the old file-per-block layout into packs.
+pub async fn run_migrate_blocks(config: &Config) -> anyhow::Result<u64> {
+    let (_stores, packs) = offline_stores(config, "migrate-blocks").await?;
+    pack_cli::run_migrate(&packs).await
 }

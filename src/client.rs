@@ -15,9 +15,9 @@ use futures_util::StreamExt;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::cas::BlobKey;
-use crate::config::Secret;
 use crate::ids::{SessionKey, TenantId};
 use crate::upload::UploadReceipt as UploadResponse;
+use crate::values::Secret;
 
 /// Default server for client commands (`GRAVITON_SERVER` overrides).
 pub const SERVER_DEFAULT: &str = "http://127.0.0.1:7070";

@@ -26,7 +26,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{HumanDuration, Problem};
+use crate::values::{HumanDuration, Problem};
 
 /// `[health]`: the dependency probes' schedule.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -286,7 +286,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             graviton::telemetry::init(config.log.format, &config.log.level);
             let node = graviton::ids::NodeId::parse(config.node.id.as_str())
                 .map_err(|e| anyhow::anyhow!("node.id in the config: {e}"))?;
-            match graviton::placement::run_standalone_manager(node, &config.cluster).await {
+            match graviton::actors::run_standalone_manager(node, &config.cluster).await {
                 Ok(manager) => {
                     tracing::info!(
                         term = manager.term().await.0,
@@ -305,7 +305,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         }
                     }
                 }
-                Err(graviton::placement::ClusterError::ManagerLockHeld) => {
+                Err(graviton::actors::ClusterError::ManagerLockHeld) => {
                     eprintln!(
                         "error: another shard manager holds the lock; refusing to start a second one"
                     );
@@ -382,14 +382,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             restore,
         } => {
             let config = Config::load(config.as_deref())?;
-            let report =
-                graviton::storage::pack::cli::run_gc(&config, dry_run, purge, restore).await?;
+            let report = graviton::cli::run_gc(&config, dry_run, purge, restore).await?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(ExitCode::SUCCESS)
         }
         Command::Verify { config } => {
             let config = Config::load(config.as_deref())?;
-            let report = graviton::storage::pack::cli::run_verify(&config).await?;
+            let report = graviton::cli::run_verify(&config).await?;
             println!("{}", serde_json::to_string_pretty(&report)?);
             Ok(
                 if report.damaged.is_empty() && report.entries_affected == 0 {
@@ -401,7 +400,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::MigrateBlocks { config } => {
             let config = Config::load(config.as_deref())?;
-            let moved = graviton::storage::pack::cli::run_migrate(&config).await?;
+            let moved = graviton::cli::run_migrate_blocks(&config).await?;
             println!("moved {moved} blocks into packs");
             Ok(ExitCode::SUCCESS)
         }

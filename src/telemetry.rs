@@ -5,7 +5,14 @@ use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
-use crate::config::LogFormat;
+/// Log output format (`[log] format`).
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
 
 /// Install the global subscriber. `RUST_LOG` overrides `level` when set.
 pub fn init(format: LogFormat, level: &str) {

@@ -36,8 +36,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use graviton::admission::{Footprint, Operation};
-use graviton::cas::ingest::{BATCH_BYTES, MAX_BODY_FRAME};
 use graviton::cas::{BlobKey, MAX_CHUNK};
+use graviton::pipeline::ingest::{BATCH_BYTES, MAX_BODY_FRAME};
 use graviton::storage::config::default_pack_size;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpSocket;
@@ -891,7 +891,7 @@ impl graviton::storage::pack::medium::Medium for Gated {
 // pipeline really holds (see the module docs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_ingest_pipeline_holds_no_more_heap_than_the_upload_footprint() {
-    use graviton::cas::ingest::{IngestLimits, ingest};
+    use graviton::pipeline::ingest::{IngestLimits, ingest};
     use graviton::storage::fs::FsManifestStore;
     use graviton::storage::pack::{PackOptions, PackStore};
     let _serial = SERIAL.lock().await;

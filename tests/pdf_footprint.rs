@@ -30,9 +30,9 @@ use futures_util::StreamExt;
 use graviton::admission::{Footprint, Operation};
 use graviton::cas::MAX_CHUNK;
 use graviton::cas::chunker::{BUFFER_CHUNKS, StreamChunker};
-use graviton::cas::ingest::{BATCH_BYTES, MAX_BODY_FRAME};
 use graviton::cas::pdf::chunk::{EXTRA_MEMORY, LOOKAHEAD, MAX_EVENTS};
 use graviton::cas::pdf::{PdfChunker, PdfSizes};
+use graviton::pipeline::ingest::{BATCH_BYTES, MAX_BODY_FRAME};
 
 /// Counts the live heap bytes allocated by each thread, and their peak since the last
 /// [`reset_peak`] (per thread, so the chunking measured on the test's thread is not mixed

@@ -1,6 +1,6 @@
 //! The admission footprint of a resumable (tus) PATCH covers the heap its pipeline really
 //! holds, also for the last few bytes of an upload (ADM-14): a counting global allocator
-//! measures `cas::ingest::ingest_part` resuming a PDF upload (the PDF-aware chunker
+//! measures `pipeline::ingest::ingest_part` resuming a PDF upload (the PDF-aware chunker
 //! restored from its saved state over a staged tail) for its last bytes, against
 //! [`Footprint::for_part`], the reservation `upload::resumable` takes for that PATCH.
 //!
@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use graviton::admission::Footprint;
-use graviton::cas::ingest::{IngestLimits, PartStart, ingest_part};
 use graviton::cas::pdf::select::MediaType;
 use graviton::cas::pdf::{PdfPolicy, SavedChunker, Selection};
 use graviton::config::UploadConfig;
+use graviton::pipeline::ingest::{IngestLimits, PartStart, ingest_part};
 use graviton::storage::BlockStore;
 use graviton::storage::pack::{PackOptions, PackStore};
 

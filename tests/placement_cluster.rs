@@ -7,8 +7,9 @@ mod support;
 
 use std::time::{Duration, Instant};
 
+use graviton::actors::ClusterError;
 use graviton::ids::NodeId;
-use graviton::placement::{self, ClusterError, HealthStatus, NodeState};
+use graviton::placement::{self, HealthStatus, NodeState};
 use graviton::storage::pg::PlacementStoreError;
 use support::TestDatabase;
 use support::placement::{eventually, owned, random_key, settled, start_node};
@@ -311,12 +312,12 @@ async fn second_standalone_manager_fails_closed() {
         return;
     };
     let config = support::placement::config(db.url(), "m1");
-    let first = placement::run_standalone_manager(NodeId::parse("m1").unwrap(), &config)
+    let first = graviton::actors::run_standalone_manager(NodeId::parse("m1").unwrap(), &config)
         .await
         .unwrap();
     let term1 = first.term().await;
     assert!(term1.0 >= 1);
-    let err = placement::run_standalone_manager(NodeId::parse("m2").unwrap(), &config)
+    let err = graviton::actors::run_standalone_manager(NodeId::parse("m2").unwrap(), &config)
         .await
         .err()
         .expect("second manager must fail");
@@ -345,7 +346,7 @@ async fn second_standalone_manager_fails_closed() {
             .unwrap(),
         graviton::cli::DrainOutcome::UnknownNode
     );
-    let second = placement::run_standalone_manager(NodeId::parse("m2").unwrap(), &config)
+    let second = graviton::actors::run_standalone_manager(NodeId::parse("m2").unwrap(), &config)
         .await
         .unwrap();
     assert!(second.term().await > term1);
@@ -446,10 +447,11 @@ async fn shard_count_mismatch_refuses_to_start() {
     let a = start_node(db.url(), "a", |_| {}).await;
     let mut config = support::placement::config(db.url(), "b");
     config.shard_count = 128;
-    let err = placement::Cluster::connect_and_start(NodeId::parse("b").unwrap(), &config, "test")
-        .await
-        .err()
-        .expect("must refuse");
+    let err =
+        graviton::actors::Cluster::connect_and_start(NodeId::parse("b").unwrap(), &config, "test")
+            .await
+            .err()
+            .expect("must refuse");
     assert!(
         matches!(
             err,
@@ -537,7 +539,7 @@ async fn readiness_follows_placement() {
 
 #[tokio::test]
 async fn single_node_mode_owns_everything_without_postgres() {
-    let handle = placement::Cluster::single_node(NodeId::parse("local").unwrap(), 1024);
+    let handle = graviton::actors::Cluster::single_node(NodeId::parse("local").unwrap(), 1024);
     let key = random_key();
     let owner = handle.resolve(&key).unwrap();
     assert!(owner.is_local);
@@ -555,10 +557,11 @@ async fn unsafe_timings_refuse_to_start() {
     };
     let mut config = support::placement::config(db.url(), "a");
     config.node_ttl = graviton::config::HumanDuration::millis(300); // below self_fence (400ms)
-    let err = placement::Cluster::connect_and_start(NodeId::parse("a").unwrap(), &config, "test")
-        .await
-        .err()
-        .expect("must refuse");
+    let err =
+        graviton::actors::Cluster::connect_and_start(NodeId::parse("a").unwrap(), &config, "test")
+            .await
+            .err()
+            .expect("must refuse");
     assert!(matches!(err, ClusterError::InvalidConfig(_)), "{err}");
     assert!(err.to_string().contains("cluster.node_ttl"), "{err}");
 }
@@ -575,7 +578,8 @@ async fn timings_that_disagree_with_the_cluster_refuse_to_start() {
     // Stored: self_fence 400ms, node_ttl 1s.
     let a = support::placement::start_node(db.url(), "a", |_| {}).await;
     let start = |config: graviton::placement::ClusterConfig, name: &'static str| async move {
-        placement::Cluster::connect_and_start(NodeId::parse(name).unwrap(), &config, "test").await
+        graviton::actors::Cluster::connect_and_start(NodeId::parse(name).unwrap(), &config, "test")
+            .await
     };
 
     let mut late_fence = support::placement::config(db.url(), "b");

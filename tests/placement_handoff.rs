@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use graviton::actors::ClusterHandle;
 use graviton::ids::{NodeId, SessionKey};
-use graviton::placement::ClusterHandle;
 use rand::Rng;
 use support::TestDatabase;
 use support::placement::{eventually, random_key, settled, start_node};

@@ -11,8 +11,9 @@ mod support;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+use graviton::actors::Cluster;
 use graviton::ids::{NodeId, SessionKey};
-use graviton::placement::{Cluster, ClusterConfig};
+use graviton::placement::ClusterConfig;
 use support::TestDatabase;
 use support::placement::{eventually, random_key};
 

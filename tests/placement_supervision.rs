@@ -8,7 +8,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use graviton::placement::PlacementChild;
+use graviton::actors::PlacementChild;
 use support::TestDatabase;
 use support::placement::eventually;
 

@@ -212,7 +212,7 @@ async fn ingested_on_s3(
     std::sync::Arc<dyn graviton::storage::BlockStore>,
     std::sync::Arc<graviton::cas::Manifest>,
 ) {
-    use graviton::cas::ingest::{IngestLimits, ingest};
+    use graviton::pipeline::ingest::{IngestLimits, ingest};
     use graviton::storage::ManifestStore;
     use graviton::storage::fs::FsManifestStore;
     use graviton::storage::pack::{PackOptions, PackStore};
@@ -255,9 +255,9 @@ async fn read_all(
     store: std::sync::Arc<dyn graviton::storage::BlockStore>,
     manifest: std::sync::Arc<graviton::cas::Manifest>,
     range: Option<graviton::cas::range::ByteRange>,
-) -> Result<Vec<u8>, graviton::cas::read::ReadError> {
+) -> Result<Vec<u8>, graviton::pipeline::read::ReadError> {
     use futures_util::StreamExt;
-    let mut stream = Box::pin(graviton::cas::read::read_blob(store, manifest, range));
+    let mut stream = Box::pin(graviton::pipeline::read::read_blob(store, manifest, range));
     let mut out = Vec::new();
     while let Some(piece) = stream.next().await {
         out.extend_from_slice(&piece?);

@@ -11,7 +11,7 @@
 //!   the new manager carries a term no predecessor holds.
 //! - Mode [`ElectionMode::Standby`] (embedded): retries every `lock_retry_interval`.
 //!   Mode [`ElectionMode::FailClosed`] (standalone `graviton manager`): the lock is taken
-//!   once up front by [`crate::placement::run_standalone_manager`], which fails closed if
+//!   once up front by [`crate::actors::run_standalone_manager`], which fails closed if
 //!   another manager holds it. Losing the lock later does *not* leave the process idle:
 //!   it becomes a standby and retries every `lock_retry_interval`, so a cluster with
 //!   `embedded_manager = false` regains a manager without an external restart.
@@ -29,7 +29,8 @@ use tokio_util::task::AbortOnDropHandle;
 use crate::actors::shard_manager::{ShardManager, ShardManagerArgs, ShardManagerMsg};
 use crate::ids::NodeId;
 use crate::placement::Term;
-use crate::storage::pg::placement::{MANAGER_LOCK_KEY, PlacementStore};
+use crate::storage::pg::connection;
+use crate::storage::pg::placement::PlacementStore;
 
 /// What to do when the lock is not (or no longer) held.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,30 +68,6 @@ pub struct ElectionState {
     leading: Option<(Term, ActorRef<ShardManagerMsg>)>,
     timer: Option<AbortOnDropHandle<()>>,
     timer_period: Duration,
-}
-
-/// Options for the dedicated lock connection: keepalives and an idle-session timeout so the
-/// server frees the lock soon after the holder disappears.
-pub fn lock_connection_options(base: PgConnectOptions, ping: Duration) -> PgConnectOptions {
-    let idle_ms = (ping * 10)
-        .max(Duration::from_secs(3))
-        .as_millis()
-        .to_string();
-    base.options([
-        ("tcp_keepalives_idle", "5"),
-        ("tcp_keepalives_interval", "2"),
-        ("tcp_keepalives_count", "3"),
-        ("tcp_user_timeout", "10000"),
-        ("idle_session_timeout", idle_ms.as_str()),
-    ])
-}
-
-/// Try the lock once on `conn`. `Ok(true)`: this connection now holds it.
-pub async fn try_lock(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-        .bind(MANAGER_LOCK_KEY)
-        .fetch_one(conn)
-        .await
 }
 
 impl ManagerElection {
@@ -148,7 +125,7 @@ impl ManagerElection {
         if let Some(mut conn) = state.conn.take() {
             let _ = tokio::time::timeout(
                 Duration::from_millis(500),
-                sqlx::query("SELECT pg_advisory_unlock_all()").execute(&mut conn),
+                connection::unlock_all(&mut conn),
             )
             .await;
             let _ = tokio::time::timeout(Duration::from_millis(500), conn.close()).await;
@@ -220,7 +197,7 @@ impl Actor for ManagerElection {
                     Some(conn) => matches!(
                         tokio::time::timeout(
                             ping.max(Duration::from_millis(200)),
-                            sqlx::query("SELECT 1").execute(conn)
+                            connection::ping(conn)
                         )
                         .await,
                         Ok(Ok(_))
@@ -248,7 +225,7 @@ impl Actor for ManagerElection {
                     }
                 }
                 let conn = state.conn.as_mut().expect("connection just set");
-                match try_lock(conn).await {
+                match connection::try_lock(conn).await {
                     Ok(true) => Self::become_leader(&myself, state).await?,
                     Ok(false) => {}
                     Err(_) => {

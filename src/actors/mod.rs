@@ -8,8 +8,8 @@
 //! - [`placement`], [`health`], [`manager_election`], [`shard_manager`]: cluster
 //!   placement (local shard table, readiness, the advisory-lock election and the
 //!   term-fenced shard manager); see docs/locality.md.
-//! - [`lease_holder`]: `LeaseHolder`, one per node: holds every admitted transfer's
-//!   cluster lease, renews it, reports loss, releases it when the permit ends.
+//! - [`cluster`]: the placement runtime (`Cluster`, `ClusterHandle`, the standalone
+//!   manager), which starts the placement actors and opens their PostgreSQL store.
 //! - [`restart`]: the one restart routine both supervisors use (which events mean a
 //!   child is gone, and the backoff before it starts again).
 //! - [`handle`]: typed handles (`SessionRegionHandle`, `IngestTicket`) that callers use
@@ -18,9 +18,9 @@
 //! Upload bytes never travel through these mailboxes (they are unbounded): only
 //! control messages and counters do.
 
+pub mod cluster;
 pub mod handle;
 pub mod health;
-pub mod lease_holder;
 pub mod manager_election;
 pub mod placement;
 pub mod placement_supervisor;
@@ -30,6 +30,10 @@ pub mod session_region;
 pub mod shard_manager;
 pub mod supervisor;
 
+pub use cluster::{
+    Cluster, ClusterError, ClusterHandle, PlacementChild, StandaloneManager, connect,
+    run_standalone_manager,
+};
 pub use handle::{IngestTicket, SessionRegionHandle};
 pub use supervisor::{NodeSupervisor, SupervisorHandle};
 

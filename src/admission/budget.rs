@@ -305,7 +305,7 @@ fn lock<K>(registry: &Mutex<Registry<K>>) -> std::sync::MutexGuard<'_, Registry<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{ByteSize, HumanDuration};
+    use crate::values::{ByteSize, HumanDuration};
     use proptest::prelude::*;
     use std::time::Duration;
 

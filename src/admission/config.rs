@@ -7,11 +7,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::problem::Problem;
-use crate::config::secret::Secret;
-use crate::config::units::{ByteSize, HumanDuration};
 use crate::storage::redis::coordinator::CALL_TIMEOUT;
 use crate::storage::redis::{CoordinatorConfig, Limits};
+use crate::values::Problem;
+use crate::values::Secret;
+use crate::values::{ByteSize, HumanDuration};
 
 /// Largest byte value accepted anywhere in admission (1 PiB). Keeps every count exact in
 /// Lua's doubles (< 2^53) and far from `u64` overflow when sums are formed.

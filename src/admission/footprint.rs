@@ -8,8 +8,8 @@
 //!
 //! | operation | footprint | why |
 //! |---|---|---|
-//! | upload | `cas::ingest::memory_bound(C) + 1 MiB` | frame batches, chunker buffer, queued chunks and block writes in flight (see `cas::ingest`), plus socket read buffers |
-//! | download | `cas::read::memory_bound(C)` | blocks read ahead by the store and its open responses on S3, blocks being checked, the block being sent, one in the body writer (see `cas::read`) |
+//! | upload | `pipeline::ingest::memory_bound(C) + 1 MiB` | frame batches, chunker buffer, queued chunks and block writes in flight (see `pipeline::ingest`), plus socket read buffers |
+//! | download | `pipeline::read::memory_bound(C)` | blocks read ahead by the store and its open responses on S3, blocks being checked, the block being sent, one in the body writer (see `pipeline::read`) |
 //! | forwarded upload | `2 MiB` | the forwarder only relays body frames; two 1 MiB frame windows in flight |
 //!
 //! Each is rounded up to whole KiB (the local budget's unit).
@@ -116,13 +116,13 @@ fn as_usize(chunk: u64) -> usize {
 /// The ingest pipeline's bound (saturating for absurd chunk sizes).
 fn upload_bound(chunk: u64) -> u64 {
     let chunk = as_usize(chunk.min(1 << 40));
-    crate::cas::ingest::memory_bound(chunk) as u64
+    crate::pipeline::ingest::memory_bound(chunk) as u64
 }
 
 /// The read pipeline's bound.
 fn download_bound(chunk: u64) -> u64 {
     let chunk = as_usize(chunk.min(1 << 40));
-    crate::cas::read::memory_bound(chunk) as u64
+    crate::pipeline::read::memory_bound(chunk) as u64
 }
 
 #[cfg(test)]
@@ -138,9 +138,9 @@ mod tests {
         // `admission_footprint::a_full_ingest_pipeline_holds_no_more_heap_than_the_upload_footprint`.
         let chunk = crate::cas::chunker::MAX_CHUNK as u64;
         let upload = Footprint::for_operation(Operation::Upload, chunk).bytes();
-        assert!(upload >= crate::cas::ingest::MEMORY_BOUND as u64 + MIB);
+        assert!(upload >= crate::pipeline::ingest::MEMORY_BOUND as u64 + MIB);
         let download = Footprint::for_operation(Operation::Download, chunk).bytes();
-        assert!(download >= crate::cas::read::memory_bound(chunk as usize) as u64);
+        assert!(download >= crate::pipeline::read::memory_bound(chunk as usize) as u64);
         // The 256 KiB chunker: 6 x (256 + 416) KiB + 33 x 256 KiB + the PDF chunker's
         // extra (any upload may be selected for it) + 1 MiB, rounded up to KiB.
         let pdf = crate::cas::pdf::chunk::EXTRA_MEMORY as u64;

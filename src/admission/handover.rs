@@ -93,7 +93,7 @@ mod tests {
     use crate::admission::{
         Admission, AdmissionConfig, AdmissionMetrics, Footprint, Operation, TransferRequest,
     };
-    use crate::config::ByteSize;
+    use crate::values::ByteSize;
 
     fn admission() -> Admission {
         let config = AdmissionConfig {

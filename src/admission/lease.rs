@@ -1,6 +1,6 @@
 //! What a held cluster lease needs from the coordinator, and how a transfer ended.
 //!
-//! [`LeaseBackend`] is the port of the `LeaseHolder` actor (`actors::lease_holder`): the
+//! [`LeaseBackend`] is the port of the `LeaseHolder` actor (`admission::lease_holder`): the
 //! two calls a holder makes. The Redis coordinator implements it here, mapping its
 //! storage-level errors into [`Error`]; in-memory doubles implement it in the actor's unit
 //! tests. [`Outcome`] is recorded by the transfer and sent with the release.

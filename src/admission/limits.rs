@@ -11,8 +11,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::config::{MAX_BYTES, MAX_TRANSFERS, RedisAdmissionConfig};
-use crate::config::ByteSize;
 use crate::storage::redis::reply::StoredLimits;
+use crate::values::ByteSize;
 
 /// The dotted config keys of the five limits, in the stored order.
 pub const KEYS: [&str; 5] = [

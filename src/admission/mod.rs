@@ -10,10 +10,13 @@
 //! comparison and update checks), [`error`] (errors; their HTTP answers are in `edge::error`).
 //! Stateful parts: [`budget`] (the local `TransferBudget`), [`metrics`], [`acquire`] (the
 //! wait for a cluster lease: polls, back-off, timeout decision, abandon), [`lease`] (the
-//! `LeaseBackend` port of the `LeaseHolder` actor, and [`Outcome`]), [`handover`] (permits
-//! parked between a forwarder's pre-flight and its POST), [`transfer`] (what each transfer
-//! asks for), and [`service`] (the
-//! [`Admission`] facade, which drives `storage::redis` and the `LeaseHolder` actor).
+//! `LeaseBackend` port of the `LeaseHolder` actor, and [`Outcome`]), [`lease_holder`] (the
+//! `LeaseHolder` actor, one per node: holds every admitted transfer's cluster lease, renews
+//! it, reports loss, releases it when the permit ends; admission's own actor, linked under
+//! the node supervisor by `Admission::supervise_under`), [`handover`] (permits parked
+//! between a forwarder's pre-flight and its POST), [`transfer`] (what each transfer asks
+//! for), and [`service`] (the [`Admission`] facade, which drives `storage::redis` and the
+//! `LeaseHolder` actor).
 //! The protocol is described in `docs/admission.md`.
 
 pub mod acquire;
@@ -24,6 +27,7 @@ pub mod error;
 pub mod footprint;
 pub mod handover;
 pub mod lease;
+pub mod lease_holder;
 pub mod limits;
 pub mod metrics;
 pub mod service;

@@ -25,17 +25,15 @@ use super::error::{Error, QuotaKind};
 use super::footprint::{Footprint, Operation};
 use super::handover::Parked;
 use super::lease::Outcome;
+use super::lease_holder::{HeldLease, LeaseHolder, LeaseHolderArgs, LeaseHolderMsg, LeaseTiming};
 use super::limits::{self, Disagreement, LimitsUpdate};
 use super::metrics::{AdmissionMetrics, KindLabels, OperationLabels, OutcomeLabels};
-use crate::actors::lease_holder::{
-    HeldLease, LeaseHolder, LeaseHolderArgs, LeaseHolderMsg, LeaseTiming,
-};
-use crate::config::ByteSize;
 use crate::ids::TenantId;
 use crate::storage::redis::reply::{
     ChargeReply, FencingToken, LeaseId, Occupancy, ReleaseReply, SnapshotReply, StoredLimits,
 };
 use crate::storage::redis::{LeaseRequest, RedisCoordinator};
+use crate::values::ByteSize;
 
 /// One transfer asking to run.
 #[derive(Debug, Clone)]

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::problem::Problem;
-use crate::config::units::HumanDuration;
+use crate::values::HumanDuration;
+use crate::values::Problem;
 
 /// Default claim carrying the organization (tenant) UUID.
 pub const ORG_CLAIM_DEFAULT: &str = "org_id";

@@ -53,7 +53,7 @@ pub struct StreamChunker {
 
 /// Capacity of each buffer the chunker fills, in largest chunks. Chunks are views of it,
 /// so a buffer stays allocated (and the bytes written into it resident) until its last
-/// chunk is dropped; `cas::ingest::memory_bound` counts one such buffer.
+/// chunk is dropped; `pipeline::ingest::memory_bound` counts one such buffer.
 pub const BUFFER_CHUNKS: usize = 4;
 const BUFFER_CAPACITY: usize = BUFFER_CHUNKS * MAX_CHUNK;
 

@@ -6,20 +6,17 @@
 //! - [`manifest`]: the ordered block list that makes a blob, and its validation.
 //! - [`range`]: HTTP single-range parsing and the block slices a range needs.
 //! - [`digest`]: client-declared SHA-256 digests (`Content-Digest`, `X-Content-Hash`).
-//! - [`ingest`]: the streaming pipeline body -> chunks -> blocks -> manifest.
-//! - [`read`]: the streaming, verifying download of a blob or a range of it.
+//! - [`pdf`]: the PDF-aware chunker and the choice between the two chunkers.
 //!
-//! Everything here except `ingest` and `read` is pure and unit-tested; those two drive
-//! the [`crate::storage`] traits and keep memory bounded whatever the blob size.
+//! Everything here is pure and unit-tested, and imports no store: the streams that drive
+//! the store traits (ingest, read) are in `crate::pipeline`.
 
 pub mod chunker;
 pub mod digest;
-pub mod ingest;
 pub mod keys;
 pub mod manifest;
 pub mod pdf;
 pub mod range;
-pub mod read;
 
 pub use chunker::{AVG_CHUNK, MAX_CHUNK, MIN_CHUNK};
 pub use keys::{BlobKey, BlockKey, KeyError};

@@ -248,6 +248,7 @@ pub fn collect(
     if let Some(format) = overrides.log_format {
         config.log.format = format;
     }
+    config.default_cluster_addresses();
 
     let mut problems: Vec<Problem> = config.problems();
     if check_files {

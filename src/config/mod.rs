@@ -10,9 +10,6 @@
 
 pub mod files;
 pub mod load;
-pub mod problem;
-pub mod secret;
-pub mod units;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,9 +17,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use load::{Finding, Overrides, Source};
-pub use problem::Problem;
-pub use secret::Secret;
-pub use units::{ByteSize, HumanDuration, UnitError};
+// The value types live in the leaf `values` (sections use them without importing
+// `config`); re-exported here for the binaries and tests that name them through `config`.
+pub use crate::telemetry::LogFormat;
+pub use crate::values::{ByteSize, HumanDuration, Problem, Secret, UnitError};
 
 /// Default public listen address of `graviton serve`.
 pub const LISTEN_DEFAULT: &str = "127.0.0.1:7070";
@@ -234,15 +232,6 @@ impl Default for UploadConfig {
     }
 }
 
-/// Log output format.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    #[default]
-    Human,
-    Json,
-}
-
 /// `[log]`
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -409,18 +398,31 @@ impl Config {
             ));
         }
         problems.extend(self.control.problems_in(self.cluster.enabled));
-        // cluster.internal_addr defaults to control.internal_listen when that is a concrete
-        // address peers can dial; only a wildcard bind needs it spelled out. A value that
-        // is set is checked whatever the listener (a host name is refused here as at start).
-        let internal_listen_dialable = !self.control.internal_listen.ip().is_unspecified();
-        let defaulted = self.cluster.internal_addr.trim().is_empty() && internal_listen_dialable;
-        problems.extend(
-            self.cluster
-                .problems()
-                .into_iter()
-                .filter(|p| !(p.key == "cluster.internal_addr" && defaulted)),
-        );
+        problems.extend(self.cluster.problems());
         problems
+    }
+
+    /// In cluster mode, the node's addresses in the node table that were left empty, from
+    /// its listeners: `cluster.internal_addr` from `control.internal_listen` when that is
+    /// a concrete address peers can dial (only a wildcard bind needs it spelled out),
+    /// `cluster.control_addr` from `control.control_listen`, `cluster.public_addr` from
+    /// `node.listen`. Done once, when the configuration is loaded (before validation).
+    pub fn default_cluster_addresses(&mut self) {
+        if !self.cluster.enabled {
+            return;
+        }
+        let cluster = &mut self.cluster;
+        if cluster.internal_addr.trim().is_empty()
+            && !self.control.internal_listen.ip().is_unspecified()
+        {
+            cluster.internal_addr = self.control.internal_listen.to_string();
+        }
+        if cluster.control_addr.is_empty() {
+            cluster.control_addr = self.control.control_listen.to_string();
+        }
+        if cluster.public_addr.is_empty() {
+            cluster.public_addr = self.node.listen.to_string();
+        }
     }
 
     /// [`Config::problems`] as an error (sources unknown: for a configuration built in
@@ -540,6 +542,37 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("listen_typo"), "{err}");
+    }
+
+    #[test]
+    fn cluster_addresses_default_from_the_listeners_when_loaded() {
+        let toml = |internal_listen: &str, extra: &str| {
+            format!(
+                "[node]\nlisten = \"10.0.0.5:7070\"\n[storage]\nbackend = \"fs\"\nshared_mount = true\n\
+                 [cluster]\nenabled = true\ndatabase_url = \"postgres://u@127.0.0.1/db\"\n{extra}\
+                 [control]\ninternal_listen = \"{internal_listen}\"\ncontrol_listen = \"10.0.0.5:7072\"\n\
+                 internal_token = \"0123456789abcdef0123456789abcdef\"\n"
+            )
+        };
+        let config = Config::from_toml_str(&toml("10.0.0.5:7071", "")).unwrap();
+        assert_eq!(config.cluster.internal_addr, "10.0.0.5:7071");
+        assert_eq!(config.cluster.control_addr, "10.0.0.5:7072");
+        assert_eq!(config.cluster.public_addr, "10.0.0.5:7070");
+        // A value that is set wins.
+        let config = Config::from_toml_str(&toml(
+            "10.0.0.5:7071",
+            "internal_addr = \"192.0.2.1:9071\"\npublic_addr = \"lb.example:443\"\n",
+        ))
+        .unwrap();
+        assert_eq!(config.cluster.internal_addr, "192.0.2.1:9071");
+        assert_eq!(config.cluster.public_addr, "lb.example:443");
+        // A wildcard bind is no address peers can dial: it must be spelled out.
+        let err = Config::from_toml_str(&toml("0.0.0.0:7071", ""))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cluster.internal_addr"), "{err}");
+        // Embedded mode keeps them empty.
+        assert!(Config::default().cluster.internal_addr.is_empty());
     }
 
     #[test]

@@ -39,11 +39,11 @@ use ractor_cluster::{
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::config::Secret;
 use crate::control::envelope::{self, Envelope, Reply};
 use crate::control::supervisor::{ControlSupervisor, PlaneMsg, PlaneSpec};
 use crate::control::transport::{ControlError, ControlHandler, ControlTransport, serve_bytes};
 use crate::ids::NodeId;
+use crate::values::Secret;
 
 /// Inbound ractor_cluster frame cap: one 64 KiB envelope plus protocol overhead.
 pub const MAX_FRAME_BYTES: u64 = 256 * 1024;

@@ -8,9 +8,9 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::problem::Problem;
-use crate::config::secret::Secret;
-use crate::config::units::HumanDuration;
+use crate::values::HumanDuration;
+use crate::values::Problem;
+use crate::values::Secret;
 
 /// Default internal (owner ingest) HTTP listener.
 pub const INTERNAL_LISTEN_DEFAULT: &str = "127.0.0.1:7071";

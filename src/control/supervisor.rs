@@ -340,11 +340,11 @@ mod tests {
 
     use super::*;
     use crate::backoff::Backoff;
-    use crate::config::Secret;
     use crate::control::cluster::ClusterTransport;
     use crate::control::envelope::{Envelope, OwnerReply, Reply, SessionRequest};
     use crate::control::transport::{ControlTransport, FnHandler};
     use crate::ids::{SessionId, TenantId};
+    use crate::values::Secret;
 
     const TOKEN: &str = "test-token-0123456789abcdefghijklmnopqrstuvwxyz";
 

@@ -26,8 +26,8 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
 use crate::admission;
-use crate::cas::ingest::IngestError;
-use crate::cas::read::ReadError;
+use crate::pipeline::ingest::IngestError;
+use crate::pipeline::read::ReadError;
 use crate::placement::RouteError;
 use crate::session::SessionError;
 use crate::storage::StoreError;

@@ -48,7 +48,7 @@ pub struct AppState {
     pub readiness: Readiness,
     pub started_at: Instant,
     /// Placement: every shard local in embedded mode, the PostgreSQL table in cluster mode.
-    pub cluster: Arc<crate::placement::ClusterHandle>,
+    pub cluster: Arc<crate::actors::ClusterHandle>,
     /// Bearer-token verification; `None` when `auth.enabled = false`.
     pub auth: Option<Arc<crate::auth::Authenticator>>,
     pub edge: EdgeMetrics,

@@ -4,9 +4,9 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::HumanDuration;
-use crate::config::problem::Problem;
 use crate::edge::tls::TlsConfig;
+use crate::values::HumanDuration;
+use crate::values::Problem;
 
 /// `[grpc]` section.
 #[derive(Debug, Clone, Serialize, Deserialize)]

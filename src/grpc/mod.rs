@@ -9,7 +9,7 @@
 //! 2. one request-counter charge (`Admission::charge_request`);
 //! 3. `GetBlob` only: the egress window is checked and the transfer admitted like an HTTP
 //!    download (`Operation::Download`), before the manifest is read;
-//! 4. `GetBlob` streams the verified block slices of `cas::read::read_blob`, one frame per
+//! 4. `GetBlob` streams the verified block slices of `pipeline::read::read_blob`, one frame per
 //!    slice. Each frame is charged to the egress quota immediately before it is handed to
 //!    tonic (GRPC-2), by the same `admission::egress::charge_egress` as HTTP downloads,
 //!    and counted in the same download metrics (`metrics::MeteredDownload`); the next
@@ -38,11 +38,11 @@ use crate::admission::egress::{EgressStop, charge_egress};
 use crate::admission::{AdmissionPermit, Operation};
 use crate::cas::BlobKey;
 use crate::cas::range::ByteRange;
-use crate::cas::read::{ReadError, read_blob};
 use crate::edge::AppState;
 use crate::edge::{ApiError, ErrorCode};
 use crate::ids::TenantId;
 use crate::metrics::MeteredDownload;
+use crate::pipeline::read::{ReadError, read_blob};
 use proto::blobs_server::{Blobs, BlobsServer};
 use proto::{BlobFrame, BlobStat, GetBlobRequest, StatBlobRequest};
 

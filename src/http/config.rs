@@ -4,10 +4,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::problem::Problem;
-use crate::config::units::{ByteSize, HumanDuration};
 use crate::edge::listener::ConnectionLimits;
 use crate::edge::tls::{InternalTlsConfig, TlsConfig};
+use crate::values::Problem;
+use crate::values::{ByteSize, HumanDuration};
 
 /// `[http]` section.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -23,10 +23,10 @@ use crate::admission::egress::{EgressStop, charge_egress};
 use crate::admission::{Operation, Outcome};
 use crate::cas::BlobKey;
 use crate::cas::range::{RangeRequest, parse_range};
-use crate::cas::read::{ReadError, read_blob};
 use crate::edge::AppState;
 use crate::edge::{Answer, ApiError, ErrorCode};
 use crate::metrics::{MeteredDownload, OutcomeLabels};
+use crate::pipeline::read::{ReadError, read_blob};
 
 /// `DELETE /v1/blobs/{key}` (admin token): removes the manifest only. Blocks are shared
 /// by every blob (and tenant) that contains them; the collector reclaims those no

@@ -39,16 +39,17 @@ use axum::{Json, Router};
 use futures_util::future::BoxFuture;
 use serde::Serialize;
 
-use crate::config::Secret;
+use crate::actors::ClusterHandle;
 use crate::edge::headers::{bearer_token, parse_digits};
 use crate::edge::{Answer, ApiError, ErrorCode};
 use crate::ids::{NodeId, SessionId, SessionKey, TenantId};
-use crate::placement::{ClusterHandle, Epoch, EpochVerdict, LocalRoute, ShardId};
+use crate::placement::{Epoch, EpochVerdict, LocalRoute, ShardId};
 use crate::relay::protocol::{
     CURRENT_EPOCH_HEADER, CURRENT_OWNER_HEADER, ERROR_CODE_HEADER, ERROR_MESSAGE_HEADER,
     INTERNAL_TOKEN_HEADER, RESERVATION_HEADER, SHARD_EPOCH_HEADER, SHARD_HEADER, message_header,
 };
 use crate::upload::UploadService;
+use crate::values::Secret;
 
 /// Implemented by the node's placement: does this node own `shard` at `epoch`?
 /// `key` is given so the implementation can verify that `shard` is the key's shard.

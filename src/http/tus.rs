@@ -16,11 +16,11 @@ use axum::response::{IntoResponse, Response};
 
 use super::Relay;
 use crate::admission::Outcome;
-use crate::cas::ingest::IngestError;
 use crate::edge::AppState;
 use crate::edge::headers::{SESSION_HEADER, content_length, single_value};
 use crate::edge::{Answer, ApiError, ErrorCode};
 use crate::ids::{SessionId, SessionKey};
+use crate::pipeline::ingest::IngestError;
 use crate::placement::{LocalRoute, OwnerTarget, Route};
 use crate::tus::{self, TusError, UploadId};
 use crate::upload::resumable::{PartDeclared, PartReceipt};

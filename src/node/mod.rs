@@ -1,8 +1,9 @@
 //! One running node: stores, actors, placement and the HTTP servers, started and stopped
 //! together.
 //!
-//! `start` opens the stores, starts the actor tree and placement, and binds the
-//! listeners. In embedded mode (`cluster.enabled = false`) every shard is local and
+//! `start` runs five stages, in order: the stores ([`assemble::Stores::open`], which also
+//! decides the mode), the actor tree with admission, placement, the services a request
+//! uses (the [`AppState`]), then the listeners and background tasks. In embedded mode (`cluster.enabled = false`) every shard is local and
 //! nothing outside the process is needed. In cluster mode the node joins the PostgreSQL
 //! placement, serves the internal owner-ingest listener, runs the ractor_cluster control
 //! plane, and forwards uploads of sessions it does not own (glue in [`peers`]).
@@ -12,6 +13,7 @@
 //! requests `node.shutdown_grace` to finish, aborts what is left (aborted uploads write no
 //! manifest), and stops the control plane, placement and actors.
 
+pub mod assemble;
 pub mod peers;
 pub mod tasks;
 
@@ -25,17 +27,16 @@ use tokio_util::sync::CancellationToken;
 use crate::actors::SupervisorHandle;
 use crate::actors::session_region::RegionArgs;
 use crate::actors::supervisor::SupervisorArgs;
+use crate::actors::{Cluster, ClusterHandle};
 use crate::config::Config;
 use crate::control::{ClusterOptions, ClusterTransport, ControlTransport};
 use crate::edge::{AppState, Readiness};
 use crate::http::internal;
 use crate::ids::NodeId;
 use crate::metrics::Metrics;
-use crate::placement::{Cluster, ClusterHandle};
 use crate::relay::{ForwardOptions, Forwarder};
-use crate::storage::fs::FsManifestStore;
-use crate::storage::pg::PgManifestStore;
 use crate::storage::{BlockStore, ManifestStore};
+use assemble::{Mode, Stores};
 
 /// Replaceable parts of a node (tests inject instrumented stores).
 #[derive(Default)]
@@ -127,21 +128,117 @@ pub async fn start(config: Config) -> Result<RunningNode, StartError> {
     start_with(config, NodeOptions::default()).await
 }
 
+/// Start a node: stores → actors → placement → services → listeners, each stage a
+/// function below (the stores in [`assemble`]).
 pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningNode, StartError> {
     crate::storage::pack::pause::announce();
-    let data_dir = config.storage.data_dir.clone();
-    let storage_err = |source| StartError::Storage {
-        path: data_dir.display().to_string(),
-        source,
-    };
-    let (blocks, packs): (Arc<dyn BlockStore>, _) = match options.blocks {
-        Some(blocks) => (blocks, None),
-        None => crate::storage::open::open_blocks(&config)
-            .await
-            .map_err(storage_err)?,
-    };
-
+    // `Config::problems` checked `node.id` with the same rule.
+    let node_id = NodeId::parse(config.node.id.as_str())
+        .map_err(|e| StartError::Cluster(format!("node.id: {e}")))?;
+    let stores = Stores::open(&config, &node_id, options).await?;
     let metrics = Metrics::new();
+    let (admission, supervisor) = start_actors(&config, &node_id, &metrics).await?;
+    let cluster = match start_placement(&config, &node_id, &stores, &supervisor).await {
+        Ok(cluster) => cluster,
+        Err(err) => {
+            supervisor.shutdown().await;
+            return Err(err);
+        }
+    };
+    let mode = stores.mode;
+    // The relay to sessions' owners (cluster mode), the public router's besides the state.
+    let relay = match mode {
+        Mode::Cluster => Some(forwarder(&config)?),
+        Mode::Embedded => None,
+    };
+    let state = start_services(
+        config,
+        node_id,
+        stores,
+        admission,
+        supervisor.sessions(),
+        cluster,
+        metrics,
+    )
+    .await?;
+
+    // Listeners: bound before the background tasks start, then served once all is up.
+    let listener = bind(state.config.node.listen).await?;
+    let addr = local_addr(&listener, state.config.node.listen)?;
+    let grpc_listener = match state.config.grpc.listen {
+        Some(listen) => Some((listen, bind(listen).await?)),
+        None => None,
+    };
+    let mut tasks = start_tasks(&state);
+    let cluster_parts = match mode {
+        Mode::Cluster => Some(start_cluster_parts(&state, &mut tasks, supervisor.root()).await?),
+        Mode::Embedded => None,
+    };
+    if state.config.http.tls.enabled() {
+        // Fail the start, not the first connection, on a bad certificate or key.
+        crate::edge::tls::public_acceptor(&state.config.http.tls).map_err(StartError::Tls)?;
+    }
+    if grpc_listener.is_some() && state.config.grpc.tls.enabled() {
+        crate::edge::tls::grpc_acceptor(&state.config.grpc.tls).map_err(StartError::Tls)?;
+    }
+    let stop_accepting = CancellationToken::new();
+    let server = tokio::spawn(crate::http::serve(
+        listener,
+        state.clone(),
+        relay,
+        stop_accepting.clone().cancelled_owned(),
+    ));
+    let grpc = match grpc_listener {
+        Some((listen, listener)) => {
+            let addr = local_addr(&listener, listen)?;
+            let server = tokio::spawn(crate::grpc::serve(
+                listener,
+                state.clone(),
+                stop_accepting.clone().cancelled_owned(),
+            ));
+            tracing::info!(%addr, "gRPC listener serving graviton.v1.Blobs");
+            Some(GrpcParts { addr, server })
+        }
+        None => None,
+    };
+    state.readiness.set(true);
+    tracing::info!(
+        %addr,
+        node = %state.node_id,
+        mode = mode.name(),
+        data_dir = %state.config.storage.data_dir.display(),
+        "graviton node serving"
+    );
+    Ok(RunningNode {
+        addr,
+        state,
+        stop_accepting,
+        server,
+        supervisor,
+        cluster_parts,
+        tasks,
+        grpc,
+    })
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { addr, source })
+}
+
+fn local_addr(listener: &TcpListener, addr: SocketAddr) -> Result<SocketAddr, StartError> {
+    listener
+        .local_addr()
+        .map_err(|source| StartError::Bind { addr, source })
+}
+
+/// Admission (its lease holder linked under the node's supervisor) and the actor tree.
+async fn start_actors(
+    config: &Config,
+    node_id: &NodeId,
+    metrics: &Metrics,
+) -> Result<(crate::admission::Admission, SupervisorHandle), StartError> {
     let admission = crate::admission::Admission::new(
         &config.admission,
         crate::admission::AdmissionMetrics::default(),
@@ -149,14 +246,6 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     .map_err(|e| StartError::Admission(e.to_string()))?;
     admission.bootstrap_limits_in_background();
     metrics.register_with(|registry| admission.metrics().register(registry));
-    let packs = packs.map(|store| {
-        let gc_metrics = crate::storage::pack::gc::GcMetrics::default();
-        metrics.register_with(|registry| gc_metrics.register(registry));
-        (store, gc_metrics)
-    });
-    // `Config::problems` checked `node.id` with the same rule.
-    let node_id = NodeId::parse(config.node.id.as_str())
-        .map_err(|e| StartError::Cluster(format!("node.id: {e}")))?;
     let supervisor = SupervisorHandle::start(SupervisorArgs {
         region_name: format!(
             "graviton.{}.{}.session-region",
@@ -172,143 +261,62 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     })
     .await
     .map_err(|e| StartError::Actors(e.to_string()))?;
-
     admission.supervise_under(supervisor.root());
-    let cluster_mode = config.cluster.enabled;
-    let mut shared_manifests: Option<Arc<dyn ManifestStore>> = None;
-    let mut ledger_pool = None;
-    let mut probe_pool = None;
-    let cluster: Arc<ClusterHandle> = if cluster_mode {
-        let mut cluster_config = config.cluster.clone();
-        if cluster_config.internal_addr.is_empty() {
-            cluster_config.internal_addr = config.control.internal_listen.to_string();
-        }
-        if cluster_config.control_addr.is_empty() {
-            cluster_config.control_addr = config.control.control_listen.to_string();
-        }
-        if cluster_config.public_addr.is_empty() {
-            cluster_config.public_addr = config.node.listen.to_string();
-        }
-        let pool = crate::placement::connect(&cluster_config, &node_id)
-            .await
-            .map_err(|e| StartError::Cluster(e.to_string()))?;
-        crate::storage::pg::migrate(&pool)
-            .await
-            .map_err(|e| StartError::Cluster(e.to_string()))?;
-        // The resumable-upload ledger lives beside the manifests, so a new owner finds it.
-        ledger_pool = Some(pool.clone());
-        probe_pool = Some(pool.clone());
-        if options.manifests.is_none() {
-            // Cluster nodes share manifests through PostgreSQL so any node serves any blob.
-            shared_manifests = Some(Arc::new(PgManifestStore::new(pool.clone())));
-        }
-        // The placement group is linked under the node supervisor: one actor tree.
-        let started = Cluster::start_under(
-            Some(supervisor.root()),
-            node_id.clone(),
-            &cluster_config,
-            env!("CARGO_PKG_VERSION"),
-            pool,
-        )
-        .await;
-        match started {
-            Ok(handle) => Arc::new(handle),
-            Err(err) => {
-                supervisor.shutdown().await;
-                return Err(StartError::Cluster(err.to_string()));
-            }
-        }
-    } else {
-        Arc::new(Cluster::single_node(
+    Ok((admission, supervisor))
+}
+
+/// Placement: the PostgreSQL group linked under the node's supervisor (one actor tree)
+/// in cluster mode, every shard local in embedded mode.
+async fn start_placement(
+    config: &Config,
+    node_id: &NodeId,
+    stores: &Stores,
+    supervisor: &SupervisorHandle,
+) -> Result<Arc<ClusterHandle>, StartError> {
+    let Some(pool) = &stores.database else {
+        return Ok(Arc::new(Cluster::single_node(
             node_id.clone(),
             config.cluster.shard_count,
-        ))
+        )));
     };
-    let manifests: Arc<dyn ManifestStore> = match (options.manifests, shared_manifests) {
-        (Some(manifests), _) | (None, Some(manifests)) => manifests,
-        (None, None) => {
-            Arc::new(FsManifestStore::open(&data_dir, config.storage.fsync).map_err(storage_err)?)
-        }
-    };
-    // Opened before the listener binds: a node that accepts connections is fully started.
-    let ledger: Arc<dyn crate::upload::ledger::UploadLedger> = match (options.ledger, ledger_pool) {
-        (Some(ledger), _) => ledger,
-        (None, Some(pool)) => Arc::new(crate::upload::ledger::PgLedger::new(pool)),
-        (None, None) => Arc::new(
-            crate::upload::ledger::RedbLedger::open(&data_dir.join("uploads.redb"))
-                .map_err(storage_err)?,
-        ),
-    };
-    // Every store has created its directories and files: make their names durable
-    // before the first upload can be acknowledged (STO-24).
-    if config.storage.fsync && data_dir.is_dir() {
-        crate::storage::pack::medium::sync_data_dir(&data_dir).map_err(storage_err)?;
-    }
-    let forwarder = if cluster_mode {
-        let options = ForwardOptions::from_config(&config.control).ok_or_else(|| {
-            StartError::Control("control.internal_token is required in cluster mode".into())
-        })?;
-        let forwarder = if config.http.internal_tls.enabled() {
-            Forwarder::with_mutual_tls(options, &config.http.internal_tls)
-        } else {
-            Forwarder::new(options)
-        };
-        let forwarder = forwarder.map_err(|e| StartError::Control(e.to_string()))?;
-        // The owner admits in the pre-flight: let it wait as long as admission may.
-        Some(forwarder.with_admission_wait(config.admission.acquisition_timeout.get()))
-    } else {
-        None
-    };
+    let handle = Cluster::start_under(
+        Some(supervisor.root()),
+        node_id.clone(),
+        &config.cluster,
+        env!("CARGO_PKG_VERSION"),
+        pool.clone(),
+    )
+    .await
+    .map_err(|err| StartError::Cluster(err.to_string()))?;
+    Ok(Arc::new(handle))
+}
 
-    let listen = config.node.listen;
-    let listener = TcpListener::bind(listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: listen,
-            source,
-        })?;
-    let addr = listener.local_addr().map_err(|source| StartError::Bind {
-        addr: listen,
-        source,
-    })?;
-
-    let grpc_listener = match config.grpc.listen {
-        Some(listen) => {
-            let listener = TcpListener::bind(listen)
-                .await
-                .map_err(|source| StartError::Bind {
-                    addr: listen,
-                    source,
-                })?;
-            Some((listen, listener))
-        }
-        None => None,
-    };
-
-    let auth = if config.auth.enabled {
-        let authenticator = crate::auth::Authenticator::start(&config.auth)
-            .await
-            .map_err(StartError::Auth)?;
-        tracing::info!(
-            issuers = config.auth.issuers.len(),
-            "authentication on: uploads and downloads need a bearer token"
-        );
-        Some(Arc::new(authenticator))
-    } else {
-        tracing::info!(
-            "authentication is off (auth.enabled = false): the tenant is the X-Graviton-Tenant-Id header as sent"
-        );
-        None
-    };
+/// The services a request uses, gathered in the [`AppState`]: authentication,
+/// the upload service, the dependency probes (their first round before the node serves:
+/// `/readyz` never shows an unprobed dependency, and one down at start is logged now).
+async fn start_services(
+    config: Config,
+    node_id: NodeId,
+    stores: Stores,
+    admission: crate::admission::Admission,
+    sessions: crate::actors::SessionRegionHandle,
+    cluster: Arc<ClusterHandle>,
+    metrics: Metrics,
+) -> Result<Arc<AppState>, StartError> {
+    let packs = stores.packs.clone().map(|store| {
+        let gc_metrics = crate::storage::pack::gc::GcMetrics::default();
+        metrics.register_with(|registry| gc_metrics.register(registry));
+        (store, gc_metrics)
+    });
+    let auth = start_auth(&config).await?;
     let edge = crate::edge::EdgeMetrics::default();
     metrics.register_with(|registry| edge.register(registry));
-
     let uploads = Arc::new(crate::upload::UploadService::new(
         crate::upload::UploadParts {
             node: node_id.clone(),
-            blocks: blocks.clone(),
-            manifests: manifests.clone(),
-            sessions: supervisor.sessions(),
+            blocks: stores.blocks.clone(),
+            manifests: stores.manifests.clone(),
+            sessions: sessions.clone(),
             admission: admission.clone(),
             cluster: cluster.clone(),
             limits: crate::upload::UploadLimits {
@@ -321,45 +329,86 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
                 .pdf
                 .policy()
                 .map_err(|problem| StartError::Config(problem.to_string()))?,
-            ledger,
+            ledger: stores.ledger.clone(),
             resumable: crate::upload::resumable::ResumableLimits {
                 part_footprint: config.upload.resumable_part_footprint.bytes(),
                 expiry: config.upload.resumable_expiry.get(),
             },
         },
     ));
-    // The first probe round before the node serves: `/readyz` never shows an unprobed
-    // dependency, and a dependency that is down at start is logged now (health.rs).
     let dependencies = crate::health::DependencyHealth::new(dependency_probes(
-        &config, &blocks, &admission, probe_pool,
+        &config,
+        &stores.blocks,
+        &admission,
+        stores.database.clone(),
     ));
     metrics.register_with(|registry| dependencies.register(registry));
     dependencies
         .probe_all(config.health.probe_timeout.get())
         .await;
-    let state = Arc::new(AppState {
-        node_id: node_id.clone(),
+    Ok(Arc::new(AppState {
+        node_id,
         config: Arc::new(config),
-        blocks,
-        manifests,
-        sessions: supervisor.sessions(),
+        blocks: stores.blocks,
+        manifests: stores.manifests,
+        sessions,
         uploads,
         metrics,
         admission,
         readiness: Readiness::default(),
         started_at: Instant::now(),
-        cluster: cluster.clone(),
+        cluster,
         auth,
         edge,
         packs,
         dependencies,
-    });
+    }))
+}
+
+/// The node-to-node relay of a cluster node.
+fn forwarder(config: &Config) -> Result<Forwarder, StartError> {
+    let options = ForwardOptions::from_config(&config.control).ok_or_else(|| {
+        StartError::Control("control.internal_token is required in cluster mode".into())
+    })?;
+    let forwarder = if config.http.internal_tls.enabled() {
+        Forwarder::with_mutual_tls(options, &config.http.internal_tls)
+    } else {
+        Forwarder::new(options)
+    };
+    let forwarder = forwarder.map_err(|e| StartError::Control(e.to_string()))?;
+    // The owner admits in the pre-flight: let it wait as long as admission may.
+    Ok(forwarder.with_admission_wait(config.admission.acquisition_timeout.get()))
+}
+
+/// The bearer authenticator, with `auth.enabled`.
+async fn start_auth(
+    config: &Config,
+) -> Result<Option<Arc<crate::auth::Authenticator>>, StartError> {
+    if !config.auth.enabled {
+        tracing::info!(
+            "authentication is off (auth.enabled = false): the tenant is the X-Graviton-Tenant-Id header as sent"
+        );
+        return Ok(None);
+    }
+    let authenticator = crate::auth::Authenticator::start(&config.auth)
+        .await
+        .map_err(StartError::Auth)?;
+    tracing::info!(
+        issuers = config.auth.issuers.len(),
+        "authentication on: uploads and downloads need a bearer token"
+    );
+    Ok(Some(Arc::new(authenticator)))
+}
+
+/// The node's background tasks (`tasks`): collector schedule, resumable-upload sweep,
+/// dependency probes (the cluster's are added by [`start_cluster_parts`]).
+fn start_tasks(state: &Arc<AppState>) -> tasks::BackgroundTasks {
     let mut tasks = tasks::BackgroundTasks::new(CancellationToken::new());
-    let weak = Arc::downgrade(&state);
+    let weak = Arc::downgrade(state);
     tasks.spawn("collector schedule", move |stop| {
         tasks::collect_on_schedule(weak.clone(), stop)
     });
-    let weak = Arc::downgrade(&state);
+    let weak = Arc::downgrade(state);
     tasks.spawn("resumable upload sweep", move |stop| {
         tasks::sweep_expired_uploads(weak.clone(), stop)
     });
@@ -371,64 +420,7 @@ pub async fn start_with(config: Config, options: NodeOptions) -> Result<RunningN
     tasks.spawn("dependency probes", move |stop| {
         health.clone().run(interval, timeout, stop)
     });
-
-    let cluster_parts = if cluster_mode {
-        Some(start_cluster_parts(&state, &mut tasks, supervisor.root()).await?)
-    } else {
-        None
-    };
-
-    let stop_accepting = CancellationToken::new();
-    if state.config.http.tls.enabled() {
-        // Fail the start, not the first connection, on a bad certificate or key.
-        crate::edge::tls::public_acceptor(&state.config.http.tls).map_err(StartError::Tls)?;
-    }
-    if grpc_listener.is_some() && state.config.grpc.tls.enabled() {
-        crate::edge::tls::grpc_acceptor(&state.config.grpc.tls).map_err(StartError::Tls)?;
-    }
-    let server = tokio::spawn(crate::http::serve(
-        listener,
-        state.clone(),
-        forwarder,
-        stop_accepting.clone().cancelled_owned(),
-    ));
-    let grpc = match grpc_listener {
-        Some((listen, listener)) => {
-            let grpc_addr = listener.local_addr().map_err(|source| StartError::Bind {
-                addr: listen,
-                source,
-            })?;
-            let server = tokio::spawn(crate::grpc::serve(
-                listener,
-                state.clone(),
-                stop_accepting.clone().cancelled_owned(),
-            ));
-            tracing::info!(addr = %grpc_addr, "gRPC listener serving graviton.v1.Blobs");
-            Some(GrpcParts {
-                addr: grpc_addr,
-                server,
-            })
-        }
-        None => None,
-    };
-    state.readiness.set(true);
-    tracing::info!(
-        %addr,
-        node = %state.node_id,
-        mode = if cluster_mode { "cluster" } else { "embedded" },
-        data_dir = %state.config.storage.data_dir.display(),
-        "graviton node serving"
-    );
-    Ok(RunningNode {
-        addr,
-        state,
-        stop_accepting,
-        server,
-        supervisor,
-        cluster_parts,
-        tasks,
-        grpc,
-    })
+    tasks
 }
 
 /// The node's dependency probes (`health`): the block store always, PostgreSQL in
@@ -463,10 +455,8 @@ fn dependency_probes(
             check: Arc::new(move || {
                 let pool = pool.clone();
                 Box::pin(async move {
-                    sqlx::query("SELECT 1")
-                        .execute(&pool)
+                    crate::storage::pg::connection::probe(&pool)
                         .await
-                        .map(drop)
                         .map_err(|e| e.to_string())
                 })
             }),
@@ -502,17 +492,8 @@ async fn start_cluster_parts(
     let token = config.control.internal_token.clone().ok_or_else(|| {
         StartError::Control("control.internal_token is required in cluster mode".into())
     })?;
-    let internal_listen = config.control.internal_listen;
-    let listener = TcpListener::bind(internal_listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: internal_listen,
-            source,
-        })?;
-    let internal_addr = listener.local_addr().map_err(|source| StartError::Bind {
-        addr: internal_listen,
-        source,
-    })?;
+    let listener = bind(config.control.internal_listen).await?;
+    let internal_addr = local_addr(&listener, config.control.internal_listen)?;
     let stop = CancellationToken::new();
     let internal_state = internal::InternalState {
         token,

@@ -16,11 +16,12 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 
+use crate::actors::ClusterHandle;
 use crate::control::envelope::{HotStateSnapshot, OwnerReply, Reply, ReplyErrorCode, SessionPhase};
 use crate::control::{ControlHandler, ControlTransport, Envelope};
 use crate::edge::AppState;
 use crate::ids::{NodeId, SessionKey};
-use crate::placement::{ClusterHandle, ShardId};
+use crate::placement::ShardId;
 use crate::session::{HotSnapshot, Phase};
 
 /// Answers control requests from peers.

@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::problem::Problem;
-use crate::config::secret::Secret;
-use crate::config::units::HumanDuration;
+use crate::values::HumanDuration;
+use crate::values::Problem;
+use crate::values::Secret;
 
 /// Default shard count of a new cluster (fixed for the cluster's life once bootstrapped).
 pub const SHARD_COUNT_DEFAULT: u32 = 1024;

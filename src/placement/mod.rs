@@ -8,18 +8,16 @@
 //! - [`handoff`]: who may ingest, when to acknowledge a revocation, when a move completes.
 //! - [`health`]: the readiness state machine.
 //! - [`view`]: the node-local table snapshot, owner resolution and ingest permits.
+//! - [`routing`]: the routing port: where an upload goes ([`Route`]), the owner-side epoch
+//!   verdict of a forwarded upload, and which of the ownership checks binds (the commit).
+//! - [`snapshot`]: the operator snapshot and the node summaries.
 //! - [`config`]: the `[cluster]` section.
 //!
-//! # Runtime (I/O)
-//! - [`routing`]: the routing port: where an upload goes ([`Route`]), the owner-side epoch
-//!   verdict of a forwarded upload, re-resolution after a stale epoch, and which of the
-//!   ownership checks binds (the commit).
-//! - [`runtime`]: [`Cluster::start`] and the [`ClusterHandle`] request handlers read; the
-//!   standalone manager.
-//!
-//! Actors live in `crate::actors::{placement, health, manager_election, shard_manager}`;
-//! PostgreSQL I/O in `crate::storage::pg::placement`; the CLI's database commands in
-//! `crate::cli`.
+//! This module imports no actor and no store. The runtime is in `crate::actors`:
+//! `actors::cluster` (`Cluster::start_under`, the `ClusterHandle` request handlers read,
+//! re-resolution after a stale epoch, the standalone manager) and the actors
+//! `actors::{placement, health, manager_election, shard_manager}`; PostgreSQL I/O in
+//! `crate::storage::pg::placement`; the CLI's database commands in `crate::cli`.
 //!
 //! # API for the HTTP layer
 //! ```text
@@ -39,7 +37,7 @@
 //! cluster.snapshot();                           // /v1/ops/cluster
 //! cluster.drain(&node).await?;                  // admin drain / SIGTERM
 //! cluster.shutdown().await;
-//! placement::run_standalone_manager(node, &cfg).await?; // graviton manager (fails closed)
+//! actors::run_standalone_manager(node, &cfg).await?;  // graviton manager (fails closed)
 //! ```
 //!
 //! # Failure model
@@ -56,14 +54,11 @@ pub mod rebalance;
 pub mod view;
 
 pub mod routing;
-pub mod runtime;
+pub mod snapshot;
 
 pub use config::ClusterConfig;
 pub use health::{HealthSnapshot, HealthStatus};
 pub use model::{Epoch, NodeInfo, NodeState, ShardEntry, ShardId, ShardTable, Term};
 pub use routing::{EpochVerdict, LocalRoute, OwnerTarget, Route, RouteError, StaleEpoch};
-pub use runtime::{
-    Cluster, ClusterError, ClusterHandle, DrainEnd, NodeSummary, PlacementChild, PlacementSnapshot,
-    StandaloneManager, connect, run_standalone_manager,
-};
+pub use snapshot::{DrainEnd, NodeSummary, PlacementSnapshot};
 pub use view::{CounterSnapshot, IngestPermit, LocalView, Owner, ResolveError};

@@ -6,10 +6,10 @@
 //!
 //! # Which check binds (LOC-1)
 //! Three checks look at the same ownership, and only the last one binds:
-//! 1. [`ClusterHandle::route`] and [`ClusterHandle::check_forwarded`] read the local table.
+//! 1. [`LocalView::route`] and [`LocalView::check_forwarded`] read the local table.
 //!    They are advice: they keep a doomed upload from starting, and name the current owner
 //!    to a forwarder that routed by an old epoch.
-//! 2. [`ClusterHandle::begin_ingest`] issues the ingest permit, which a revocation cancels.
+//! 2. [`LocalView::begin_ingest`] issues the ingest permit, which a revocation cancels.
 //! 3. The commit: the manifest is written only if `(shard, node, epoch)` still holds in
 //!    the store's commit transaction (`storage::manifest::CommitFence`). A node that lost
 //!    its shard between 2 and 3 gets `StoreError::Fenced` and nothing becomes visible.
@@ -17,7 +17,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use super::{ClusterHandle, Epoch, ResolveError, ShardId};
+use super::{Epoch, LocalView, ResolveError, ShardId};
 use crate::ids::{NodeId, SessionKey};
 
 /// How long a re-resolution waits for a fresher table after a stale epoch.
@@ -80,7 +80,7 @@ pub enum EpochVerdict {
     },
 }
 
-impl ClusterHandle {
+impl LocalView {
     /// Route an upload of `key` by the local table (no I/O).
     pub fn route(&self, key: &SessionKey) -> Result<Route, RouteError> {
         let owner = self.resolve(key)?;
@@ -106,30 +106,10 @@ impl ClusterHandle {
             current_epoch: current.map_or(Epoch(0), |o| o.epoch),
         }
     }
-
-    /// The current owner after a stale epoch: unless the local table already knows an
-    /// epoch at least as new as the one the owner named, ask for a fresh table and wait
-    /// for it (up to [`RE_RESOLVE_WAIT`]), then route again.
-    pub async fn re_resolve(
-        &self,
-        key: &SessionKey,
-        stale: &StaleEpoch,
-    ) -> Result<OwnerTarget, RouteError> {
-        let mut changes = self.subscribe();
-        changes.borrow_and_update();
-        let known = self.resolve(key).ok().map(|o| o.epoch);
-        let already_newer = matches!((known, stale.current_epoch), (Some(k), Some(named)) if named.0 > 0 && k >= named);
-        if !already_newer {
-            self.refresh();
-            let _ = tokio::time::timeout(RE_RESOLVE_WAIT, changes.changed()).await;
-        }
-        // A session that moved here meanwhile is forwarded to this node's own internal
-        // listener, which ingests it like any forwarded upload.
-        target_of(self.resolve(key)?)
-    }
 }
 
-fn target_of(owner: super::Owner) -> Result<OwnerTarget, RouteError> {
+/// Where to forward to `owner`, or why it cannot be reached.
+pub fn target_of(owner: super::Owner) -> Result<OwnerTarget, RouteError> {
     let internal_addr = owner
         .internal_addr
         .ok_or_else(|| RouteError::NoInternalAddr(owner.node.clone()))?;

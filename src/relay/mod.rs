@@ -63,13 +63,14 @@ use self::protocol::{
     RESERVATION_HEADER, SHARD_EPOCH_HEADER, SHARD_HEADER, ingest_path, relayed_message, tus_path,
 };
 use self::source::Source;
-use crate::config::Secret;
+use crate::actors::ClusterHandle;
 use crate::edge::error::refuses_credentials;
 use crate::edge::headers::{CONTENT_DIGEST_HEADER, CONTENT_HASH_HEADER, parse_digits};
 use crate::edge::{ApiError, ErrorCode};
 use crate::ids::{NodeId, SessionKey};
-use crate::placement::{ClusterHandle, Epoch, OwnerTarget, RouteError, StaleEpoch};
+use crate::placement::{Epoch, OwnerTarget, RouteError, StaleEpoch};
 use crate::tus::{self, UploadId};
+use crate::values::Secret;
 
 /// Largest owner response relayed (the owner answers a small JSON document).
 pub const MAX_OWNER_RESPONSE_BYTES: usize = 1024 * 1024;

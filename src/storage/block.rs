@@ -53,7 +53,7 @@ pub const READ_AHEAD: usize = 4;
 /// hidden and the server streams them while the current run is read (a third response
 /// took S3 downloads from 0.62–0.80 to 0.89–1.02 of four parallel whole-pack GETs,
 /// docs/performance.md, "S3"). Each holds at most one HTTP/1 read buffer
-/// (`cas::ingest::MAX_BODY_FRAME`).
+/// (`pipeline::ingest::MAX_BODY_FRAME`).
 pub const READ_RESPONSES: usize = 3;
 
 /// The blocks of a read, in the order asked: one item per key, `None` for a block the

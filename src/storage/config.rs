@@ -2,9 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::problem::Problem;
-use crate::config::secret::Secret;
-use crate::config::units::{ByteSize, HumanDuration};
+use crate::values::Problem;
+use crate::values::Secret;
+use crate::values::{ByteSize, HumanDuration};
 
 /// Where packs live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]

@@ -16,7 +16,6 @@ pub mod block;
 pub mod config;
 pub mod fs;
 pub mod manifest;
-pub mod open;
 pub mod pack;
 pub mod pg;
 pub mod redis;

@@ -1,7 +1,7 @@
 //! Why an upload did not commit. `edge::error` maps every variant to an answer.
 
 use crate::admission;
-use crate::cas::ingest::IngestError;
+use crate::pipeline::ingest::IngestError;
 use crate::session::SessionError;
 use crate::storage::StoreError;
 

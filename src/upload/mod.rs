@@ -2,7 +2,7 @@
 //!
 //! [`UploadService`] owns the path from an admitted body to a committed manifest: it
 //! claims the upload ([`UploadClaim`]: the admission permit, the shard's ingest permit
-//! and the session's ticket), streams the body through `cas::ingest` into the block and
+//! and the session's ticket), streams the body through `pipeline::ingest` into the block and
 //! manifest stores under the claim's [`CommitFence`], and records the outcome. The public
 //! listener (`http::upload`, direct uploads) and the internal listener (`http::internal`,
 //! uploads forwarded by another node) both call it; neither holds ingest logic.
@@ -31,16 +31,17 @@ use serde::{Deserialize, Serialize};
 pub use claim::UploadClaim;
 pub use error::UploadError;
 
+use crate::actors::ClusterHandle;
 use crate::actors::{IngestTicket, SessionRegionHandle};
 use crate::admission::{Admission, AdmissionPermit, Operation};
 use crate::cas::digest::ContentDigest;
-use crate::cas::ingest::{IngestError, IngestLimits, IngestReport, ingest_selected};
 use crate::cas::pdf::select::MediaType;
 use crate::cas::pdf::{Chunking, PdfPolicy, Selection, SelectionError};
 use crate::ids::{NodeId, SessionKey, TenantId};
 use crate::metrics::KindLabels;
 use crate::metrics::{BlockLabels, Metrics, OutcomeLabels};
-use crate::placement::{ClusterHandle, LocalRoute};
+use crate::pipeline::ingest::{IngestError, IngestLimits, IngestReport, ingest_selected};
+use crate::placement::LocalRoute;
 use crate::storage::manifest::CommitFence;
 use crate::storage::{BlockStore, ManifestStore};
 

@@ -5,7 +5,7 @@
 //! checked (exists, not expired, offset matches, length not exceeded) → the claim with
 //! the part's footprint ([`Footprint::for_part`]: admission, ingest permit,
 //! session ticket, the same [`UploadClaim`] as a plain upload) → the row is read again
-//! under the ticket → the body runs through `cas::ingest::ingest_part` from the staged
+//! under the ticket → the body runs through `pipeline::ingest::ingest_part` from the staged
 //! tail → the write session commits (with the manifest, under the commit fence, on the
 //! final PATCH) → the ledger advances, conditional on the offset the PATCH started from
 //! (TUS-1: the offset counts only bytes that are durable) → the claim is finished.
@@ -27,10 +27,10 @@ use futures_util::Stream;
 use super::{UploadClaim, UploadError, UploadService};
 use crate::admission::{AdmissionPermit, Footprint};
 use crate::cas::digest::BodyDigest;
-use crate::cas::ingest::{IngestError, IngestLimits, PartOutcome, PartStart, ingest_part};
 use crate::cas::pdf::select::MediaType;
 use crate::cas::pdf::{SavedChunker, Selection};
 use crate::cas::{BlobKey, BlockKey, Manifest};
+use crate::pipeline::ingest::{IngestError, IngestLimits, PartOutcome, PartStart, ingest_part};
 use crate::placement::{IngestPermit, LocalRoute, Route};
 use crate::storage::StoreError;
 use crate::storage::manifest::CommitFence;

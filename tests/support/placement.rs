@@ -3,8 +3,9 @@
 
 use std::time::Duration;
 
+use graviton::actors::{Cluster, ClusterHandle};
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
-use graviton::placement::{Cluster, ClusterConfig, ClusterHandle};
+use graviton::placement::ClusterConfig;
 use graviton::storage::pg::PlacementStore;
 
 /// Fast test timings (heartbeat 100ms, self-fence 400ms, TTL 1s, poll 250ms, 64 shards).

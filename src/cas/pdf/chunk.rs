@@ -30,7 +30,7 @@
 //! chunker's buffer, or a whole body held in memory ([`chunk_lengths`], which so cuts with
 //! no copy of the body, like FastCDC's `chunker::chunk_lengths`).
 //!
-//! Memory (stated, counted by `cas::ingest::memory_bound`): the buffer holds less than
+//! Memory (stated, counted by `pipeline::ingest::memory_bound`): the buffer holds less than
 //! `max + LOOKAHEAD` bytes between calls, plus the piece being pushed, in buffers of
 //! `chunker::BUFFER_CHUNKS` largest blocks like [`StreamChunker`]; the event queue holds
 //! at most [`MAX_EVENTS`] events of 16 bytes, allocated at that size up front (further

@@ -479,7 +479,7 @@ fn truncated_and_corrupted_real_pdfs_are_cut_whole_and_never_panic() {
 
 /// Blocks of `data` uploaded as resumable parts ending at `bounds` (increasing, inside
 /// the body): each part starts from a chunker restored from the state the previous part
-/// saved over its staged tail, as `cas::ingest::ingest_part` does; pieces inside a part
+/// saved over its staged tail, as `pipeline::ingest::ingest_part` does; pieces inside a part
 /// are `pieces` (cycled). Also checks the bounds on the saved state and tail.
 fn blocks_in_parts(data: &[u8], sizes: PdfSizes, bounds: &[usize], pieces: &[usize]) -> Vec<usize> {
     use super::chunk::{LOOKAHEAD, MAX_STATE_LEN};

@@ -13,9 +13,9 @@ use super::format::PackId;
 use super::gc::{self, GcOptions, Quiet};
 use super::medium::Medium;
 use super::*;
-use crate::cas::ingest::{IngestLimits, ingest};
-use crate::cas::read::read_blob;
 use crate::cas::{BlobKey, Manifest};
+use crate::pipeline::ingest::{IngestLimits, ingest};
+use crate::pipeline::read::read_blob;
 use crate::storage::ManifestStore;
 use crate::storage::fs::FsManifestStore;
 
@@ -68,7 +68,10 @@ impl Fixture {
         self.try_upload(content).await.unwrap()
     }
 
-    async fn try_upload(&self, content: &[u8]) -> Result<BlobKey, crate::cas::ingest::IngestError> {
+    async fn try_upload(
+        &self,
+        content: &[u8],
+    ) -> Result<BlobKey, crate::pipeline::ingest::IngestError> {
         let pieces: Vec<Result<Bytes, std::io::Error>> = content
             .chunks(100_000)
             .map(|c| Ok(Bytes::copy_from_slice(c)))

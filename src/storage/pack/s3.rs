@@ -32,9 +32,9 @@ use tokio::runtime::Handle;
 
 use super::format::PackId;
 use super::medium::{Medium, OpenRange, SyncTrace, TraceHook};
-use crate::config::Secret;
 use crate::storage::StoreError;
 use crate::storage::config::S3Config;
+use crate::values::Secret;
 
 pub struct S3Medium {
     store: Arc<AmazonS3>,

@@ -44,7 +44,7 @@ const ALIGN: usize = 4096;
 pub const STAGE: usize = (1 << 20) - ALIGN;
 
 /// Memory a spool writer holds beyond the blocks queued for it (for
-/// `cas::ingest::memory_bound`): the blocks of one vectored write, or two stages.
+/// `pipeline::ingest::memory_bound`): the blocks of one vectored write, or two stages.
 pub const fn held_bytes(max_chunk: usize) -> usize {
     let buffered = WRITE_BATCH * max_chunk;
     let direct = 2 * (STAGE + ALIGN);

@@ -7,9 +7,9 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 
 use super::*;
-use crate::cas::ingest::{IngestLimits, ingest};
-use crate::cas::read::{ReadError, read_blob};
 use crate::cas::{BlobKey, Manifest};
+use crate::pipeline::ingest::{IngestLimits, ingest};
+use crate::pipeline::read::{ReadError, read_blob};
 use crate::storage::fs::FsManifestStore;
 use crate::storage::{CreateOutcome, ManifestStore};
 

@@ -1,5 +1,6 @@
-//! PostgreSQL adapters: connection setup, migrations, the placement store and the manifest
-//! store.
+//! PostgreSQL adapters: connection setup, migrations, the placement store, the manifest
+//! store, and the statements on a connection ([`connection`]: the manager's advisory lock,
+//! the pool probe).
 //!
 //! Failure model: every session carries server-side bounds ([`connect_options`]):
 //! `statement_timeout`, `lock_timeout`, `idle_in_transaction_session_timeout`, TCP
@@ -11,6 +12,7 @@
 //! holds rows widens its own bound for that wait only ([`allow_idle_for_medium`]).
 //! Connection options carry the password: they are never logged.
 
+pub mod connection;
 pub mod manifest;
 pub mod placement;
 

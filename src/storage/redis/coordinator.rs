@@ -32,8 +32,8 @@ use super::reply::{
     SnapshotReply, StoredLimits,
 };
 use super::script::SCRIPT;
-use crate::config::Secret;
 use crate::ids::TenantId;
+use crate::values::Secret;
 
 /// Response timeout of one Redis call.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(1);

@@ -11,9 +11,9 @@ use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use tokio_util::task::AbortOnDropHandle;
 
-use super::keys::BlockKey;
-use super::manifest::Manifest;
-use super::range::{ByteRange, plan_slices};
+use crate::cas::keys::BlockKey;
+use crate::cas::manifest::Manifest;
+use crate::cas::range::{ByteRange, plan_slices};
 use crate::storage::block::{READ_AHEAD, READ_RESPONSES};
 use crate::storage::{BlockStore, StoreError};
 

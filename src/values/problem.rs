@@ -1,5 +1,5 @@
 //! [`Problem`]: one validation failure of the configuration, named by its dotted key.
-//! Every section's validation returns these (leaf module: sections import it directly).
+//! Every section's validation returns these.
 
 /// One validation failure: the dotted key and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq)]

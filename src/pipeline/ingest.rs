@@ -27,12 +27,12 @@ use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
 use tokio::sync::mpsc;
 
-use super::chunker::StreamChunker;
-use super::digest::{BodyDigest, BodyHasher};
-use super::keys::{BlobKey, BlockKey};
-use super::manifest::{BlockRef, Manifest};
-use super::pdf::scan::StateError;
-use super::pdf::{
+use crate::cas::chunker::StreamChunker;
+use crate::cas::digest::{BodyDigest, BodyHasher};
+use crate::cas::keys::{BlobKey, BlockKey};
+use crate::cas::manifest::{BlockRef, Manifest};
+use crate::cas::pdf::scan::StateError;
+use crate::cas::pdf::{
     Chunking, CutCounts, PdfChunker, SavedChunker, Selection, SelectionError, UnsupportedPolicy,
 };
 use crate::storage::manifest::CommitFence;
@@ -74,8 +74,8 @@ pub const fn memory_bound(max_chunk: usize) -> usize {
         + (CHUNK_QUEUE + 1) * max_chunk
         + STORE_IN_FLIGHT * max_chunk
         + crate::storage::pack::spool::held_bytes(max_chunk)
-        + super::chunker::BUFFER_CHUNKS * max_chunk
-        + super::pdf::chunk::EXTRA_MEMORY
+        + crate::cas::chunker::BUFFER_CHUNKS * max_chunk
+        + crate::cas::pdf::chunk::EXTRA_MEMORY
 }
 
 /// Blocks a write session holds before its pack writer takes them: the batch being
@@ -83,7 +83,7 @@ pub const fn memory_bound(max_chunk: usize) -> usize {
 const STORE_IN_FLIGHT: usize = crate::storage::pack::WRITER_QUEUE + APPEND_BATCH;
 
 /// [`memory_bound`] of the chunker in use.
-pub const MEMORY_BOUND: usize = memory_bound(super::chunker::MAX_CHUNK);
+pub const MEMORY_BOUND: usize = memory_bound(crate::cas::chunker::MAX_CHUNK);
 
 /// Limits checked while the body streams.
 #[derive(Debug, Clone, Copy)]
@@ -404,7 +404,7 @@ struct Chunked {
     /// placeholder).
     decided: bool,
     counts: Option<CutCounts>,
-    unsupported: Option<super::pdf::scan::Unsupported>,
+    unsupported: Option<crate::cas::pdf::scan::Unsupported>,
     /// The state to resume from (a resumable upload's next part).
     saved: SavedChunker,
 }
@@ -546,7 +546,7 @@ where
             return Err(IngestError::LengthMismatch { declared, received });
         }
         if !decided {
-            let need = super::pdf::select::SIGNATURE.len() - head.len().min(5);
+            let need = crate::cas::pdf::select::SIGNATURE.len() - head.len().min(5);
             head.extend_from_slice(&frame[..frame.len().min(need)]);
             if let Some(choice) = selection.decide(&head, false) {
                 // Refused here, before the chunker saw a byte: nothing is cut or stored.

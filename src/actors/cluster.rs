@@ -2,34 +2,32 @@
 //! under the placement supervisor, the [`ClusterHandle`] every request handler reads, and
 //! the standalone manager (`graviton manager`).
 //!
-//! The rules these actors apply live in the pure modules beside this one (`view`,
+//! The rules these actors apply live in the pure modules of `placement` (`view`,
 //! `handoff`, `rebalance`, `health`); the PostgreSQL I/O in `storage::pg::placement`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorRef};
-use serde::Serialize;
 use sqlx::{Connection, PgConnection, PgPool};
 
-use crate::actors::health::{HealthArgs, probe_once};
-use crate::actors::manager_election::{
-    self, ElectionArgs, ElectionMode, ElectionMsg, ManagerElection,
-};
-use crate::actors::placement::PlacementArgs;
-pub use crate::actors::placement_supervisor::Child as PlacementChild;
-use crate::actors::placement_supervisor::{
+use super::health::{HealthArgs, probe_once};
+use super::manager_election::{ElectionArgs, ElectionMode, ElectionMsg, ManagerElection};
+use super::placement::PlacementArgs;
+pub use super::placement_supervisor::Child as PlacementChild;
+use super::placement_supervisor::{
     ElectionSpec, PlacementSupMsg, PlacementSupervisor, PlacementSupervisorArgs,
 };
-use crate::actors::shard_manager::ShardManagerArgs;
+use super::shard_manager::ShardManagerArgs;
 use crate::ids::{NodeId, SessionKey};
+use crate::placement::routing::{self, EpochVerdict, OwnerTarget, Route, RouteError, StaleEpoch};
+use crate::placement::snapshot::summarize;
+use crate::placement::{
+    ClusterConfig, DrainEnd, Epoch, HealthSnapshot, IngestPermit, LocalView, Owner,
+    PlacementSnapshot, ResolveError, ShardEntry, ShardId, ShardTable, Term,
+};
 use crate::storage::pg::placement::{NodeRegistration, PlacementStore, PlacementStoreError};
 use crate::storage::pg::{self as pg};
-
-use super::{
-    ClusterConfig, CounterSnapshot, Epoch, HealthSnapshot, IngestPermit, LocalView, NodeState,
-    Owner, ResolveError, ShardEntry, ShardId, ShardTable, Term,
-};
 
 /// Errors starting or operating the cluster runtime.
 #[derive(Debug, thiserror::Error)]
@@ -48,18 +46,6 @@ pub enum ClusterError {
     Spawn(String),
 }
 
-/// How [`ClusterHandle::drain_self`] ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DrainEnd {
-    /// This node owns no shard.
-    Drained,
-    /// No other node can take shards (all draining, dead or gone): the shards stay, and
-    /// move when a node that can take them appears.
-    NoTarget,
-    /// The timeout passed first.
-    TimedOut,
-}
-
 /// Entry points.
 pub struct Cluster;
 
@@ -69,33 +55,6 @@ pub struct ClusterHandle {
     store: Option<PlacementStore>,
     /// Owns and restarts the placement, health and election actors (cluster mode only).
     supervisor: Option<ActorRef<PlacementSupMsg>>,
-}
-
-/// One node in the operator snapshot.
-#[derive(Clone, Debug, Serialize)]
-pub struct NodeSummary {
-    pub id: NodeId,
-    pub state: NodeState,
-    pub shards: usize,
-    pub heartbeat_age_ms: i64,
-    pub internal_addr: String,
-    pub control_addr: String,
-}
-
-/// The operator snapshot served at `/v1/ops/cluster` (no tenant or session values).
-#[derive(Clone, Debug, Serialize)]
-pub struct PlacementSnapshot {
-    pub node: NodeId,
-    pub health: HealthSnapshot,
-    pub configured_shards: u32,
-    pub assigned_shards: usize,
-    pub local_shards: usize,
-    pub moving_shards: usize,
-    pub manager_term: Term,
-    pub max_epoch: i64,
-    pub fenced: bool,
-    pub nodes: Vec<NodeSummary>,
-    pub counters: CounterSnapshot,
 }
 
 impl Cluster {
@@ -165,7 +124,7 @@ impl Cluster {
         };
         let election = config.embedded_manager.then(|| ElectionSpec {
             node: node.clone(),
-            lock_options: manager_election::lock_connection_options(
+            lock_options: pg::connection::lock_connection_options(
                 (*pool.connect_options())
                     .clone()
                     .application_name(&format!("graviton-lock:{}", node.as_str())),
@@ -325,21 +284,6 @@ pub async fn connect(config: &ClusterConfig, node: &NodeId) -> Result<PgPool, Cl
     Ok(pool)
 }
 
-pub(crate) fn summarize(table: &ShardTable) -> Vec<NodeSummary> {
-    table
-        .nodes
-        .values()
-        .map(|n| NodeSummary {
-            id: n.id.clone(),
-            state: n.state,
-            shards: table.owned_by(&n.id),
-            heartbeat_age_ms: n.heartbeat_age_ms,
-            internal_addr: n.internal_addr.clone(),
-            control_addr: n.control_addr.clone(),
-        })
-        .collect()
-}
-
 /// A running standalone manager (`graviton manager`).
 pub struct StandaloneManager {
     election: ActorRef<ElectionMsg>,
@@ -357,7 +301,7 @@ pub async fn run_standalone_manager(
     pg::migrate(&pool).await?;
     let store = PlacementStore::new(pool.clone());
     join_checks(&store, config, true).await?;
-    let lock_options = manager_election::lock_connection_options(
+    let lock_options = pg::connection::lock_connection_options(
         (*pool.connect_options())
             .clone()
             .application_name(&format!("graviton-lock:{}", node.as_str())),
@@ -366,7 +310,7 @@ pub async fn run_standalone_manager(
     let mut conn = PgConnection::connect_with(&lock_options)
         .await
         .map_err(PlacementStoreError::Database)?;
-    if !manager_election::try_lock(&mut conn)
+    if !pg::connection::try_lock(&mut conn)
         .await
         .map_err(PlacementStoreError::Database)?
     {
@@ -532,6 +476,37 @@ impl ClusterHandle {
             Some(s) => ractor::call_t!(s, PlacementSupMsg::Term, 3000).unwrap_or_default(),
             None => Term(0),
         }
+    }
+
+    /// Route an upload of `key` by the local table (no I/O; see `placement::routing`).
+    pub fn route(&self, key: &SessionKey) -> Result<Route, RouteError> {
+        self.view.route(key)
+    }
+
+    /// Owner side of a forwarded upload: does this node own `key`'s shard at `epoch`?
+    pub fn check_forwarded(&self, key: &SessionKey, shard: ShardId, epoch: Epoch) -> EpochVerdict {
+        self.view.check_forwarded(key, shard, epoch)
+    }
+
+    /// The current owner after a stale epoch: unless the local table already knows an
+    /// epoch at least as new as the one the owner named, ask for a fresh table and wait
+    /// for it (up to [`routing::RE_RESOLVE_WAIT`]), then route again.
+    pub async fn re_resolve(
+        &self,
+        key: &SessionKey,
+        stale: &StaleEpoch,
+    ) -> Result<OwnerTarget, RouteError> {
+        let mut changes = self.subscribe();
+        changes.borrow_and_update();
+        let known = self.resolve(key).ok().map(|o| o.epoch);
+        let already_newer = matches!((known, stale.current_epoch), (Some(k), Some(named)) if named.0 > 0 && k >= named);
+        if !already_newer {
+            self.refresh();
+            let _ = tokio::time::timeout(routing::RE_RESOLVE_WAIT, changes.changed()).await;
+        }
+        // A session that moved here meanwhile is forwarded to this node's own internal
+        // listener, which ingests it like any forwarded upload.
+        routing::target_of(self.resolve(key)?)
     }
 
     /// Ask the placement actor to re-read the table now.
