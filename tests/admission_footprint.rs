@@ -39,6 +39,7 @@ use graviton::admission::{Footprint, Operation};
 use graviton::cas::ingest::{BATCH_BYTES, MAX_BODY_FRAME};
 use graviton::cas::{BlobKey, MAX_CHUNK};
 use graviton::storage::config::default_pack_size;
+use support::client;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpSocket;
 
@@ -243,10 +244,6 @@ impl Drop for Serve {
     fn drop(&mut self) {
         support::kill9(&mut self.child);
     }
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
 }
 
 /// The most a client can write on a connection whose server reads nothing: the largest

@@ -15,14 +15,11 @@ use std::time::{Duration, Instant};
 use graviton::cas::BlobKey;
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
 use graviton::placement::hash::shard_of;
+use support::client;
 use support::cluster::{BIN, NodeProcess, is_ready, upload_retrying};
 use support::node::random_bytes;
 
 const SHARDS: u32 = 32;
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 async fn owners(url: &str) -> graviton::cli::ClusterStatus {
     graviton::cli::cluster_status(url)

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use graviton::config::{HumanDuration, Secret};
 use support::RedisServer;
+use support::client;
 use support::node::TestNode;
 
 const BIN: &str = env!("CARGO_BIN_EXE_graviton");
@@ -80,10 +81,6 @@ password = "{PASSWORD}"
         url: format!("http://127.0.0.1:{port}"),
         log,
     }
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
 }
 
 async fn readyz(url: &str) -> (u16, serde_json::Value) {

@@ -14,16 +14,13 @@ use std::time::Duration;
 
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
 use graviton::placement::hash::shard_of;
+use support::client;
 use support::cluster::{NodeProcess, TOKEN, is_ready};
 use support::pki::TestPki;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SHARDS: u32 = 16;
 const ADMIN: &str = "edge-admin-token-0123456789";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 async fn status(url: &str) -> graviton::cli::ClusterStatus {
     graviton::cli::cluster_status(url)

@@ -270,7 +270,7 @@ fn target(node: &str, addr: SocketAddr, epoch: u64) -> OwnerTarget {
 }
 
 async fn upload(front: SocketAddr, seed: u64, total: usize) -> (u16, serde_json::Value) {
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = support::client();
     let body = futures_util::stream::iter(frames(seed, total).map(Ok::<_, std::io::Error>));
     let response = tokio::time::timeout(
         GUARD,
@@ -578,7 +578,7 @@ async fn forwarded_versus_direct_throughput_figures() {
         target("node-b", owner_addr, 1),
     )
     .await;
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = support::client();
     let direct = || {
         client
             .post(format!(

@@ -30,16 +30,13 @@ mod support;
 
 use std::time::Duration;
 
+use support::client;
 use support::cluster::{NodeProcess, is_ready, s3_storage_toml};
 use support::node::random_bytes;
 
 const SHARDS: u32 = 16;
 const ADMIN: &str = "admin-token-for-stopped-uploader-01";
 const STEP: &str = "upload packs published";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 /// `POST /v1/blobs`: the status, the body, and whether a `Retry-After` came with it.
 async fn post(url: &str, data: Vec<u8>) -> (u16, String, bool) {

@@ -16,15 +16,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use support::client;
 use support::node::random_bytes;
 
 const BIN: &str = env!("CARGO_BIN_EXE_graviton");
 const ADMIN_TOKEN: &str = "admin-token-for-pack-faults-0123";
 const PAUSE: &str = "GRAVITON_TEST_PAUSE_AFTER";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 /// The settings every process of these tests shares: fsync on, no grace period and no
 /// retention (so one run after the crash finishes the work), compaction of any pack

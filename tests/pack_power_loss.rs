@@ -18,16 +18,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use support::client;
 use support::lazyfs::{LazyFs, Unsynced, UnsyncedName};
 use support::node::random_bytes;
 
 const BIN: &str = env!("CARGO_BIN_EXE_graviton");
 /// Small packs, so each blob spans several packs (several publish steps per upload).
 const PACK_SIZE: &str = "2MiB";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 /// The store's settings for every process of these tests.
 fn settings(command: &mut Command, data_dir: &Path, fsync: bool) {

@@ -9,14 +9,11 @@ use std::time::Duration;
 
 use graviton::config::{Config, HumanDuration, Secret};
 use graviton::node::NodeOptions;
+use support::client;
 use support::node::{TestNode, random_bytes};
 
 const ADMIN_TOKEN: &str = "admin-token-for-pack-tests-0123";
 const BIN: &str = env!("CARGO_BIN_EXE_graviton");
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 /// Wait until the wall clock, in the whole milliseconds the collector compares, has moved
 /// past its reading now: whatever was written before this call is then strictly older

@@ -12,14 +12,11 @@ use graviton::cas::BlobKey;
 use graviton::config::{ByteSize, Config, HumanDuration};
 use reqwest::header::HeaderMap;
 use sha2::Digest;
+use support::client;
 use support::node::{TestNode, random_bytes, raw_exchange};
 
 const TENANT: &str = "6f1c1a8e-5d0b-4c8e-9f55-3f2a8f0e7a11";
 const OCTETS: &str = "application/offset+octet-stream";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())

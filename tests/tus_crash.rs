@@ -17,16 +17,13 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use graviton::cas::BlobKey;
+use support::client;
 use support::lazyfs::LazyFs;
 use support::node::random_bytes;
 
 const BIN: &str = env!("CARGO_BIN_EXE_graviton");
 const TENANT: &str = "6f1c1a8e-5d0b-4c8e-9f55-3f2a8f0e7a11";
 const OCTETS: &str = "application/offset+octet-stream";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 /// A `graviton serve` on `data_dir` with fsync on (the default), killed when dropped.
 struct Node {
