@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use graviton::admission::RedisAdmissionConfig;
-use graviton::config::{ByteSize, Config, HumanDuration, Secret};
+use graviton::config::{ByteSize, Config, Secret};
 use graviton::ids::{SessionId, TenantId};
 use graviton::node::NodeOptions;
 use support::RedisServer;

@@ -20,7 +20,7 @@ use graviton::admission::{
     Admission, AdmissionConfig, AdmissionMetrics, Error, Footprint, Operation, Outcome,
     RedisAdmissionConfig, TransferRequest,
 };
-use graviton::config::{ByteSize, HumanDuration, Secret};
+use graviton::config::{HumanDuration, Secret};
 use graviton::ids::TenantId;
 use support::pki::TestPki;
 

@@ -225,31 +225,3 @@ pub fn process_stopped(pid: u32) -> bool {
         })
         .unwrap_or(false)
 }
-
-/// Wait until a `graviton` process started with `GRAVITON_TEST_PAUSE_AFTER=<step>`
-/// (piped stderr) prints its pause line; its other stderr lines are drained meanwhile
-/// (and afterwards, so it never blocks on a full pipe). Panics after 120 s, or with the
-/// process's log if it ends without pausing.
-pub fn wait_paused(child: &mut std::process::Child, step: &str) {
-    use std::io::BufRead;
-    let stderr = child.stderr.take().expect("stderr piped");
-    let wanted = format!("paused after {step} (GRAVITON_TEST_PAUSE_AFTER)");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut seen = Vec::new();
-        for line in std::io::BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if line.contains(&wanted) {
-                let _ = tx.send(Ok(()));
-                continue;
-            }
-            seen.push(line);
-        }
-        let _ = tx.send(Err(seen.join("\n")));
-    });
-    match rx.recv_timeout(std::time::Duration::from_secs(120)) {
-        Ok(Ok(())) => {}
-        Ok(Err(log)) => panic!("the process ended without pausing after {step}:\n{log}"),
-        Err(_) => panic!("no pause after {step} within 120 s"),
-    }
-}

@@ -311,3 +311,20 @@ impl Drop for Graviton {
         self.kill9();
     }
 }
+
+/// One `kB` field of `/proc/<pid>/status` (`VmHWM`, `VmRSS`, `RssAnon`, ...), in bytes.
+pub fn status_bytes(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    for line in status.lines() {
+        if let Some(rest) = line.strip_prefix(field).and_then(|r| r.strip_prefix(':')) {
+            let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().unwrap();
+            return kib * 1024;
+        }
+    }
+    panic!("no {field} in /proc/{pid}/status");
+}
+
+/// Reset the process's peak resident size (`VmHWM`) to its current size.
+pub fn reset_peak_resident(pid: u32) {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("reset VmHWM");
+}
