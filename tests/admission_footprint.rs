@@ -29,7 +29,6 @@
 mod support;
 
 use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -39,7 +38,7 @@ use graviton::cas::ingest::{BATCH_BYTES, MAX_BODY_FRAME};
 use graviton::cas::{BlobKey, MAX_CHUNK};
 use graviton::storage::config::default_pack_size;
 use support::client;
-use support::process::{BIN, Graviton, reset_peak_resident, status_bytes};
+use support::process::{Graviton, Ports, reset_peak_resident, status_bytes};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpSocket;
 
@@ -149,22 +148,15 @@ impl Serve {
     /// its log as the error when the process exits first or never gets ready.
     async fn start(dir: &Path, sections: &str) -> Result<Self, String> {
         let config = dir.join("graviton.toml");
-        let mut node = Graviton::serve(dir.join("graviton.log"), |ports| {
-            std::fs::write(
-                &config,
-                format!(
-                    "[node]\nlisten = \"{}\"\nshutdown_grace = \"1s\"\n\n\
-                     [admin]\ntoken = \"{ADMIN_TOKEN}\"\n\n{sections}",
-                    ports.listen()
-                ),
+        let text = |ports: Ports| {
+            format!(
+                "[node]\nlisten = \"{}\"\nshutdown_grace = \"1s\"\n\n\
+                 [admin]\ntoken = \"{ADMIN_TOKEN}\"\n\n{sections}",
+                ports.listen()
             )
-            .unwrap();
-            let mut command = Command::new(BIN);
-            command
-                .args(["serve", "--config"])
-                .arg(&config)
-                .env("RUST_LOG", "info");
-            command
+        };
+        let mut node = Graviton::serve_config(dir.join("graviton.log"), &config, text, |c| {
+            c.env("RUST_LOG", "info");
         });
         node.wait_ready(Duration::from_secs(60)).await?;
         Ok(Self {

@@ -8,12 +8,12 @@ use std::process::Command;
 use std::time::Duration;
 
 use support::node::random_bytes;
-use support::process::{BIN, Graviton, isolated_command};
+use support::process::{BIN, Graviton, Ports, isolated_command};
 
 /// `graviton serve` on `dir/data` (its log `dir/serve.log`), listening when it returns.
 fn serve(dir: &Path) -> Graviton {
     let data = dir.join("data");
-    let mut server = Graviton::serve_args(dir.join("serve.log"), &[], |command| {
+    let mut server = Graviton::serve_listen(dir.join("serve.log"), |command| {
         command
             .arg("--data-dir")
             .arg(&data)
@@ -86,22 +86,15 @@ fn put_then_get_through_the_cli_is_verified_and_deduplicated() {
 /// when it returns.
 fn serve_with(dir: &Path, extra: &str) -> Graviton {
     let config = dir.join("node.toml");
-    let mut server = Graviton::serve(dir.join("serve.log"), |ports| {
-        std::fs::write(
-            &config,
-            format!(
-                "[node]\nlisten = \"{}\"\n[storage]\ndata_dir = \"{}\"\nfsync = false\n{extra}",
-                ports.listen(),
-                dir.join("data").display()
-            ),
+    let text = |ports: Ports| {
+        format!(
+            "[node]\nlisten = \"{}\"\n[storage]\ndata_dir = \"{}\"\nfsync = false\n{extra}",
+            ports.listen(),
+            dir.join("data").display()
         )
-        .unwrap();
-        let mut command = Command::new(BIN);
-        command
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env_remove("GRAVITON_CONFIG");
-        command
+    };
+    let mut server = Graviton::serve_config(dir.join("serve.log"), &config, text, |command| {
+        command.env_remove("GRAVITON_CONFIG");
     });
     server.wait_listening(Duration::from_secs(20));
     server
@@ -178,6 +171,11 @@ fn put_help_says_tenant_and_session_are_uuids() {
 fn sigterm_stops_the_server_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let mut server = serve(dir.path());
+    // Ready, not only listening: the node installs its SIGTERM handler after its listeners
+    // accept (a SIGTERM in between ends it by the signal; seen under load).
+    tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(server.ready(Duration::from_secs(20)));
     // SIGTERM, then the exit is awaited (SIGKILL after 30 s, which fails the assertion).
     let status = server.terminate().expect("the server was running");
     assert!(

@@ -5,14 +5,13 @@
 
 mod support;
 
-use std::process::Command;
 use std::time::Duration;
 
 use graviton::config::{HumanDuration, Secret};
 use support::RedisServer;
 use support::client;
 use support::node::TestNode;
-use support::process::{BIN, Graviton};
+use support::process::{Graviton, Ports};
 
 const PASSWORD: &str = "hunter2-never-in-the-log";
 
@@ -20,11 +19,9 @@ const PASSWORD: &str = "hunter2-never-in-the-log";
 /// with `[admission.redis]` at `redis_url` and a password.
 fn serve(dir: &std::path::Path, redis_url: &str) -> Graviton {
     let config = dir.join("node.toml");
-    Graviton::serve(dir.join("node.log"), |ports| {
-        std::fs::write(
-            &config,
-            format!(
-                r#"
+    let text = |ports: Ports| {
+        format!(
+            r#"
 [node]
 listen = "{listen}"
 
@@ -43,18 +40,12 @@ probe_timeout = "100ms"
 url = "{redis_url}"
 password = "{PASSWORD}"
 "#,
-                listen = ports.listen(),
-                data = dir.join("data").display(),
-            ),
+            listen = ports.listen(),
+            data = dir.join("data").display(),
         )
-        .unwrap();
-        let mut command = Command::new(BIN);
-        command
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env_remove("GRAVITON_CONFIG")
-            .env_remove("RUST_LOG");
-        command
+    };
+    Graviton::serve_config(dir.join("node.log"), &config, text, |command| {
+        command.env_remove("GRAVITON_CONFIG").env_remove("RUST_LOG");
     })
 }
 

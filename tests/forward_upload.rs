@@ -646,11 +646,10 @@ async fn a_stale_post_after_a_passing_preflight_retries_with_the_untouched_body(
          Content-Length: {total}\r\nX-Graviton-Tenant-Id: {TENANT}\r\nX-Graviton-Upload-Session-Id: {SESSION}\r\n\r\n"
     );
     stream.write_all(head.as_bytes()).await.unwrap();
-    let until = std::time::Instant::now() + GUARD;
-    while forwarder.stats().stale_retries.load(Ordering::SeqCst) == 0 {
-        assert!(std::time::Instant::now() < until, "no stale retry");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    support::eventually(GUARD, "a stale retry", || {
+        forwarder.stats().stale_retries.load(Ordering::SeqCst) > 0
+    })
+    .await;
     for frame in frames(21, total) {
         stream.write_all(&frame).await.unwrap();
     }

@@ -147,7 +147,7 @@ async fn a_missing_bucket_names_the_bucket_the_endpoint_and_the_key_once() {
 async fn gc_and_verify_on_a_running_node_say_to_stop_it_or_use_the_admin_endpoint() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let mut node = Graviton::serve_args(dir.path().join("serve.log"), &[], |command| {
+    let mut node = Graviton::serve_listen(dir.path().join("serve.log"), |command| {
         command
             .arg("--data-dir")
             .arg(&data)

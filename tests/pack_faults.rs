@@ -43,7 +43,7 @@ fn settings(command: &mut Command, dir: &Path) {
 /// A `graviton serve` on `dir` (its log `dir/serve.log`); with `pause`, it stops at
 /// that step.
 fn serve(dir: &Path, pause: Option<&str>) -> Graviton {
-    Graviton::serve_args(dir.join("serve.log"), &[], |command| {
+    Graviton::serve_listen(dir.join("serve.log"), |command| {
         settings(command, dir);
         if let Some(step) = pause {
             command.env(PAUSE, step);

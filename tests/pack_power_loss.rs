@@ -42,7 +42,7 @@ fn settings(command: &mut Command, data_dir: &Path, fsync: bool) {
 /// `Err` with its log if it exits or is not ready within 60 s. Killed with SIGKILL when
 /// dropped (also when a test fails, before the filesystem under it is unmounted).
 async fn start(data_dir: &Path, fsync: bool, logs: &Path, name: &str) -> Result<Graviton, String> {
-    let mut node = Graviton::serve_args(logs.join(format!("{name}.log")), &[], |command| {
+    let mut node = Graviton::serve_listen(logs.join(format!("{name}.log")), |command| {
         settings(command, data_dir, fsync);
     });
     node.wait_ready(Duration::from_secs(60)).await?;

@@ -27,7 +27,7 @@ const OCTETS: &str = "application/offset+octet-stream";
 /// A ready `graviton serve` on `data_dir` with fsync on (the default), its log
 /// `<logs>/<name>.log`; killed when dropped.
 async fn start(data_dir: &Path, logs: &Path, name: &str) -> Graviton {
-    let mut node = Graviton::serve_args(logs.join(format!("{name}.log")), &[], |command| {
+    let mut node = Graviton::serve_listen(logs.join(format!("{name}.log")), |command| {
         command
             .env("GRAVITON_STORAGE__DATA_DIR", data_dir)
             .env("GRAVITON_STORAGE__FSYNC", "true")

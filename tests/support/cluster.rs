@@ -1,9 +1,10 @@
 //! Separate `graviton serve` processes forming a cluster on one PostgreSQL database.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
+/// The `graviton` binary (also `support::process::BIN`; `nemesis_util` names it here).
+#[allow(unused_imports)]
 pub use super::process::BIN;
 use super::process::{Graviton, Ports};
 pub const TOKEN: &str = "test-internal-token-0123456789abcdefghijkl";
@@ -78,16 +79,14 @@ impl NodeProcess {
         extra: &str,
     ) -> Self {
         let config = dir.join(format!("{id}.toml"));
-        let process = Graviton::serve(dir.join(format!("{id}.log")), |ports| {
+        let text = |ports: Ports| {
             let Ports {
                 public,
                 internal,
                 control,
             } = ports;
-            std::fs::write(
-                &config,
-                format!(
-                    r#"[node]
+            format!(
+                r#"[node]
 id = "{id}"
 listen = "127.0.0.1:{public}"
 shutdown_grace = "5s"
@@ -108,15 +107,10 @@ internal_token = "{TOKEN}"
 
 {extra}
 "#
-                ),
             )
-            .expect("write node config");
-            let mut command = Command::new(BIN);
-            command
-                .args(["serve", "--config"])
-                .arg(&config)
-                .env("RUST_LOG", "info");
-            command
+        };
+        let process = Graviton::serve_config(dir.join(format!("{id}.log")), &config, text, |c| {
+            c.env("RUST_LOG", "info");
         });
         Self {
             id: id.to_string(),
@@ -372,6 +366,20 @@ pub fn all_nodes_own_shards(status: &graviton::cli::ClusterStatus) -> bool {
     status.unassigned_shards == 0 && status.nodes.iter().all(|n| n.shards > 0)
 }
 
+/// The owner in `status` of `key`'s shard (of `shard_count`), `None` while unassigned.
+pub fn owner_of(
+    status: &graviton::cli::ClusterStatus,
+    shard_count: u32,
+    key: &graviton::ids::SessionKey,
+) -> Option<graviton::ids::NodeId> {
+    let shard = graviton::placement::hash::shard_of(key, shard_count);
+    status
+        .shards
+        .iter()
+        .find(|s| s.shard == shard)
+        .and_then(|s| s.owner.clone())
+}
+
 /// A new session whose shard (of `shard_count`) `node` owns in `status`; panics after a
 /// million random tries (the node owns no shard).
 pub fn session_owned_by(
@@ -384,14 +392,6 @@ pub fn session_owned_by(
             tenant: graviton::ids::TenantId::new_random(),
             session: graviton::ids::SessionId::new_random(),
         })
-        .find(|key| {
-            let shard = graviton::placement::hash::shard_of(key, shard_count);
-            status
-                .shards
-                .iter()
-                .find(|s| s.shard == shard)
-                .and_then(|s| s.owner.as_ref())
-                .is_some_and(|owner| owner.as_str() == node)
-        })
+        .find(|key| owner_of(status, shard_count, key).is_some_and(|o| o.as_str() == node))
         .unwrap_or_else(|| panic!("{node} owns no shard in {status:?}"))
 }

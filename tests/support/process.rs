@@ -97,17 +97,31 @@ impl Graviton {
         }
     }
 
-    /// `graviton serve` with `args` after `serve` (`--listen` is added) and stderr to
-    /// `log`; `settings` adds the rest (environment, more flags).
-    pub fn serve_args(
+    /// `graviton serve --listen <public port>` with stderr to `log`; `settings` adds the
+    /// rest (more flags, the environment).
+    pub fn serve_listen(log: impl Into<PathBuf>, mut settings: impl FnMut(&mut Command)) -> Self {
+        Self::serve(log, |ports| {
+            let mut command = Command::new(BIN);
+            command.args(["serve", "--listen", &ports.listen()]);
+            settings(&mut command);
+            command
+        })
+    }
+
+    /// `graviton serve --config <config>` with stderr to `log`: for each launch attempt
+    /// `text` gives the file's contents for the picked ports, and `settings` adds the
+    /// environment.
+    pub fn serve_config(
         log: impl Into<PathBuf>,
-        args: &[&str],
+        config: &Path,
+        mut text: impl FnMut(Ports) -> String,
         mut settings: impl FnMut(&mut Command),
     ) -> Self {
         Self::serve(log, |ports| {
+            std::fs::write(config, text(ports))
+                .unwrap_or_else(|e| panic!("write {}: {e}", config.display()));
             let mut command = Command::new(BIN);
-            command.arg("serve").args(args);
-            command.args(["--listen", &ports.listen()]);
+            command.args(["serve", "--config"]).arg(config);
             settings(&mut command);
             command
         })
