@@ -827,13 +827,7 @@ async fn a_cluster_forwards_to_the_owner_and_resumes_after_the_owner_is_killed()
     .await;
     let status = graviton::cli::cluster_status(&db_url).await.unwrap();
     let owner_of = |status: &graviton::cli::ClusterStatus, key: &SessionKey| {
-        let shard = graviton::placement::hash::shard_of(key, SHARDS);
-        status
-            .shards
-            .iter()
-            .find(|s| s.shard == shard)
-            .and_then(|s| s.owner.clone())
-            .map(|o| o.to_string())
+        support::cluster::owner_of(status, SHARDS, key).map(|o| o.to_string())
     };
     // A session owned by tus-a; the client talks to tus-b.
     let key = loop {
