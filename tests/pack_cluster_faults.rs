@@ -332,22 +332,21 @@ async fn cluster_gc_killed_after(test: &str, step: &str, purge_first: bool) {
     }
 
     let config = node.config.clone();
-    let mut gc = std::process::Command::new(env!("CARGO_BIN_EXE_graviton"))
+    let mut command = std::process::Command::new(support::process::BIN);
+    command
         .args(["gc", "--purge", "--config"])
         .arg(&config)
-        .env("GRAVITON_TEST_PAUSE_AFTER", step)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+        .env("GRAVITON_TEST_PAUSE_AFTER", step);
+    let log = config.with_file_name("gc.log");
     let step_owned = step.to_string();
     let mut gc = tokio::task::spawn_blocking(move || {
-        support::wait_paused(&mut gc, &step_owned);
+        let mut gc = support::process::Graviton::spawn(log, command);
+        gc.wait_paused(&step_owned);
         gc
     })
     .await
     .unwrap();
-    support::kill9(&mut gc);
+    gc.kill9();
 
     let check = || async {
         for (key, data) in [(&keep_key, &keep), (&narrow_key, &narrow)] {
