@@ -28,9 +28,7 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -39,10 +37,10 @@ use graviton::admission::{Footprint, Operation};
 use graviton::cas::{BlobKey, MAX_CHUNK};
 use graviton::pipeline::ingest::{BATCH_BYTES, MAX_BODY_FRAME};
 use graviton::storage::config::default_pack_size;
+use support::client;
+use support::process::{Graviton, Ports, reset_peak_resident, status_bytes};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpSocket;
-
-const BIN: &str = env!("CARGO_BIN_EXE_graviton");
 
 /// One test of this file at a time in a process (the heap count is process-wide).
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -138,63 +136,42 @@ const UPLOADS_ADMITTED: u64 = 4;
 const DOWNLOADS: usize = 24;
 const DOWNLOADS_ADMITTED: u64 = 16;
 
-/// One `graviton serve` process on a free port, killed when dropped.
+/// One `graviton serve` process on a free port (the process wrapper of `tests/support`).
 struct Serve {
-    child: Child,
+    node: Graviton,
     url: String,
     port: u16,
-    log: PathBuf,
 }
 
 impl Serve {
     /// Start `graviton serve --config` with `sections` (TOML) and wait for `/readyz`;
     /// its log as the error when the process exits first or never gets ready.
     async fn start(dir: &Path, sections: &str) -> Result<Self, String> {
-        let port = support::free_port();
         let config = dir.join("graviton.toml");
-        std::fs::write(
-            &config,
+        let text = |ports: Ports| {
             format!(
-                "[node]\nlisten = \"127.0.0.1:{port}\"\nshutdown_grace = \"1s\"\n\n\
-                 [admin]\ntoken = \"{ADMIN_TOKEN}\"\n\n{sections}"
-            ),
-        )
-        .unwrap();
-        let log = dir.join("graviton.log");
-        let child = Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("spawn graviton serve");
-        let mut serve = Self {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            port,
-            log,
+                "[node]\nlisten = \"{}\"\nshutdown_grace = \"1s\"\n\n\
+                 [admin]\ntoken = \"{ADMIN_TOKEN}\"\n\n{sections}",
+                ports.listen()
+            )
         };
-        let client = client();
-        let ready = support::wait_until(Duration::from_secs(60), || {
-            let exited = matches!(serve.child.try_wait(), Ok(Some(_)));
-            let request = client.get(format!("{}/readyz", serve.url)).send();
-            async move { exited || request.await.is_ok_and(|r| r.status() == 200) }
+        let mut node = Graviton::serve_config(dir.join("graviton.log"), &config, text, |c| {
+            c.env("RUST_LOG", "info");
+        });
+        node.wait_ready(Duration::from_secs(60)).await?;
+        Ok(Self {
+            url: node.url.clone(),
+            port: node.port(),
+            node,
         })
-        .await;
-        if !ready || matches!(serve.child.try_wait(), Ok(Some(_))) {
-            let log = serve.log_text();
-            return Err(log);
-        }
-        Ok(serve)
     }
 
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.node.pid().expect("running")
     }
 
     fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        self.node.log_text()
     }
 
     /// `POST /v1/blobs` of `data`, answered 201; its key.
@@ -239,16 +216,6 @@ impl Serve {
     }
 }
 
-impl Drop for Serve {
-    fn drop(&mut self) {
-        support::kill9(&mut self.child);
-    }
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
 /// The most a client can write on a connection whose server reads nothing: the largest
 /// TCP send buffer plus the largest receive buffer (`net.ipv4.tcp_wmem`, `tcp_rmem`).
 fn socket_buffers() -> u64 {
@@ -257,24 +224,6 @@ fn socket_buffers() -> u64 {
         text.split_whitespace().nth(2).unwrap().parse().unwrap()
     };
     max("tcp_wmem") + max("tcp_rmem")
-}
-
-/// One `kB` field of `/proc/<pid>/status`, in bytes.
-fn status_field(pid: u32, field: &str) -> u64 {
-    let file = std::fs::File::open(format!("/proc/{pid}/status")).expect("proc status");
-    for line in BufReader::new(file).lines() {
-        let line = line.unwrap();
-        if let Some(rest) = line.strip_prefix(field).and_then(|r| r.strip_prefix(':')) {
-            let kib: u64 = rest.trim().trim_end_matches("kB").trim().parse().unwrap();
-            return kib * 1024;
-        }
-    }
-    panic!("no {field} in /proc/{pid}/status");
-}
-
-/// Reset the process's peak resident size (`VmHWM`) to its current size.
-fn reset_peak(pid: u32) {
-    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").expect("reset VmHWM");
 }
 
 /// Samples of the anonymous and file-backed resident sizes while a phase runs (the kernel
@@ -291,8 +240,8 @@ impl Sampler {
         let thread = std::thread::spawn(move || {
             let (mut anon, mut file) = (0, 0);
             while !flag.load(Ordering::SeqCst) {
-                anon = anon.max(status_field(pid, "RssAnon"));
-                file = file.max(status_field(pid, "RssFile"));
+                anon = anon.max(status_bytes(pid, "RssAnon"));
+                file = file.max(status_bytes(pid, "RssFile"));
                 std::thread::sleep(Duration::from_millis(5));
             }
             (anon, file)
@@ -306,7 +255,7 @@ impl Sampler {
         self.stop.store(true, Ordering::SeqCst);
         let (anon, file) = self.thread.join().unwrap();
         Resident {
-            total: status_field(pid, "VmHWM"),
+            total: status_bytes(pid, "VmHWM"),
             anon,
             file,
         }
@@ -529,9 +478,9 @@ struct Resident {
 impl Resident {
     fn now(pid: u32) -> Self {
         Self {
-            total: status_field(pid, "VmRSS"),
-            anon: status_field(pid, "RssAnon"),
-            file: status_field(pid, "RssFile"),
+            total: status_bytes(pid, "VmRSS"),
+            anon: status_bytes(pid, "RssAnon"),
+            file: status_bytes(pid, "RssFile"),
         }
     }
 }
@@ -657,7 +606,7 @@ async fn uploads_against_a_stopped_block_store_stay_within_process_bytes() {
         .collect();
     let pid = serve.pid();
     let idle = Resident::now(pid);
-    reset_peak(pid);
+    reset_peak_resident(pid);
     let sampler = Sampler::start(pid);
 
     garage.signal("STOP");
@@ -752,7 +701,7 @@ async fn slow_reading_downloads_stay_within_process_bytes() {
 
     let pid = serve.pid();
     let idle = Resident::now(pid);
-    reset_peak(pid);
+    reset_peak_resident(pid);
     let sampler = Sampler::start(pid);
     let slow = Arc::new(AtomicBool::new(true));
     let received: Vec<Arc<AtomicU64>> = (0..DOWNLOADS).map(|_| Arc::default()).collect();

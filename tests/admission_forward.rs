@@ -11,19 +11,15 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use graviton::admission::acquire::wait_for_lease;
-use graviton::admission::{Footprint, Operation, Outcome, RedisAdmissionConfig};
+use graviton::admission::{Footprint, Operation, Outcome};
 use graviton::cas::chunker::MAX_CHUNK;
-use graviton::ids::{SessionId, SessionKey, TenantId};
-use graviton::placement::hash::shard_of;
+use graviton::ids::{SessionKey, TenantId};
 use graviton::storage::redis::{LeaseId, LeaseRequest, RedisCoordinator};
-use support::cluster::{NodeProcess, is_ready};
+use support::client;
+use support::cluster::{NodeProcess, all_nodes_own_shards, session_owned_by, wait_converged};
 use support::node::{random_bytes, raw_exchange};
 
 const SHARDS: u32 = 8;
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 fn admission_toml(redis_url: &str, cell: &str) -> String {
     format!(
@@ -101,52 +97,19 @@ async fn a_forwarded_upload_takes_one_lease_and_owner_refusals_reach_the_client(
     else {
         return;
     };
-    let converged = support::wait_until(Duration::from_secs(60), || {
-        let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
-        let db_url = db_url.clone();
-        async move {
-            for url in &urls {
-                if !is_ready(&client(), url).await {
-                    return false;
-                }
-            }
-            let status = graviton::cli::cluster_status(&db_url).await.unwrap();
-            status.unassigned_shards == 0 && status.nodes.iter().all(|n| n.shards > 0)
-        }
-    })
+    let refs: Vec<&NodeProcess> = nodes.iter().collect();
+    wait_converged(
+        &refs,
+        &db_url,
+        "both nodes ready, each owning shards",
+        all_nodes_own_shards,
+    )
     .await;
-    assert!(
-        converged,
-        "cluster did not converge:\n{}",
-        nodes[0].log_text()
-    );
     let status = graviton::cli::cluster_status(&db_url).await.unwrap();
     // A session owned by node-b, sent to node-a.
-    let owned_by_b = || loop {
-        let key = SessionKey {
-            tenant: TenantId::new_random(),
-            session: SessionId::new_random(),
-        };
-        let shard = shard_of(&key, SHARDS);
-        let owner = status
-            .shards
-            .iter()
-            .find(|s| s.shard == shard)
-            .and_then(|s| s.owner.clone());
-        if owner.is_some_and(|o| o.as_str() == "node-b") {
-            return key;
-        }
-    };
+    let owned_by_b = || session_owned_by(&status, SHARDS, "node-b");
     let front = &nodes[0];
-    let coordinator = RedisCoordinator::connect(
-        &RedisAdmissionConfig {
-            url: redis.url(),
-            cell: cell.clone(),
-            ..RedisAdmissionConfig::default()
-        }
-        .coordinator(),
-    )
-    .unwrap();
+    let coordinator = support::admission::coordinator(redis.url(), cell.clone());
 
     // 1. Forwarded with tenant_transfers = 1: admitted (it used to wait out `wait` and get
     //    503, because the relay and the owner each took a lease).
@@ -156,7 +119,7 @@ async fn a_forwarded_upload_takes_one_lease_and_owner_refusals_reach_the_client(
     let body: serde_json::Value = response.json().await.unwrap();
     assert_eq!(body["owner"], "node-b", "ingested by the owner");
     // The owner releases the lease just after it answered: wait for `completed`.
-    let released = support::wait_until(Duration::from_secs(10), || {
+    support::wait_for(Duration::from_secs(10), "the lease to be released", || {
         let coordinator = coordinator.clone();
         async move {
             tenant_events(&coordinator, &key.tenant)
@@ -166,7 +129,6 @@ async fn a_forwarded_upload_takes_one_lease_and_owner_refusals_reach_the_client(
         }
     })
     .await;
-    assert!(released, "the lease was released");
     let events = tenant_events(&coordinator, &key.tenant).await;
     assert_eq!(
         kinds(&events),

@@ -9,36 +9,24 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use graviton::admission::RedisAdmissionConfig;
-use graviton::config::{ByteSize, Config, HumanDuration, Secret};
+use graviton::config::{ByteSize, Config, Secret};
 use graviton::ids::{SessionId, TenantId};
 use graviton::node::NodeOptions;
 use support::RedisServer;
+use support::client;
 use support::metrics::{count, count_or_zero as sample, require};
 use support::node::{TestNode, random_bytes};
 
 const ADMIN_TOKEN: &str = "admin-token-for-tests-0123";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 fn with_redis(
     url: String,
     edit: impl FnOnce(&mut RedisAdmissionConfig),
 ) -> impl FnOnce(&mut Config) {
     move |config: &mut Config| {
-        let mut redis = RedisAdmissionConfig {
-            url,
-            cell: format!("http-{}", support::unique_suffix()),
-            lease_ttl: HumanDuration::secs(3),
-            renew_interval: HumanDuration::secs(1),
-            wait: HumanDuration::secs(1),
-            retry_interval: HumanDuration::millis(10),
-            ..RedisAdmissionConfig::default()
-        };
+        let mut redis = support::admission::redis(url, "http");
         edit(&mut redis);
-        config.admission.acquisition_timeout = HumanDuration::secs(2);
-        config.admission.redis = Some(redis);
+        support::admission::on_node(config, redis);
         config.admin.token = Some(Secret::new(ADMIN_TOKEN));
     }
 }
@@ -488,15 +476,7 @@ async fn successful_downloads_count_as_ok_and_release_their_lease_as_completed()
     assert_eq!(bytes, (data.len() + 1_000_000) as u64, "{metrics}");
 
     // Each download's lease is released with the outcome `completed`.
-    let coordinator = graviton::storage::redis::RedisCoordinator::connect(
-        &RedisAdmissionConfig {
-            url: server.url(),
-            cell,
-            ..RedisAdmissionConfig::default()
-        }
-        .coordinator(),
-    )
-    .unwrap();
+    let coordinator = support::admission::coordinator(server.url(), cell);
     let hash = coordinator.hasher().tenant(&tenant);
     let downloads = || {
         let coordinator = coordinator.clone();

@@ -10,10 +10,9 @@ mod support;
 use std::time::Duration;
 
 use graviton::admission::{
-    Admission, AdmissionConfig, AdmissionMetrics, Footprint, Operation, RedisAdmissionConfig,
-    TransferRequest,
+    Admission, AdmissionMetrics, Footprint, Operation, RedisAdmissionConfig, TransferRequest,
 };
-use graviton::config::{ByteSize, HumanDuration};
+use graviton::config::HumanDuration;
 use graviton::ids::TenantId;
 use support::RedisServer;
 use tokio::time::Instant;
@@ -26,22 +25,11 @@ async fn a_hanging_renewal_is_a_loss_at_the_loss_deadline_before_the_ttl() {
         return;
     };
     let ttl = Duration::from_secs(3);
-    let config = AdmissionConfig {
-        process_bytes: ByteSize::mib(64),
-        tenant_bytes: ByteSize::mib(64),
-        acquisition_timeout: HumanDuration::secs(5),
-        redis: Some(RedisAdmissionConfig {
-            url: server.url(),
-            cell: format!("lease-{}", support::unique_suffix()),
-            lease_ttl: HumanDuration::secs(3),
-            renew_interval: HumanDuration::secs(1),
-            wait: HumanDuration::secs(1),
-            retry_interval: HumanDuration::millis(50),
-            ..RedisAdmissionConfig::default()
-        }),
-        ..AdmissionConfig::default()
+    let redis = RedisAdmissionConfig {
+        retry_interval: HumanDuration::millis(50),
+        ..support::admission::redis(server.url(), "lease")
     };
-    assert!(config.problems().is_empty(), "{:?}", config.problems());
+    let config = support::admission::limits(redis, HumanDuration::secs(5));
     let admission = Admission::new(&config, AdmissionMetrics::default()).unwrap();
     // Taken before the admit call: the server's expiry is later than this + TTL.
     let before_admit = Instant::now();
@@ -98,22 +86,13 @@ async fn a_dropped_wait_is_abandoned_and_completed_keeps_its_admitted_policy_ver
     let Some(server) = RedisServer::start("a_dropped_wait_is_abandoned") else {
         return;
     };
-    let config = AdmissionConfig {
-        process_bytes: ByteSize::mib(64),
-        tenant_bytes: ByteSize::mib(64),
-        acquisition_timeout: HumanDuration::secs(20),
-        redis: Some(RedisAdmissionConfig {
-            url: server.url(),
-            cell: format!("drop-{}", support::unique_suffix()),
-            lease_ttl: HumanDuration::secs(3),
-            renew_interval: HumanDuration::secs(1),
-            wait: HumanDuration::secs(20),
-            retry_interval: HumanDuration::millis(20),
-            tenant_transfers: 1,
-            ..RedisAdmissionConfig::default()
-        }),
-        ..AdmissionConfig::default()
+    let redis = RedisAdmissionConfig {
+        wait: HumanDuration::secs(20),
+        retry_interval: HumanDuration::millis(20),
+        tenant_transfers: 1,
+        ..support::admission::redis(server.url(), "drop")
     };
+    let config = support::admission::limits(redis, HumanDuration::secs(20));
     let admission = Admission::new(&config, AdmissionMetrics::default()).unwrap();
     let coordinator = admission.coordinator().unwrap().clone();
     let tenant = TenantId::new_random();

@@ -13,10 +13,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use graviton::admission::RedisAdmissionConfig;
-use graviton::config::{ByteSize, Config, HumanDuration, Secret};
+use graviton::config::{ByteSize, Config, Secret};
 use graviton::ids::{SessionId, TenantId};
 use graviton::node::NodeOptions;
 use support::RedisServer;
+use support::client;
 use support::node::TestNode;
 
 const ADMIN_TOKEN: &str = "admin-token-for-tests-0123";
@@ -34,10 +35,6 @@ impl Write for Captured {
     }
 }
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
 fn node_config(
     url: String,
     cell: String,
@@ -45,17 +42,11 @@ fn node_config(
 ) -> impl FnOnce(&mut Config) {
     move |config: &mut Config| {
         let mut redis = RedisAdmissionConfig {
-            url,
             cell,
-            lease_ttl: HumanDuration::secs(3),
-            renew_interval: HumanDuration::secs(1),
-            wait: HumanDuration::secs(1),
-            retry_interval: HumanDuration::millis(10),
-            ..RedisAdmissionConfig::default()
+            ..support::admission::redis(url, "limits")
         };
         edit(&mut redis);
-        config.admission.acquisition_timeout = HumanDuration::secs(2);
-        config.admission.redis = Some(redis);
+        support::admission::on_node(config, redis);
         config.admin.token = Some(Secret::new(ADMIN_TOKEN));
     }
 }

@@ -20,7 +20,7 @@ use graviton::admission::{
     Admission, AdmissionConfig, AdmissionMetrics, Error, Footprint, Operation, Outcome,
     RedisAdmissionConfig, TransferRequest,
 };
-use graviton::config::{ByteSize, HumanDuration, Secret};
+use graviton::config::{HumanDuration, Secret};
 use graviton::ids::TenantId;
 use support::pki::TestPki;
 
@@ -56,26 +56,15 @@ fn config(
     ca_file: Option<&std::path::Path>,
     password: &str,
 ) -> AdmissionConfig {
-    let config = AdmissionConfig {
-        process_bytes: ByteSize::mib(64),
-        tenant_bytes: ByteSize::mib(64),
-        acquisition_timeout: HumanDuration::secs(3),
-        redis: Some(RedisAdmissionConfig {
-            url: format!("rediss://127.0.0.1:{port}/"),
-            verify_tls,
-            ca_file: ca_file.map(Into::into),
-            password: Some(Secret::new(password)),
-            cell: format!("tls-{}", support::unique_suffix()),
-            lease_ttl: HumanDuration::secs(3),
-            renew_interval: HumanDuration::secs(1),
-            wait: HumanDuration::secs(2),
-            retry_interval: HumanDuration::millis(20),
-            ..RedisAdmissionConfig::default()
-        }),
-        ..AdmissionConfig::default()
+    let redis = RedisAdmissionConfig {
+        verify_tls,
+        ca_file: ca_file.map(Into::into),
+        password: Some(Secret::new(password)),
+        wait: HumanDuration::secs(2),
+        retry_interval: HumanDuration::millis(20),
+        ..support::admission::redis(format!("rediss://127.0.0.1:{port}/"), "tls")
     };
-    assert!(config.problems().is_empty(), "{:?}", config.problems());
-    config
+    support::admission::limits(redis, HumanDuration::secs(3))
 }
 
 fn request() -> TransferRequest {

@@ -3,57 +3,30 @@
 
 mod support;
 
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
 use support::node::random_bytes;
+use support::process::{BIN, Graviton, Ports, isolated_command};
 
-const BIN: &str = env!("CARGO_BIN_EXE_graviton");
-
-struct Server {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve(data_dir: &std::path::Path) -> Server {
-    let port = support::free_port();
-    let mut child = Command::new(BIN)
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--data-dir",
-        ])
-        .arg(data_dir)
-        .env_remove("GRAVITON_CONFIG")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn graviton serve");
-    let url = format!("http://127.0.0.1:{port}");
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while std::time::Instant::now() < deadline {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Server { child, url };
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    panic!("graviton serve did not listen within 20s");
+/// `graviton serve` on `dir/data` (its log `dir/serve.log`), listening when it returns.
+fn serve(dir: &Path) -> Graviton {
+    let data = dir.join("data");
+    let mut server = Graviton::serve_listen(dir.join("serve.log"), |command| {
+        command
+            .arg("--data-dir")
+            .arg(&data)
+            .env_remove("GRAVITON_CONFIG");
+    });
+    server.wait_listening(Duration::from_secs(20));
+    server
 }
 
 #[test]
 fn put_then_get_through_the_cli_is_verified_and_deduplicated() {
     let dir = tempfile::tempdir().unwrap();
-    let server = serve(&dir.path().join("data"));
+    let server = serve(dir.path());
     let file = dir.path().join("input.bin");
     let data = random_bytes(3 << 20, 21);
     std::fs::write(&file, &data).unwrap();
@@ -109,39 +82,22 @@ fn put_then_get_through_the_cli_is_verified_and_deduplicated() {
     assert!(!nothing.exists());
 }
 
-/// `graviton serve --config` with `extra` TOML appended to a minimal file.
-fn serve_with(dir: &std::path::Path, extra: &str) -> Server {
-    let port = support::free_port();
+/// `graviton serve --config` with `extra` TOML appended to a minimal file, listening
+/// when it returns.
+fn serve_with(dir: &Path, extra: &str) -> Graviton {
     let config = dir.join("node.toml");
-    std::fs::write(
-        &config,
+    let text = |ports: Ports| {
         format!(
-            "[node]\nlisten = \"127.0.0.1:{port}\"\n[storage]\ndata_dir = \"{}\"\nfsync = false\n{extra}",
+            "[node]\nlisten = \"{}\"\n[storage]\ndata_dir = \"{}\"\nfsync = false\n{extra}",
+            ports.listen(),
             dir.join("data").display()
-        ),
-    )
-    .unwrap();
-    let mut child = Command::new(BIN)
-        .args(["serve", "--config"])
-        .arg(&config)
-        .env_remove("GRAVITON_CONFIG")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn graviton serve");
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while std::time::Instant::now() < deadline {
-        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Server {
-                child,
-                url: format!("http://127.0.0.1:{port}"),
-            };
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    panic!("graviton serve did not listen within 20s");
+        )
+    };
+    let mut server = Graviton::serve_config(dir.join("serve.log"), &config, text, |command| {
+        command.env_remove("GRAVITON_CONFIG");
+    });
+    server.wait_listening(Duration::from_secs(20));
+    server
 }
 
 /// Run `graviton put` of `file` against `url` three times; each must fail printing
@@ -215,26 +171,18 @@ fn put_help_says_tenant_and_session_are_uuids() {
 fn sigterm_stops_the_server_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let mut server = serve(dir.path());
-    let pid = server.child.id().to_string();
+    // Ready, not only listening: the node installs its SIGTERM handler after its listeners
+    // accept (a SIGTERM in between ends it by the signal; seen under load).
+    tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(server.ready(Duration::from_secs(20)));
+    // SIGTERM, then the exit is awaited (SIGKILL after 30 s, which fails the assertion).
+    let status = server.terminate().expect("the server was running");
     assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
+        status.success(),
+        "exit status {status} (SIGTERM ignored?):\n{}",
+        server.log_text()
     );
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Some(status) = server.child.try_wait().unwrap() {
-            assert!(status.success(), "exit status {status}");
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "server ignored SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]
@@ -297,13 +245,8 @@ fn environment_overrides_the_config_file() {
 /// `graviton check-config` with `args`, no inherited `GRAVITON_*` configuration, plus
 /// `env`: (exit code, stderr).
 fn check_config(args: &[&std::ffi::OsStr], env: &[(&str, &str)]) -> (Option<i32>, String) {
-    let mut command = Command::new(BIN);
+    let mut command = isolated_command();
     command.arg("check-config").args(args);
-    for (name, _) in std::env::vars() {
-        if name.starts_with("GRAVITON_") {
-            command.env_remove(name);
-        }
-    }
     for (name, value) in env {
         command.env(name, value);
     }
@@ -388,13 +331,8 @@ fn check_config_refuses_what_serve_refuses() {
     .unwrap();
     let (code, checked) = check_config(&["--config".as_ref(), file.as_os_str()], &[]);
     assert_eq!(code, Some(2), "{checked}");
-    let mut serve = Command::new(BIN);
+    let mut serve = isolated_command();
     serve.arg("serve").arg("--config").arg(&file);
-    for (name, _) in std::env::vars() {
-        if name.starts_with("GRAVITON_") {
-            serve.env_remove(name);
-        }
-    }
     let served = serve.output().unwrap();
     let served_err = String::from_utf8_lossy(&served.stderr);
     assert_eq!(served.status.code(), Some(1), "{served_err}");

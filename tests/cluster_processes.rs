@@ -14,15 +14,11 @@ use std::time::{Duration, Instant};
 
 use graviton::cas::BlobKey;
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
-use graviton::placement::hash::shard_of;
-use support::cluster::{BIN, NodeProcess, is_ready, upload_retrying};
+use support::client;
+use support::cluster::{BIN, NodeProcess, is_ready, upload_retrying, wait_converged};
 use support::node::random_bytes;
 
 const SHARDS: u32 = 32;
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 async fn owners(url: &str) -> graviton::cli::ClusterStatus {
     graviton::cli::cluster_status(url)
@@ -31,12 +27,7 @@ async fn owners(url: &str) -> graviton::cli::ClusterStatus {
 }
 
 fn owner_of(status: &graviton::cli::ClusterStatus, key: &SessionKey) -> Option<NodeId> {
-    let shard = shard_of(key, SHARDS);
-    status
-        .shards
-        .iter()
-        .find(|s| s.shard == shard)
-        .and_then(|s| s.owner.clone())
+    support::cluster::owner_of(status, SHARDS, key)
 }
 
 fn session() -> SessionKey {
@@ -92,30 +83,21 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
     };
 
     // Every node becomes ready (owns shards) and the table covers every shard.
-    let all_ready = support::wait_until(Duration::from_secs(60), || {
-        let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
-        async move {
-            for url in &urls {
-                if !is_ready(&client(), url).await {
-                    return false;
-                }
-            }
-            // Settled: every shard assigned, none in motion, balanced within one.
-            let status = owners(db_url).await;
+    let refs: Vec<&NodeProcess> = nodes.iter().collect();
+    wait_converged(
+        &refs,
+        db_url,
+        "the shards settled, balanced within one",
+        |status| {
             let counts: Vec<usize> = status.nodes.iter().map(|n| n.shards).collect();
             let (min, max) = (
                 counts.iter().min().copied().unwrap_or(0),
                 counts.iter().max().copied().unwrap_or(0),
             );
             status.unassigned_shards == 0 && status.moving_shards == 0 && min > 0 && max - min <= 1
-        }
-    })
+        },
+    )
     .await;
-    assert!(
-        all_ready,
-        "cluster did not converge; logs:\n{}",
-        nodes[0].log_text()
-    );
     let status = owners(db_url).await;
     let by_owner = sessions_covering(&status, &names);
 
@@ -272,19 +254,14 @@ async fn three_processes_forward_drain_fail_over_and_restart() {
     for node in nodes.iter_mut() {
         node.restart();
     }
-    let back = support::wait_until(Duration::from_secs(60), || {
-        let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
-        async move {
-            for url in &urls {
-                if !is_ready(&client(), url).await {
-                    return false;
-                }
-            }
-            true
-        }
-    })
+    let refs: Vec<&NodeProcess> = nodes.iter().collect();
+    wait_converged(
+        &refs,
+        db_url,
+        "every node back after a full restart",
+        |_| true,
+    )
     .await;
-    assert!(back, "nodes did not come back after a full restart");
     let after = owners(db_url).await;
     for (shard, epoch) in table_before {
         let now = after.shards.iter().find(|s| s.shard == shard).unwrap();

@@ -20,15 +20,12 @@ use graviton::storage::pack::{PackOptions, PackStore};
 use graviton::storage::pg::PgManifestStore;
 use graviton::storage::{BlockStore, ManifestStore, StoreError};
 use sqlx::Connection;
+use support::client;
 use support::cluster::{NodeProcess, is_ready, s3_storage_toml};
 use support::node::random_bytes;
 
 const SHARDS: u32 = 16;
 const ADMIN: &str = "admin-token-for-cluster-s3-tests-01";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 fn s3_config(prefix: &str) -> S3Config {
     support::cluster::test_s3_config(prefix)

@@ -6,15 +6,10 @@
 mod support;
 
 use std::process::Command;
-use std::time::Duration;
 
-use support::cluster::{NodeProcess, is_ready};
+use support::cluster::{NodeProcess, all_nodes_own_shards, wait_converged};
 
 const SHARDS: u32 = 16;
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 // Checks OPS-9.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -41,29 +36,16 @@ async fn sigterm_to_every_node_at_once_ends_the_drains_without_a_hand_over() {
             )
         })
         .collect();
-    let db_url = db.url().to_string();
-    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
-    let converged = support::wait_until(Duration::from_secs(60), || {
-        let (urls, db_url) = (urls.clone(), db_url.clone());
-        async move {
-            for url in &urls {
-                if !is_ready(&client(), url).await {
-                    return false;
-                }
-            }
-            let status = graviton::cli::cluster_status(&db_url).await.unwrap();
-            status.unassigned_shards == 0
-                && status.moving_shards == 0
-                && status.nodes.len() == 3
-                && status.nodes.iter().all(|n| n.shards > 0)
-        }
-    })
+    let refs: Vec<&NodeProcess> = nodes.iter().collect();
+    wait_converged(
+        &refs,
+        db.url(),
+        "three nodes ready, each owning shards",
+        |status| {
+            all_nodes_own_shards(status) && status.moving_shards == 0 && status.nodes.len() == 3
+        },
+    )
     .await;
-    assert!(
-        converged,
-        "cluster did not converge:\n{}",
-        nodes[0].log_text()
-    );
 
     // One signal to each node, all sent before any is waited for.
     for node in &nodes {

@@ -74,7 +74,7 @@ async fn console_shows_a_drained_node_with_zero_shards_and_a_killed_node_dead() 
         return;
     };
 
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = support::client();
     let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
     let ready = support::wait_until(Duration::from_secs(60), || {
         let (client, urls) = (client.clone(), urls.clone());

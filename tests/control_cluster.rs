@@ -26,17 +26,12 @@ use graviton::control::envelope::{
 };
 use graviton::control::transport::{ControlError, ControlTransport, FnHandler, InMemoryNetwork};
 use graviton::ids::{NodeId, SessionId, TenantId};
+use support::free_port;
 
 const TOKEN: &str = "test-token-0123456789abcdefghijklmnopqrstuvwxyz";
 const CHILD_ENV: &str = "GRAVITON_TEST_CONTROL_CHILD";
 const CHILD_PEERS_ENV: &str = "GRAVITON_TEST_CONTROL_CHILD_PEERS";
 const CALL: Duration = Duration::from_secs(2);
-
-/// A port outside the ephemeral range (an ephemeral one can be taken as another
-/// connection's source port between this pick and the bind).
-fn free_port() -> u16 {
-    support::free_port()
-}
 
 fn node(id: &str) -> NodeId {
     NodeId::parse(id).unwrap()
@@ -143,11 +138,10 @@ async fn two_nodes_exchange_calls_both_ways() {
         node: node("two-a"),
     });
     assert_eq!(casts, 1, "one connected peer");
-    let until = Instant::now() + Duration::from_secs(10);
-    while HINTS.load(Ordering::SeqCst) < 2 {
-        assert!(Instant::now() < until, "casts were not delivered");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    support::eventually(Duration::from_secs(10), "both casts delivered", || {
+        HINTS.load(Ordering::SeqCst) >= 2
+    })
+    .await;
     // The local node answers through the same codec without the network.
     assert!(matches!(
         a.call(&node("two-a"), activate(), CALL).await,
@@ -211,14 +205,12 @@ async fn wrong_cookie_is_refused_and_redialed_with_backoff() {
     a.set_peers(vec![(node("cookie-b"), addr(pb))]);
 
     // Each failed handshake schedules a re-dial; wait for several.
-    let until = Instant::now() + Duration::from_secs(15);
-    while a.redials() < 3 {
-        assert!(
-            Instant::now() < until,
-            "no re-dials after refused handshakes"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    support::eventually(
+        Duration::from_secs(15),
+        "three re-dials after refused handshakes",
+        || a.redials() >= 3,
+    )
+    .await;
     assert!(a.connected_peers().is_empty());
     assert!(b.connected_peers().is_empty());
     assert_eq!(
@@ -436,20 +428,18 @@ async fn a_killed_and_restarted_peer_is_redialed() {
 
     child.kill();
     // The session drops; calls fail fast with a typed error, never hang.
-    let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        match a.call(&peer, activate(), CALL).await {
-            Err(ControlError::NotConnected(_)) => break,
-            Err(ControlError::Transport { .. } | ControlError::Timeout { .. }) | Ok(_) => {
-                assert!(
-                    Instant::now() < until,
-                    "the dead peer still looks connected"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
+    support::wait_for(
+        Duration::from_secs(10),
+        "calls to the dead peer to fail as not connected",
+        || async {
+            match a.call(&peer, activate(), CALL).await {
+                Err(ControlError::NotConnected(_)) => true,
+                Err(ControlError::Transport { .. } | ControlError::Timeout { .. }) | Ok(_) => false,
+                Err(other) => panic!("unexpected {other}"),
             }
-            Err(other) => panic!("unexpected {other}"),
-        }
-    }
+        },
+    )
+    .await;
     let restarted = ChildNode::spawn("kill-b", pb);
     let second = owner_within(&a, &peer, Duration::from_secs(20)).await;
     assert_eq!(
@@ -547,14 +537,12 @@ async fn a_corrected_peer_address_is_dialed_at_once() {
     let b = start("moved-b", pb, TOKEN).await;
     // A stale node-table row: nothing listens there, so re-dials pile up.
     a.set_peers(vec![(node("moved-b"), addr(nowhere))]);
-    let until = Instant::now() + Duration::from_secs(10);
-    while a.redials() < 2 {
-        assert!(
-            Instant::now() < until,
-            "no re-dials towards the stale address"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    support::eventually(
+        Duration::from_secs(10),
+        "two re-dials towards the stale address",
+        || a.redials() >= 2,
+    )
+    .await;
     assert_eq!(
         a.call(&node("moved-b"), activate(), CALL).await,
         Err(ControlError::NotConnected(node("moved-b")))

@@ -76,7 +76,7 @@ async fn a_control_plane_that_keeps_crashing_fences_and_stops_the_node() {
     let config = graviton::config::Config::load(Some(&path)).expect("config");
     let node = graviton::node::start(config).await.expect("start node");
     let url = node.base_url();
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = support::client();
     assert!(
         support::wait_until(Duration::from_secs(30), || ready(&client, &url)).await,
         "the node becomes ready"

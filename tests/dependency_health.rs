@@ -5,46 +5,25 @@
 
 mod support;
 
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use graviton::config::{HumanDuration, Secret};
 use support::RedisServer;
+use support::client;
 use support::node::TestNode;
+use support::process::{Graviton, Ports};
 
-const BIN: &str = env!("CARGO_BIN_EXE_graviton");
 const PASSWORD: &str = "hunter2-never-in-the-log";
-
-struct Node {
-    child: Child,
-    url: String,
-    log: std::path::PathBuf,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Node {
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
 
 /// `graviton serve` with human logs into a file (not a terminal), probing every 100 ms,
 /// with `[admission.redis]` at `redis_url` and a password.
-fn serve(dir: &std::path::Path, redis_url: &str) -> Node {
-    let port = support::free_port();
+fn serve(dir: &std::path::Path, redis_url: &str) -> Graviton {
     let config = dir.join("node.toml");
-    std::fs::write(
-        &config,
+    let text = |ports: Ports| {
         format!(
             r#"
 [node]
-listen = "127.0.0.1:{port}"
+listen = "{listen}"
 
 [storage]
 data_dir = "{data}"
@@ -61,29 +40,13 @@ probe_timeout = "100ms"
 url = "{redis_url}"
 password = "{PASSWORD}"
 "#,
+            listen = ports.listen(),
             data = dir.join("data").display(),
-        ),
-    )
-    .unwrap();
-    let log = dir.join("node.log");
-    let child = Command::new(BIN)
-        .args(["serve", "--config"])
-        .arg(&config)
-        .env_remove("GRAVITON_CONFIG")
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .expect("spawn graviton serve");
-    Node {
-        child,
-        url: format!("http://127.0.0.1:{port}"),
-        log,
-    }
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
+        )
+    };
+    Graviton::serve_config(dir.join("node.log"), &config, text, |command| {
+        command.env_remove("GRAVITON_CONFIG").env_remove("RUST_LOG");
+    })
 }
 
 async fn readyz(url: &str) -> (u16, serde_json::Value) {
@@ -93,7 +56,7 @@ async fn readyz(url: &str) -> (u16, serde_json::Value) {
 }
 
 /// Wait until `/readyz` answers 200 with `status` and exactly `degraded` failing.
-async fn wait_for(node: &Node, status: &str, degraded: &[&str]) -> serde_json::Value {
+async fn wait_for(node: &Graviton, status: &str, degraded: &[&str]) -> serde_json::Value {
     let last = std::sync::Mutex::new(serde_json::Value::Null);
     let reached = support::wait_until(Duration::from_secs(20), || async {
         let (code, body) = readyz(&node.url).await;
@@ -143,8 +106,8 @@ async fn readyz_reports_a_failing_dependency_as_degraded_and_logs_each_transitio
     redis.stop();
     let port = redis.port();
     let dir = tempfile::tempdir().unwrap();
-    let node = serve(dir.path(), &format!("redis://127.0.0.1:{port}/"));
-    support::wait_ready(&node.url, Duration::from_secs(20)).await;
+    let mut node = serve(dir.path(), &format!("redis://127.0.0.1:{port}/"));
+    node.ready(Duration::from_secs(20)).await;
 
     let body = wait_for(&node, "degraded", &["redis"]).await;
     let address = format!("redis://127.0.0.1:{port}");

@@ -107,7 +107,7 @@ async fn scripts_cluster_runs_three_nodes_on_s3_that_serve_each_others_uploads()
         urls.iter().filter_map(|u| u.rsplit(':').next()).collect();
     assert_eq!(ports.len(), 3, "three distinct ports: {urls:?}");
 
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = support::client();
     let body: Vec<u8> = (0..3_000_000u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
         .collect();

@@ -17,6 +17,7 @@ use graviton::cas::BlockKey;
 use graviton::node::NodeOptions;
 use graviton::storage::pack::{PackOptions, PackStore};
 use graviton::storage::{BlockStore, StoreError, StoreFuture, WriteSession};
+use support::client;
 use support::node::{TestNode, random_bytes};
 
 /// A pack store whose block reads fail from the `fail_from`-th read on.
@@ -80,10 +81,6 @@ async fn node_with_failing_reads() -> (TestNode, Arc<FailingReads>) {
     )
     .await;
     (node, store)
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
 }
 
 async fn upload(url: &str, data: &[u8]) -> String {

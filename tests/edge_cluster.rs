@@ -13,17 +13,13 @@ mod support;
 use std::time::Duration;
 
 use graviton::ids::{NodeId, SessionId, SessionKey, TenantId};
-use graviton::placement::hash::shard_of;
-use support::cluster::{NodeProcess, TOKEN, is_ready};
+use support::client;
+use support::cluster::{NodeProcess, TOKEN, all_nodes_own_shards, wait_converged};
 use support::pki::TestPki;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SHARDS: u32 = 16;
 const ADMIN: &str = "edge-admin-token-0123456789";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 async fn status(url: &str) -> graviton::cli::ClusterStatus {
     graviton::cli::cluster_status(url)
@@ -32,12 +28,7 @@ async fn status(url: &str) -> graviton::cli::ClusterStatus {
 }
 
 fn owner_of(status: &graviton::cli::ClusterStatus, key: &SessionKey) -> Option<NodeId> {
-    let shard = shard_of(key, SHARDS);
-    status
-        .shards
-        .iter()
-        .find(|s| s.shard == shard)
-        .and_then(|s| s.owner.clone())
+    support::cluster::owner_of(status, SHARDS, key)
 }
 
 async fn curl(args: &[&str]) -> std::process::Output {
@@ -112,21 +103,14 @@ async fn mtls_cluster_forwards_refuses_uncertified_peers_and_drains_over_http() 
     else {
         return;
     };
-    let ready = support::wait_until(Duration::from_secs(60), || {
-        let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
-        let db_url = db.url().to_string();
-        async move {
-            for url in &urls {
-                if !is_ready(&client(), url).await {
-                    return false;
-                }
-            }
-            let status = status(&db_url).await;
-            status.unassigned_shards == 0 && status.nodes.iter().all(|n| n.shards > 0)
-        }
-    })
+    let refs: Vec<&NodeProcess> = nodes.iter().collect();
+    wait_converged(
+        &refs,
+        db.url(),
+        "the nodes ready, each owning shards",
+        all_nodes_own_shards,
+    )
     .await;
-    assert!(ready, "cluster not ready: {}", nodes[1].log_text());
 
     // The control plane runs over mutual TLS too: both nodes report a ready session.
     let sessions = support::wait_until(Duration::from_secs(30), || async {

@@ -307,7 +307,7 @@ async fn malformed_heads_get_400_before_the_body_is_read() {
 async fn a_valid_forward_is_ingested_and_preflight_agrees() {
     let ingest = CountingIngest::default();
     let addr = owner(ingest.clone()).await;
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = support::client();
     let url = format!("http://{addr}{}", path());
     let head = |epoch: u64| {
         client

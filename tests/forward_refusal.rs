@@ -6,20 +6,12 @@
 
 mod support;
 
-use std::time::Duration;
-
-use graviton::admission::RedisAdmissionConfig;
-use graviton::ids::{SessionId, SessionKey, TenantId};
-use graviton::placement::hash::shard_of;
-use graviton::storage::redis::RedisCoordinator;
-use support::cluster::{NodeProcess, is_ready};
+use graviton::ids::SessionKey;
+use support::client;
+use support::cluster::{NodeProcess, all_nodes_own_shards, session_owned_by, wait_converged};
 use support::node::random_bytes;
 
 const SHARDS: u32 = 8;
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 async fn upload(url: &str, key: &SessionKey) -> (u16, serde_json::Value) {
     let response = client()
@@ -55,49 +47,16 @@ async fn a_forwarding_node_relays_the_owners_refusal_with_its_code_and_reason() 
         NodeProcess::start_with_extra(dir.path(), "node-a", db.url(), SHARDS, &data, "", &extra);
     let owner =
         NodeProcess::start_with_extra(dir.path(), "node-b", db.url(), SHARDS, &data, "", &extra);
-    let coordinator = RedisCoordinator::connect(
-        &RedisAdmissionConfig {
-            url: redis.url(),
-            cell: cell.clone(),
-            ..RedisAdmissionConfig::default()
-        }
-        .coordinator(),
+    let coordinator = support::admission::coordinator(redis.url(), cell.clone());
+    wait_converged(
+        &[&front, &owner],
+        db.url(),
+        "both nodes ready, each owning shards",
+        |status| all_nodes_own_shards(status) && status.moving_shards == 0,
     )
-    .unwrap();
-    let db_url = db.url().to_string();
-    let urls = [front.url.clone(), owner.url.clone()];
-    let converged = support::wait_until(Duration::from_secs(60), || {
-        let (urls, db_url) = (urls.clone(), db_url.clone());
-        async move {
-            for url in &urls {
-                if !is_ready(&client(), url).await {
-                    return false;
-                }
-            }
-            let status = graviton::cli::cluster_status(&db_url).await.unwrap();
-            status.unassigned_shards == 0
-                && status.moving_shards == 0
-                && status.nodes.iter().all(|n| n.shards > 0)
-        }
-    })
     .await;
-    assert!(converged, "cluster did not converge:\n{}", front.log_text());
-    let status = graviton::cli::cluster_status(&db_url).await.unwrap();
-    let owned_by_b = || loop {
-        let key = SessionKey {
-            tenant: TenantId::new_random(),
-            session: SessionId::new_random(),
-        };
-        let shard = shard_of(&key, SHARDS);
-        let owner = status
-            .shards
-            .iter()
-            .find(|s| s.shard == shard)
-            .and_then(|s| s.owner.clone());
-        if owner.is_some_and(|o| o.as_str() == "node-b") {
-            return key;
-        }
-    };
+    let status = graviton::cli::cluster_status(db.url()).await.unwrap();
+    let owned_by_b = || session_owned_by(&status, SHARDS, "node-b");
 
     // Two tenants whose every upload exceeds their 1 MiB override.
     let (direct_key, forwarded_key) = (owned_by_b(), owned_by_b());

@@ -269,7 +269,7 @@ fn target(node: &str, addr: SocketAddr, epoch: u64) -> OwnerTarget {
 }
 
 async fn upload(front: SocketAddr, seed: u64, total: usize) -> (u16, serde_json::Value) {
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = support::client();
     let body = futures_util::stream::iter(frames(seed, total).map(Ok::<_, std::io::Error>));
     let response = tokio::time::timeout(
         GUARD,
@@ -577,7 +577,7 @@ async fn forwarded_versus_direct_throughput_figures() {
         target("node-b", owner_addr, 1),
     )
     .await;
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = support::client();
     let direct = || {
         client
             .post(format!(
@@ -645,11 +645,10 @@ async fn a_stale_post_after_a_passing_preflight_retries_with_the_untouched_body(
          Content-Length: {total}\r\nX-Graviton-Tenant-Id: {TENANT}\r\nX-Graviton-Upload-Session-Id: {SESSION}\r\n\r\n"
     );
     stream.write_all(head.as_bytes()).await.unwrap();
-    let until = std::time::Instant::now() + GUARD;
-    while forwarder.stats().stale_retries.load(Ordering::SeqCst) == 0 {
-        assert!(std::time::Instant::now() < until, "no stale retry");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    support::eventually(GUARD, "a stale retry", || {
+        forwarder.stats().stale_retries.load(Ordering::SeqCst) > 0
+    })
+    .await;
     for frame in frames(21, total) {
         stream.write_all(&frame).await.unwrap();
     }

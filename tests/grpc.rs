@@ -34,18 +34,9 @@ fn with_grpc(config: &mut Config) {
 }
 
 fn redis_admission(config: &mut Config, url: String, edit: impl FnOnce(&mut RedisAdmissionConfig)) {
-    let mut redis = RedisAdmissionConfig {
-        url,
-        cell: format!("grpc-{}", support::unique_suffix()),
-        lease_ttl: HumanDuration::secs(3),
-        renew_interval: HumanDuration::secs(1),
-        wait: HumanDuration::secs(1),
-        retry_interval: HumanDuration::millis(10),
-        ..RedisAdmissionConfig::default()
-    };
+    let mut redis = support::admission::redis(url, "grpc");
     edit(&mut redis);
-    config.admission.acquisition_timeout = HumanDuration::secs(2);
-    config.admission.redis = Some(redis);
+    support::admission::on_node(config, redis);
 }
 
 /// A client whose HTTP/2 windows are small: the server can run ahead of the reader by

@@ -57,3 +57,61 @@ fn metric_series_are_matched_whole_never_by_prefix() {
     assert!(registered(text, "graviton_x_total"));
     assert!(!registered(text, "graviton_g"));
 }
+
+// The process wrapper every test starts `graviton` with (`support::process`).
+#[tokio::test]
+async fn a_graviton_that_exits_at_start_fails_with_its_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("node.toml");
+    let mut node = support::process::Graviton::serve_config(
+        dir.path().join("node.log"),
+        &config,
+        |ports| format!("[node]\nlisten = \"{}\"\nno_such_key = 1\n", ports.listen()),
+        |command| {
+            command.env_remove("GRAVITON_CONFIG");
+        },
+    );
+    let failure = node
+        .wait_ready(std::time::Duration::from_secs(30))
+        .await
+        .expect_err("a config with an unknown key must not start");
+    assert!(failure.contains("exited"), "{failure}");
+    assert!(failure.contains("node.no_such_key"), "the log: {failure}");
+}
+
+#[tokio::test]
+async fn a_graviton_that_lost_a_port_race_is_started_again_on_new_ports() {
+    let dir = tempfile::tempdir().unwrap();
+    // The first attempt is made to bind a port another socket holds.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = taken.local_addr().unwrap().to_string();
+    let mut attempts = Vec::new();
+    let mut node = support::process::Graviton::serve(dir.path().join("node.log"), |ports| {
+        let listen = if attempts.is_empty() {
+            taken.clone()
+        } else {
+            ports.listen()
+        };
+        attempts.push(listen.clone());
+        let mut command = std::process::Command::new(support::process::BIN);
+        command
+            .args(["serve", "--listen", &listen, "--data-dir"])
+            .arg(dir.path().join("data"))
+            .env_remove("GRAVITON_CONFIG");
+        command
+    });
+    node.ready(std::time::Duration::from_secs(30)).await;
+    assert_eq!(attempts.len(), 2, "started again once: {attempts:?}");
+    assert_eq!(node.url, format!("http://{}", attempts[1]));
+}
+
+#[tokio::test]
+#[should_panic(expected = "waiting for: a condition that never holds")]
+async fn wait_for_names_what_it_waited_for() {
+    support::wait_for(
+        std::time::Duration::from_millis(100),
+        "a condition that never holds",
+        || async { false },
+    )
+    .await;
+}

@@ -5,11 +5,8 @@ mod support;
 use std::time::Duration;
 
 use graviton::cas::BlobKey;
+use support::client;
 use support::node::{TestNode, random_bytes, raw_exchange};
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 async fn upload(url: &str, data: Vec<u8>) -> serde_json::Value {
     let response = client()

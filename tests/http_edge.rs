@@ -258,7 +258,7 @@ async fn an_answer_before_the_body_is_read_says_connection_close() {
     assert!(answer.starts_with("http/1.1 413"), "{answer}");
     assert!(answer.contains("\r\nconnection: close\r\n"), "{answer}");
 
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = support::client();
     let response = client
         .post(format!("{}/v1/blobs", node.url))
         .body(vec![1u8; 1000])

@@ -7,11 +7,8 @@ use std::time::Duration;
 
 use graviton::config::HumanDuration;
 use graviton::node::NodeOptions;
+use support::client;
 use support::node::{TestNode, random_bytes};
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 async fn session_upload(
     url: &str,

@@ -6,23 +6,15 @@
 
 mod support;
 
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use graviton::ids::{SessionId, SessionKey, TenantId};
 use graviton::placement::hash::shard_of;
-use support::cluster::{BIN, NodeProcess};
+use support::cluster::NodeProcess;
+use support::process::{BIN, Graviton};
 
 const SHARDS: u32 = 16;
-
-struct Manager(Child);
-
-impl Drop for Manager {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// The cluster status, or an empty one while the database is not bootstrapped yet.
 async fn status(url: &str) -> graviton::cli::ClusterStatus {
@@ -88,17 +80,12 @@ async fn a_standalone_manager_that_loses_its_lock_takes_it_again_and_keeps_actin
             .replace("id = \"node-a\"", "id = \"manager\""),
     )
     .unwrap();
-    let log = std::fs::File::create(dir.path().join("manager.log")).unwrap();
-    let mut manager = Manager(
-        Command::new(BIN)
-            .args(["manager", "--config"])
-            .arg(&manager_config)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap(),
-    );
+    let mut command = Command::new(BIN);
+    command
+        .args(["manager", "--config"])
+        .arg(&manager_config)
+        .env("RUST_LOG", "info");
+    let mut manager = Graviton::spawn(dir.path().join("manager.log"), command);
     let manager_log = || std::fs::read_to_string(dir.path().join("manager.log")).unwrap();
 
     let converged = support::wait_until(Duration::from_secs(60), || {
@@ -170,7 +157,7 @@ async fn a_standalone_manager_that_loses_its_lock_takes_it_again_and_keeps_actin
         manager_log()
     );
     assert!(
-        manager.0.try_wait().unwrap().is_none(),
+        manager.exited().is_none(),
         "the manager process must keep running"
     );
 

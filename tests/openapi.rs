@@ -108,7 +108,7 @@ async fn each_path_answers_exactly_its_documented_methods() {
         Default::default(),
     )
     .await;
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = support::client();
     let mut mismatches = Vec::new();
     for (path, mut expected) in documented() {
         // axum serves HEAD wherever it serves GET.
@@ -161,7 +161,7 @@ async fn admin_requests_without_the_token_are_refused_before_their_body_is_parse
         Default::default(),
     )
     .await;
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = support::client();
     let tenant = "5b3a2c1d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
     let url = format!("{}/v1/admin/tenants/{tenant}/admission", node.url);
     // no body, no content type: without the gate this was 415

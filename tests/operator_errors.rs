@@ -5,21 +5,17 @@
 
 mod support;
 
-use std::process::{Command, Output, Stdio};
+use support::process::{Graviton, isolated_command};
+
+use std::process::Output;
 use std::time::Duration;
 
-const BIN: &str = env!("CARGO_BIN_EXE_graviton");
 const PASSWORD: &str = "pw-n0t-in-any-message";
 
 /// `graviton ARGS` with no inherited `GRAVITON_*` configuration, plus `env`.
 fn graviton(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut command = Command::new(BIN);
+    let mut command = isolated_command();
     command.args(args);
-    for (name, _) in std::env::vars() {
-        if name.starts_with("GRAVITON_") {
-            command.env_remove(name);
-        }
-    }
     command.envs(env.iter().copied());
     command.output().unwrap()
 }
@@ -151,21 +147,13 @@ async fn a_missing_bucket_names_the_bucket_the_endpoint_and_the_key_once() {
 async fn gc_and_verify_on_a_running_node_say_to_stop_it_or_use_the_admin_endpoint() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let port = support::free_port();
-    let mut node = Command::new(BIN)
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--data-dir",
-        ])
-        .arg(&data)
-        .env_remove("GRAVITON_CONFIG")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    support::wait_ready(&format!("http://127.0.0.1:{port}"), Duration::from_secs(30)).await;
+    let mut node = Graviton::serve_listen(dir.path().join("serve.log"), |command| {
+        command
+            .arg("--data-dir")
+            .arg(&data)
+            .env_remove("GRAVITON_CONFIG");
+    });
+    node.ready(Duration::from_secs(30)).await;
     let data_env = [("GRAVITON_STORAGE__DATA_DIR", data.to_str().unwrap())];
     for args in [&["gc", "--dry-run"][..], &["verify"][..]] {
         let out = graviton(args, &data_env);
@@ -176,5 +164,5 @@ async fn gc_and_verify_on_a_running_node_say_to_stop_it_or_use_the_admin_endpoin
         assert!(text.contains("POST /v1/admin/gc"), "{args:?}: {text}");
         assert!(!text.contains("Database already open"), "{args:?}: {text}");
     }
-    support::kill9(&mut node);
+    node.kill9();
 }

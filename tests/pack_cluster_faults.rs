@@ -30,16 +30,13 @@ mod support;
 
 use std::time::Duration;
 
+use support::client;
 use support::cluster::{NodeProcess, is_ready, s3_storage_toml};
 use support::node::random_bytes;
 
 const SHARDS: u32 = 16;
 const ADMIN: &str = "admin-token-for-stopped-uploader-01";
 const STEP: &str = "upload packs published";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 /// `POST /v1/blobs`: the status, the body, and whether a `Retry-After` came with it.
 async fn post(url: &str, data: Vec<u8>) -> (u16, String, bool) {
@@ -335,22 +332,21 @@ async fn cluster_gc_killed_after(test: &str, step: &str, purge_first: bool) {
     }
 
     let config = node.config.clone();
-    let mut gc = std::process::Command::new(env!("CARGO_BIN_EXE_graviton"))
+    let mut command = std::process::Command::new(support::process::BIN);
+    command
         .args(["gc", "--purge", "--config"])
         .arg(&config)
-        .env("GRAVITON_TEST_PAUSE_AFTER", step)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+        .env("GRAVITON_TEST_PAUSE_AFTER", step);
+    let log = config.with_file_name("gc.log");
     let step_owned = step.to_string();
     let mut gc = tokio::task::spawn_blocking(move || {
-        support::wait_paused(&mut gc, &step_owned);
+        let mut gc = support::process::Graviton::spawn(log, command);
+        gc.wait_paused(&step_owned);
         gc
     })
     .await
     .unwrap();
-    support::kill9(&mut gc);
+    gc.kill9();
 
     let check = || async {
         for (key, data) in [(&keep_key, &keep), (&narrow_key, &narrow)] {

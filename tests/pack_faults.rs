@@ -12,19 +12,16 @@
 mod support;
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
-use support::node::random_bytes;
+use support::client;
+use support::node::{pack_files, random_bytes};
+use support::process::{BIN, Graviton};
 
-const BIN: &str = env!("CARGO_BIN_EXE_graviton");
 const ADMIN_TOKEN: &str = "admin-token-for-pack-faults-0123";
 const PAUSE: &str = "GRAVITON_TEST_PAUSE_AFTER";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 /// The settings every process of these tests shares: fsync on, no grace period and no
 /// retention (so one run after the crash finishes the work), compaction of any pack
@@ -43,19 +40,15 @@ fn settings(command: &mut Command, dir: &Path) {
         .env_remove(PAUSE);
 }
 
-/// A `graviton serve` on `port`; with `pause`, it stops at that step.
-fn serve(dir: &Path, port: u16, pause: Option<&str>) -> Child {
-    let mut command = Command::new(BIN);
-    command.args(["serve", "--listen", &format!("127.0.0.1:{port}")]);
-    settings(&mut command, dir);
-    if let Some(step) = pause {
-        command.env(PAUSE, step);
-    }
-    command
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn graviton serve")
+/// A `graviton serve` on `dir` (its log `dir/serve.log`); with `pause`, it stops at
+/// that step.
+fn serve(dir: &Path, pause: Option<&str>) -> Graviton {
+    Graviton::serve_listen(dir.join("serve.log"), |command| {
+        settings(command, dir);
+        if let Some(step) = pause {
+            command.env(PAUSE, step);
+        }
+    })
 }
 
 async fn upload(url: &str, data: &[u8]) -> String {
@@ -114,19 +107,6 @@ fn offline(dir: &Path, args: &[&str]) -> (bool, serde_json::Value) {
     (out.status.success(), report)
 }
 
-fn walk_packs(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            out.extend(walk_packs(&path));
-        } else if path.extension().is_some_and(|e| e == "pack") {
-            out.push(path);
-        }
-    }
-    out
-}
-
 /// Finish the collector's work after a crash and check what is left: two complete runs
 /// (the second purges what the first retired), `verify` clean, and every pack file on
 /// disk is one the index names.
@@ -140,7 +120,7 @@ fn collect_to_the_end(dir: &Path) {
     assert_eq!(report["entries_affected"], 0, "{report}");
     assert_eq!(
         report["packs_checked"].as_u64().unwrap() as usize,
-        walk_packs(&dir.join("packs")).len(),
+        pack_files(&dir.join("packs")).len(),
         "every pack left is indexed and live: {report}"
     );
     assert_eq!(
@@ -194,23 +174,22 @@ impl Contents {
 /// `half`, so its pack is compacted) and `gone` deleted; `unacked` killed after its pack
 /// was sealed and before the index commit (an orphan pack). Leaves the node stopped.
 async fn prepare(dir: &Path, contents: &Contents) {
-    let port = support::free_port();
-    let url = format!("http://127.0.0.1:{port}");
-    let mut node = serve(dir, port, None);
-    support::wait_ready(&url, Duration::from_secs(30)).await;
+    let mut node = serve(dir, None);
+    node.ready(Duration::from_secs(30)).await;
+    let url = node.url.clone();
     upload(&url, &contents.keep).await;
     let whole = upload(&url, &contents.whole).await;
     upload(&url, &contents.half).await;
     let gone = upload(&url, &contents.gone).await;
     delete(&url, &whole).await;
     delete(&url, &gone).await;
-    support::kill9(&mut node);
+    node.kill9();
 
-    let mut node = serve(dir, port, Some("pack directory synced"));
-    support::wait_ready(&url, Duration::from_secs(30)).await;
-    let stream = start_upload(port, &contents.unacked);
-    support::wait_paused(&mut node, "pack directory synced");
-    support::kill9(&mut node);
+    node.restart_with_env(&[(PAUSE, "pack directory synced")]);
+    node.ready(Duration::from_secs(30)).await;
+    let stream = start_upload(node.port(), &contents.unacked);
+    node.wait_paused("pack directory synced");
+    node.kill9();
     assert!(!answer(stream).contains("201"), "never acknowledged");
 }
 
@@ -228,31 +207,26 @@ async fn gc_killed_after(step: &str, purge_first: bool) {
     let mut command = Command::new(BIN);
     command.args(["gc", "--purge"]);
     settings(&mut command, dir.path());
-    let mut gc = command
-        .env(PAUSE, step)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    support::wait_paused(&mut gc, step);
-    support::kill9(&mut gc);
+    command.env(PAUSE, step);
+    let mut gc = Graviton::spawn(dir.path().join("gc.log"), command);
+    gc.wait_paused(step);
+    gc.kill9();
 
     // restart: the index is recovered and nothing acknowledged is lost
-    let port = support::free_port();
-    let url = format!("http://127.0.0.1:{port}");
-    let mut node = serve(dir.path(), port, None);
-    support::wait_ready(&url, Duration::from_secs(30)).await;
+    let mut node = serve(dir.path(), None);
+    node.ready(Duration::from_secs(30)).await;
+    let url = node.url.clone();
     contents.check(&url).await;
-    support::kill9(&mut node);
+    node.kill9();
 
     collect_to_the_end(dir.path());
-    let mut node = serve(dir.path(), port, None);
-    support::wait_ready(&url, Duration::from_secs(30)).await;
+    node.restart();
+    node.ready(Duration::from_secs(30)).await;
     contents.check(&url).await;
     // the store still takes uploads, including of collected content
     let again = upload(&url, &contents.gone).await;
     assert!(support::download(&url, &again).await.1 == contents.gone);
-    support::kill9(&mut node);
+    node.kill9();
 }
 
 // Checks STO-12.
@@ -337,24 +311,23 @@ async fn gc_killed_at_the_end_of_a_run() {
 /// Kill `graviton serve` after `step` of an upload, restart, and check.
 async fn upload_killed_after(step: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let port = support::free_port();
-    let url = format!("http://127.0.0.1:{port}");
     let acked = random_bytes(3 << 20, 11);
     let pending = random_bytes(3 << 20, 12);
-    let mut node = serve(dir.path(), port, None);
-    support::wait_ready(&url, Duration::from_secs(30)).await;
+    let mut node = serve(dir.path(), None);
+    node.ready(Duration::from_secs(30)).await;
+    let url = node.url.clone();
     let key = upload(&url, &acked).await;
-    support::kill9(&mut node);
+    node.kill9();
 
-    let mut node = serve(dir.path(), port, Some(step));
-    support::wait_ready(&url, Duration::from_secs(30)).await;
-    let stream = start_upload(port, &pending);
-    support::wait_paused(&mut node, step);
-    support::kill9(&mut node);
+    node.restart_with_env(&[(PAUSE, step)]);
+    node.ready(Duration::from_secs(30)).await;
+    let stream = start_upload(node.port(), &pending);
+    node.wait_paused(step);
+    node.kill9();
     assert!(!answer(stream).contains("201"), "never acknowledged");
 
-    let mut node = serve(dir.path(), port, None);
-    support::wait_ready(&url, Duration::from_secs(30)).await;
+    node.restart();
+    node.ready(Duration::from_secs(30)).await;
     assert!(
         support::download(&url, &key).await.1 == acked,
         "acknowledged blob byte-exact"
@@ -368,7 +341,7 @@ async fn upload_killed_after(step: &str) {
     // the retry is acknowledged and byte-exact
     assert_eq!(upload(&url, &pending).await, pending_key);
     assert!(support::download(&url, &pending_key).await.1 == pending);
-    support::kill9(&mut node);
+    node.kill9();
     collect_to_the_end(dir.path());
 }
 

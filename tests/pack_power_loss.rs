@@ -15,19 +15,16 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
+use support::client;
 use support::lazyfs::{LazyFs, Unsynced, UnsyncedName};
 use support::node::random_bytes;
+use support::process::{BIN, Graviton};
 
-const BIN: &str = env!("CARGO_BIN_EXE_graviton");
 /// Small packs, so each blob spans several packs (several publish steps per upload).
 const PACK_SIZE: &str = "2MiB";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 /// The store's settings for every process of these tests.
 fn settings(command: &mut Command, data_dir: &Path, fsync: bool) {
@@ -41,75 +38,15 @@ fn settings(command: &mut Command, data_dir: &Path, fsync: bool) {
         .env_remove("GRAVITON_TEST_PAUSE_AFTER");
 }
 
-/// A running `graviton serve`, killed with SIGKILL when dropped (also when a test fails,
-/// before the filesystem under it is unmounted).
-struct Node {
-    child: Child,
-    port: u16,
-    url: String,
-    log: PathBuf,
-}
-
-impl Node {
-    /// Start a node on `data_dir` and wait until it is ready; `Err` with its log if it
-    /// exits or is not ready within 60 s.
-    async fn start(data_dir: &Path, fsync: bool, logs: &Path, name: &str) -> Result<Self, String> {
-        let port = support::free_port();
-        let log = logs.join(format!("{name}.log"));
-        let mut command = Command::new(BIN);
-        command.args(["serve", "--listen", &format!("127.0.0.1:{port}")]);
-        settings(&mut command, data_dir, fsync);
-        let child = command
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("create the node's log"))
-            .spawn()
-            .expect("spawn graviton serve");
-        let mut node = Self {
-            child,
-            port,
-            url: format!("http://127.0.0.1:{port}"),
-            log,
-        };
-        let http = client();
-        let ready_url = format!("{}/readyz", node.url);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        let failure = loop {
-            if let Ok(Some(status)) = node.child.try_wait() {
-                break format!("exited: {status}");
-            }
-            if http
-                .get(&ready_url)
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
-            {
-                return Ok(node);
-            }
-            if tokio::time::Instant::now() >= deadline {
-                break "no answer within 60 s".to_string();
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
-        node.kill9();
-        Err(format!(
-            "graviton serve did not become ready ({failure}):\n{}",
-            node.log_text()
-        ))
-    }
-
-    fn kill9(&mut self) {
-        support::kill9(&mut self.child);
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.kill9();
-    }
+/// Start a node on `data_dir` (its log `<logs>/<name>.log`) and wait until it is ready;
+/// `Err` with its log if it exits or is not ready within 60 s. Killed with SIGKILL when
+/// dropped (also when a test fails, before the filesystem under it is unmounted).
+async fn start(data_dir: &Path, fsync: bool, logs: &Path, name: &str) -> Result<Graviton, String> {
+    let mut node = Graviton::serve_listen(logs.join(format!("{name}.log")), |command| {
+        settings(command, data_dir, fsync);
+    });
+    node.wait_ready(Duration::from_secs(60)).await?;
+    Ok(node)
 }
 
 /// Upload `data`; the upload must be acknowledged (201). Returns the blob key.
@@ -229,7 +166,7 @@ async fn acknowledged_blobs_survive_a_power_loss_with_fsync() {
     fs.check_locks();
     let logs = tempfile::tempdir().unwrap();
     let dir = fs.path().join("node");
-    let mut node = Node::start(&dir, true, logs.path(), "first")
+    let mut node = start(&dir, true, logs.path(), "first")
         .await
         .unwrap_or_else(|log| panic!("{log}"));
     // redb's file locks hold on the mount: an offline command refuses the open index
@@ -249,7 +186,7 @@ async fn acknowledged_blobs_survive_a_power_loss_with_fsync() {
     // acknowledged
     let pending = random_bytes(6 << 20, 2100);
     let pending_key = graviton::cas::BlobKey::of(&pending).to_string();
-    let stream = start_partial_upload(node.port, &pending, 3 << 19);
+    let stream = start_partial_upload(node.port(), &pending, 3 << 19);
     support::eventually(
         Duration::from_secs(60),
         "the in-flight upload writes to a spool file",
@@ -301,7 +238,7 @@ async fn acknowledged_blobs_survive_a_power_loss_with_fsync() {
         show(&dropped)
     );
 
-    let mut node = Node::start(&dir, true, logs.path(), "after-crash")
+    let mut node = start(&dir, true, logs.path(), "after-crash")
         .await
         .unwrap_or_else(|log| panic!("the node does not start after the crash: {log}"));
     for (key, blob) in keys.iter().zip(&blobs) {
@@ -339,7 +276,7 @@ async fn without_fsync_a_power_loss_loses_acknowledged_blobs() {
     };
     let logs = tempfile::tempdir().unwrap();
     let dir = fs.path().join("node");
-    let mut node = Node::start(&dir, false, logs.path(), "first")
+    let mut node = start(&dir, false, logs.path(), "first")
         .await
         .unwrap_or_else(|log| panic!("{log}"));
     let blobs = blobs();
@@ -363,7 +300,7 @@ async fn without_fsync_a_power_loss_loses_acknowledged_blobs() {
 
     // What survived: the node may refuse to start, or serve some blobs wrong.
     let mut lost = Vec::new();
-    let started = Node::start(&dir, false, logs.path(), "after-crash").await;
+    let started = start(&dir, false, logs.path(), "after-crash").await;
     match started {
         Ok(mut node) => {
             for (key, blob) in keys.iter().zip(&blobs) {

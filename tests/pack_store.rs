@@ -4,19 +4,16 @@
 mod support;
 
 use std::io::{Read, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use graviton::config::{Config, HumanDuration, Secret};
 use graviton::node::NodeOptions;
-use support::node::{TestNode, random_bytes};
+use support::client;
+use support::node::{TestNode, pack_files, random_bytes};
+use support::process::{BIN, Graviton};
 
 const ADMIN_TOKEN: &str = "admin-token-for-pack-tests-0123";
-const BIN: &str = env!("CARGO_BIN_EXE_graviton");
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 /// Wait until the wall clock, in the whole milliseconds the collector compares, has moved
 /// past its reading now: whatever was written before this call is then strictly older
@@ -36,7 +33,7 @@ async fn wait_for_the_next_millisecond() {
 
 /// Total size of the pack files under `packs` (sealed packs only, not spool files).
 fn pack_bytes(packs: &std::path::Path) -> u64 {
-    walk_packs(packs)
+    pack_files(packs)
         .iter()
         .map(|p| std::fs::metadata(p).unwrap().len())
         .sum()
@@ -165,31 +162,25 @@ async fn delete_removes_the_manifest_and_gc_reclaims_only_unreferenced_packs() {
     assert!(body[..] == b[..], "the live blob survives byte-exact");
 }
 
-fn serve(dir: &std::path::Path, port: u16) -> Child {
-    Command::new(BIN)
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--data-dir",
-        ])
-        .arg(dir)
-        .env("GRAVITON_STORAGE__FSYNC", "true")
-        .env("GRAVITON_STORAGE__GC__MIN_AGE", "0s")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn graviton serve")
+/// `graviton serve` on the data directory `dir` with fsync on, its log in `logs`.
+fn serve(dir: &std::path::Path, logs: &std::path::Path) -> Graviton {
+    Graviton::serve_listen(logs.join("serve.log"), |command| {
+        command
+            .arg("--data-dir")
+            .arg(dir)
+            .env("GRAVITON_STORAGE__FSYNC", "true")
+            .env("GRAVITON_STORAGE__GC__MIN_AGE", "0s");
+    })
 }
 
 // Checks STO-7.
 #[tokio::test]
 async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one() {
     let dir = tempfile::tempdir().unwrap();
-    let port = support::free_port();
-    let url = format!("http://127.0.0.1:{port}");
-    let mut child = serve(dir.path(), port);
-    support::wait_ready(&url, Duration::from_secs(20)).await;
+    let logs = tempfile::tempdir().unwrap();
+    let mut node = serve(dir.path(), logs.path());
+    node.ready(Duration::from_secs(20)).await;
+    let (url, port) = (node.url.clone(), node.port());
     let acked = random_bytes(6 << 20, 3);
     let key = upload(&url, acked.clone()).await["key"]
         .as_str()
@@ -227,7 +218,7 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     )
     .await;
     eprintln!("killed with {} bytes in the spool", spooled());
-    support::kill9(&mut child);
+    node.kill9();
     let mut rest = Vec::new();
     let _ = stream.read_to_end(&mut rest);
     assert!(
@@ -235,8 +226,8 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
         "never acknowledged"
     );
 
-    let mut child = serve(dir.path(), port);
-    support::wait_ready(&url, Duration::from_secs(20)).await;
+    node.restart();
+    node.ready(Duration::from_secs(20)).await;
     let body = client()
         .get(format!("{url}/v1/blobs/{key}"))
         .send()
@@ -267,7 +258,7 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     );
     // the same upload succeeds after the restart
     upload(&url, partial.clone()).await;
-    support::kill9(&mut child);
+    node.kill9();
 
     // offline tools on the stopped node: verify is clean, gc removes the dead spool file
     let verify = Command::new(BIN)
@@ -305,7 +296,7 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     );
 
     // damage a pack: verify fails loudly, naming it
-    let pack = walk_packs(&dir.path().join("packs"))[0].clone();
+    let pack = pack_files(&dir.path().join("packs"))[0].clone();
     let mut bytes = std::fs::read(&pack).unwrap();
     bytes[1000] ^= 0x55;
     std::fs::write(&pack, &bytes).unwrap();
@@ -317,17 +308,4 @@ async fn kill_9_mid_upload_loses_no_acknowledged_blob_and_shows_no_partial_one()
     assert_eq!(verify.status.code(), Some(1));
     let report: serde_json::Value = serde_json::from_slice(&verify.stdout).unwrap();
     assert_eq!(report["damaged"].as_array().unwrap().len(), 1, "{report}");
-}
-
-fn walk_packs(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).unwrap().flatten() {
-        let path = entry.path();
-        if path.is_dir() {
-            out.extend(walk_packs(&path));
-        } else if path.extension().is_some_and(|e| e == "pack") {
-            out.push(path);
-        }
-    }
-    out
 }

@@ -108,17 +108,16 @@ async fn crashed_placement_actors_are_restarted() {
     // Election: a restarted election wins the lock again, under a higher term (LOC-3: the
     // cluster regains an acting manager).
     handle.inject_actor_failure(PlacementChild::Election);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let mut term_after = graviton::placement::Term(0);
-    while tokio::time::Instant::now() < deadline {
-        term_after = handle.leading_term().await;
-        if term_after > term_before {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let term_after = std::sync::Mutex::new(graviton::placement::Term(0));
+    let reelected = support::wait_until(Duration::from_secs(20), || async {
+        let term = handle.leading_term().await;
+        *term_after.lock().unwrap() = term;
+        term > term_before
+    })
+    .await;
+    let term_after = term_after.into_inner().unwrap();
     assert!(
-        term_after > term_before,
+        reelected,
         "re-elected with a higher term ({term_before} -> {term_after})"
     );
 

@@ -17,6 +17,7 @@ use graviton::node::NodeOptions;
 use graviton::storage::config::{Backend, S3Config};
 use graviton::storage::pack::medium::Medium;
 use graviton::storage::pack::s3::S3Medium;
+use support::client;
 use support::garage::Garage;
 use support::node::{TestNode, random_bytes};
 
@@ -61,10 +62,6 @@ async fn start_node(s3: S3Config, pack_size: Option<ByteSize>) -> TestNode {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     panic!("node on garage did not start");
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
 }
 
 // Checks STO-9.

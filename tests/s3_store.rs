@@ -56,7 +56,7 @@ async fn uploads_land_in_packs_on_s3_and_download_byte_exact() {
         NodeOptions::default(),
     )
     .await;
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = support::client();
     let data = random_bytes(20 << 20, 5);
     let response = client
         .post(format!("{}/v1/blobs", node.url))

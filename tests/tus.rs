@@ -12,14 +12,11 @@ use graviton::cas::BlobKey;
 use graviton::config::{ByteSize, Config, HumanDuration};
 use reqwest::header::HeaderMap;
 use sha2::Digest;
+use support::client;
 use support::node::{TestNode, random_bytes, raw_exchange};
 
 const TENANT: &str = "6f1c1a8e-5d0b-4c8e-9f55-3f2a8f0e7a11";
 const OCTETS: &str = "application/offset+octet-stream";
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
 
 fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
@@ -793,7 +790,7 @@ async fn a_cluster_forwards_to_the_owner_and_resumes_after_the_owner_is_killed()
     // (forwarded, PATCH pre-flighted), then the owner is killed with kill -9, its shard
     // moves, and the client resumes through the other node to a byte-exact blob.
     use graviton::ids::{SessionId, SessionKey};
-    use support::cluster::{NodeProcess, is_ready};
+    use support::cluster::{NodeProcess, wait_converged};
     const SHARDS: u32 = 8;
     let Some(db) = support::TestDatabase::create("tus_cluster_owner_killed").await else {
         return;
@@ -818,32 +815,21 @@ async fn a_cluster_forwards_to_the_owner_and_resumes_after_the_owner_is_killed()
     else {
         return;
     };
-    let settled = support::wait_until(Duration::from_secs(60), || {
-        let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
-        let db_url = db_url.clone();
-        async move {
-            for url in &urls {
-                if !is_ready(&client(), url).await {
-                    return false;
-                }
-            }
-            let status = graviton::cli::cluster_status(&db_url).await.unwrap();
+    let refs: Vec<&NodeProcess> = nodes.iter().collect();
+    wait_converged(
+        &refs,
+        &db_url,
+        "both nodes ready and owning shards, none moving",
+        |status| {
             status.unassigned_shards == 0
                 && status.moving_shards == 0
                 && status.nodes.iter().filter(|n| n.shards > 0).count() == 2
-        }
-    })
+        },
+    )
     .await;
-    assert!(settled, "cluster did not settle:\n{}", nodes[0].log_text());
     let status = graviton::cli::cluster_status(&db_url).await.unwrap();
     let owner_of = |status: &graviton::cli::ClusterStatus, key: &SessionKey| {
-        let shard = graviton::placement::hash::shard_of(key, SHARDS);
-        status
-            .shards
-            .iter()
-            .find(|s| s.shard == shard)
-            .and_then(|s| s.owner.clone())
-            .map(|o| o.to_string())
+        support::cluster::owner_of(status, SHARDS, key).map(|o| o.to_string())
     };
     // A session owned by tus-a; the client talks to tus-b.
     let key = loop {

@@ -12,80 +12,29 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::Duration;
 
 use graviton::cas::BlobKey;
+use support::client;
 use support::lazyfs::LazyFs;
 use support::node::random_bytes;
+use support::process::Graviton;
 
-const BIN: &str = env!("CARGO_BIN_EXE_graviton");
 const TENANT: &str = "6f1c1a8e-5d0b-4c8e-9f55-3f2a8f0e7a11";
 const OCTETS: &str = "application/offset+octet-stream";
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().unwrap()
-}
-
-/// A `graviton serve` on `data_dir` with fsync on (the default), killed when dropped.
-struct Node {
-    child: Child,
-    port: u16,
-    url: String,
-    log: PathBuf,
-}
-
-impl Node {
-    async fn start(data_dir: &Path, logs: &Path, name: &str) -> Self {
-        let port = support::free_port();
-        let log = logs.join(format!("{name}.log"));
-        let child = Command::new(BIN)
-            .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+/// A ready `graviton serve` on `data_dir` with fsync on (the default), its log
+/// `<logs>/<name>.log`; killed when dropped.
+async fn start(data_dir: &Path, logs: &Path, name: &str) -> Graviton {
+    let mut node = Graviton::serve_listen(logs.join(format!("{name}.log")), |command| {
+        command
             .env("GRAVITON_STORAGE__DATA_DIR", data_dir)
             .env("GRAVITON_STORAGE__FSYNC", "true")
-            .env_remove("GRAVITON_TEST_PAUSE_AFTER")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("create the node's log"))
-            .spawn()
-            .expect("spawn graviton serve");
-        let mut node = Self {
-            child,
-            port,
-            url: format!("http://127.0.0.1:{port}"),
-            log,
-        };
-        let ready = support::wait_until(Duration::from_secs(60), || {
-            let url = format!("{}/readyz", node.url);
-            async move {
-                client()
-                    .get(url)
-                    .send()
-                    .await
-                    .is_ok_and(|r| r.status() == 200)
-            }
-        })
-        .await;
-        if !ready {
-            node.kill9();
-            panic!("graviton serve did not become ready:\n{}", node.log_text());
-        }
-        node
-    }
-
-    fn kill9(&mut self) {
-        support::kill9(&mut self.child);
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.kill9();
-    }
+            .env_remove("GRAVITON_TEST_PAUSE_AFTER");
+    });
+    node.ready(Duration::from_secs(60)).await;
+    node
 }
 
 async fn patch(upload: &str, offset: usize, data: &[u8]) -> reqwest::Response {
@@ -137,7 +86,7 @@ async fn an_answered_offset_survives_kill_9_and_the_upload_completes() {
     fs.check_locks();
     let logs = tempfile::tempdir().unwrap();
     let dir = fs.path().join("node");
-    let node = Node::start(&dir, logs.path(), "first").await;
+    let node = start(&dir, logs.path(), "first").await;
 
     let data = random_bytes(1_500_000, 7_001);
     let created = client()
@@ -158,8 +107,13 @@ async fn an_answered_offset_survives_kill_9_and_the_upload_completes() {
     assert_eq!(offset_header(&second), Some(900_000));
     // A third PATCH is on its way when the power goes: never answered, so its bytes may
     // be kept or not, but the answered offset must hold.
-    let in_flight =
-        start_partial_patch(node.port, &path, 900_000, 300_000, &data[900_000..950_000]);
+    let in_flight = start_partial_patch(
+        node.port(),
+        &path,
+        900_000,
+        300_000,
+        &data[900_000..950_000],
+    );
 
     let synced = fs.stats();
     let mut node = node;
@@ -175,7 +129,7 @@ async fn an_answered_offset_survives_kill_9_and_the_upload_completes() {
         "the ledger left answered writes unsynced: {dropped:?}"
     );
 
-    let node = Node::start(&dir, logs.path(), "after-crash").await;
+    let node = start(&dir, logs.path(), "after-crash").await;
     let upload = format!("{}{path}", node.url);
     let head = client()
         .head(&upload)

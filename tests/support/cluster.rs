@@ -1,10 +1,12 @@
 //! Separate `graviton serve` processes forming a cluster on one PostgreSQL database.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_graviton");
+/// The `graviton` binary (also `support::process::BIN`; `nemesis_util` names it here).
+#[allow(unused_imports)]
+pub use super::process::BIN;
+use super::process::{Graviton, Ports};
 pub const TOKEN: &str = "test-internal-token-0123456789abcdefghijkl";
 
 /// The `[cluster]` timing keys of test nodes (fast failover).
@@ -16,14 +18,14 @@ rebalance_interval = "200ms"
 lock_retry_interval = "100ms"
 lock_ping_interval = "100ms""#;
 
-/// One node process.
+/// One node process: its config file, written for the ports of each launch attempt, and
+/// the [`Graviton`] process wrapper (port race retry, log, kill on drop).
 pub struct NodeProcess {
     pub id: String,
     pub config: PathBuf,
     pub url: String,
     pub internal: u16,
-    child: Option<Child>,
-    log: PathBuf,
+    process: Graviton,
 }
 
 impl NodeProcess {
@@ -76,63 +78,13 @@ impl NodeProcess {
         cluster_extra: &str,
         extra: &str,
     ) -> Self {
-        // A port from `free_port` is free when picked, and another process may take it
-        // before the node binds it: a node that exits with EADDRINUSE is started again
-        // on new ports (a harness race, seen once in 30 runs under load).
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let mut node = Self::launch(
-                dir,
-                id,
-                database_url,
-                shard_count,
-                storage,
-                cluster_extra,
-                extra,
-            );
-            if attempt == 5 || !node.lost_a_port_race() {
-                return node;
-            }
-        }
-    }
-
-    /// Whether the node exited at start because a port was taken meanwhile (polled until
-    /// its public port answers, it exits, or 10 s pass).
-    fn lost_a_port_race(&mut self) -> bool {
-        let public = self.url.trim_start_matches("http://").to_string();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            let exited = self
-                .child
-                .as_mut()
-                .is_some_and(|child| matches!(child.try_wait(), Ok(Some(_))));
-            if exited {
-                return self.log_text().contains("Address already in use");
-            }
-            if std::net::TcpStream::connect(&public).is_ok() {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        false
-    }
-
-    /// Write the node's config on newly picked ports and start it.
-    fn launch(
-        dir: &Path,
-        id: &str,
-        database_url: &str,
-        shard_count: u32,
-        storage: &str,
-        cluster_extra: &str,
-        extra: &str,
-    ) -> Self {
-        let (public, internal, control) =
-            (super::free_port(), super::free_port(), super::free_port());
         let config = dir.join(format!("{id}.toml"));
-        std::fs::write(
-            &config,
+        let text = |ports: Ports| {
+            let Ports {
+                public,
+                internal,
+                control,
+            } = ports;
             format!(
                 r#"[node]
 id = "{id}"
@@ -155,96 +107,47 @@ internal_token = "{TOKEN}"
 
 {extra}
 "#
-            ),
-        )
-        .expect("write node config");
-        let log = dir.join(format!("{id}.log"));
-        // A fresh log per launch: a lost port race is read from it.
-        let _ = std::fs::remove_file(&log);
-        let mut node = Self {
-            id: id.to_string(),
-            config,
-            url: format!("http://127.0.0.1:{public}"),
-            internal,
-            child: None,
-            log,
+            )
         };
-        node.spawn();
-        node
-    }
-
-    fn spawn(&mut self) {
-        self.spawn_with_env(&[]);
+        let process = Graviton::serve_config(dir.join(format!("{id}.log")), &config, text, |c| {
+            c.env("RUST_LOG", "info");
+        });
+        Self {
+            id: id.to_string(),
+            url: process.url.clone(),
+            internal: process.ports.expect("serving").internal,
+            config,
+            process,
+        }
     }
 
     /// Start the same node again (after a kill) with `env` added to its environment
     /// (e.g. a test-only pause hook of `src/storage/pack/pause.rs`).
     pub fn restart_with_env(&mut self, env: &[(&str, &str)]) {
-        self.kill9();
-        self.spawn_with_env(env);
-    }
-
-    fn spawn_with_env(&mut self, env: &[(&str, &str)]) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .expect("log file");
-        let child = Command::new(BIN)
-            .args(["serve", "--config"])
-            .arg(&self.config)
-            .env("RUST_LOG", "info")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn graviton serve");
-        self.child = Some(child);
+        self.process.restart_with_env(env);
     }
 
     /// Start the same node again (after a kill).
     pub fn restart(&mut self) {
-        self.kill9();
-        self.spawn();
+        self.process.restart();
     }
 
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(|c| c.id())
+        self.process.pid()
     }
 
     /// SIGKILL: no drain, no goodbye.
     pub fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill9();
     }
 
     /// SIGTERM and wait for a clean exit.
     pub fn terminate(&mut self) -> Option<std::process::ExitStatus> {
-        let mut child = self.child.take()?;
-        let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(Some(status)) = child.try_wait() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = child.kill();
-        child.wait().ok()
+        self.process.terminate()
     }
 
     pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for NodeProcess {
-    fn drop(&mut self) {
-        self.kill9();
+        self.process.log_text()
     }
 }
 
@@ -400,7 +303,7 @@ pub async fn upload_retrying(
     key: &graviton::ids::SessionKey,
     data: Vec<u8>,
 ) -> reqwest::Response {
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = super::client();
     let data = bytes::Bytes::from(data);
     let mut attempts = 0;
     loop {
@@ -419,4 +322,76 @@ pub async fn upload_retrying(
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Wait (60 s at most) until every node of `nodes` answers `/readyz` with 200 and the
+/// cluster status on `database_url` satisfies `settled`; panics naming `what` with every
+/// node's log.
+pub async fn wait_converged(
+    nodes: &[&NodeProcess],
+    database_url: &str,
+    what: &str,
+    settled: impl Fn(&graviton::cli::ClusterStatus) -> bool,
+) {
+    let client = super::client();
+    let settled = &settled;
+    let converged = super::wait_until(Duration::from_secs(60), || {
+        let client = client.clone();
+        async move {
+            for node in nodes {
+                if !is_ready(&client, &node.url).await {
+                    return false;
+                }
+            }
+            graviton::cli::cluster_status(database_url)
+                .await
+                .is_ok_and(|status| settled(&status))
+        }
+    })
+    .await;
+    if !converged {
+        let logs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("--- {}:\n{}", n.id, n.log_text()))
+            .collect();
+        panic!(
+            "timed out after 60 s waiting for: {what}\n{}",
+            logs.join("\n")
+        );
+    }
+}
+
+/// Every shard has an owner and every node listed owns some.
+pub fn all_nodes_own_shards(status: &graviton::cli::ClusterStatus) -> bool {
+    status.unassigned_shards == 0 && status.nodes.iter().all(|n| n.shards > 0)
+}
+
+/// The owner in `status` of `key`'s shard (of `shard_count`), `None` while unassigned.
+pub fn owner_of(
+    status: &graviton::cli::ClusterStatus,
+    shard_count: u32,
+    key: &graviton::ids::SessionKey,
+) -> Option<graviton::ids::NodeId> {
+    let shard = graviton::placement::hash::shard_of(key, shard_count);
+    status
+        .shards
+        .iter()
+        .find(|s| s.shard == shard)
+        .and_then(|s| s.owner.clone())
+}
+
+/// A new session whose shard (of `shard_count`) `node` owns in `status`; panics after a
+/// million random tries (the node owns no shard).
+pub fn session_owned_by(
+    status: &graviton::cli::ClusterStatus,
+    shard_count: u32,
+    node: &str,
+) -> graviton::ids::SessionKey {
+    (0..1_000_000)
+        .map(|_| graviton::ids::SessionKey {
+            tenant: graviton::ids::TenantId::new_random(),
+            session: graviton::ids::SessionId::new_random(),
+        })
+        .find(|key| owner_of(status, shard_count, key).is_some_and(|o| o.as_str() == node))
+        .unwrap_or_else(|| panic!("{node} owns no shard in {status:?}"))
 }

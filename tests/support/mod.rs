@@ -5,8 +5,16 @@
 //! * [`redis_cluster::RedisCluster`]: a private Redis Cluster (primaries plus replicas) with
 //!   slot migration and failover; [`admission_events::sweep`]: the event-stream ceiling check.
 //! * [`placement`]: placement nodes on one database, with table predicates to poll for.
-//! * [`wait_until`] / [`eventually`]: the polling helper; [`wait_ready`], [`download`] and
-//!   [`kill9`] for tests that run `graviton` processes of their own.
+//! * [`wait_for`]: the polling helper, which panics naming what it awaited;
+//!   [`wait_until`] is its boolean form for a caller that adds state to the failure,
+//!   [`eventually`] its form for a synchronous check, [`poll_blocking`] its form for a
+//!   synchronous test. [`client`]: the one HTTP client of the tests.
+//! * [`process::Graviton`]: the one wrapper of a `graviton` process a test starts (fresh
+//!   ports and a retry of a lost port race, stderr captured for failure messages,
+//!   killed on drop); [`cluster::NodeProcess`] is a cluster node on top of it.
+//! * [`admission`]: the Redis admission configuration of tests, built once.
+//! * [`wait_ready`], [`download`], [`upload`] and [`kill9`] for tests that talk to a
+//!   node over HTTP; [`node::pack_files`]: the one pack walker.
 //! * [`TestDatabase`]: a fresh PostgreSQL database per test on the server named by
 //!   `GRAVITON_TEST_DATABASE_URL` (default: the local server on 127.0.0.1:5432), dropped
 //!   again when the test ends.
@@ -23,6 +31,7 @@
 //! fails the test instead: CI can never go green by skipping.
 #![allow(dead_code)]
 
+pub mod admission;
 pub mod admission_events;
 pub mod cluster;
 pub mod garage;
@@ -34,6 +43,7 @@ pub mod pki;
 pub mod placement;
 pub mod postgres;
 pub mod postgres_server;
+pub mod process;
 pub mod redis;
 pub mod redis_cluster;
 
@@ -89,8 +99,15 @@ pub fn unique_suffix() -> String {
     uuid::Uuid::new_v4().simple().to_string()[..12].to_string()
 }
 
+/// The HTTP client of every test: no proxy (a proxy from the environment must never sit
+/// between a test and its node).
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().no_proxy().build().unwrap()
+}
+
 /// Poll `check` until it returns true or `timeout` passes; returns whether it became true.
-/// The one polling loop of the harness ([`eventually`] is the synchronous, panicking form).
+/// The boolean form of [`wait_for`], for a caller whose failure message needs state it
+/// reads afterwards (a log, the last answer).
 pub async fn wait_until<F, Fut>(timeout: std::time::Duration, mut check: F) -> bool
 where
     F: FnMut() -> Fut,
@@ -108,6 +125,18 @@ where
     }
 }
 
+/// Poll `check` until it returns true; panic naming `what` after `timeout`. The one
+/// polling loop of the tests.
+pub async fn wait_for<F, Fut>(timeout: std::time::Duration, what: &str, check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    if !wait_until(timeout, check).await {
+        panic!("timed out after {timeout:?} waiting for: {what}");
+    }
+}
+
 /// Poll the synchronous `check` until it is true; panic naming `what` after `timeout`.
 /// Returns how long it took.
 pub async fn eventually<F>(
@@ -119,31 +148,45 @@ where
     F: FnMut() -> bool,
 {
     let start = std::time::Instant::now();
-    if !wait_until(timeout, || std::future::ready(check())).await {
-        panic!("timed out after {timeout:?} waiting for: {what}");
-    }
+    wait_for(timeout, what, || std::future::ready(check())).await;
     start.elapsed()
+}
+
+/// [`wait_until`] for a synchronous test (it blocks the thread): poll `check` every 20 ms
+/// until it is true or `timeout` passes; returns whether it became true.
+pub fn poll_blocking(timeout: std::time::Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if check() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 /// Wait until the node at `url` answers `GET /readyz` with 200; panics after `within`.
 pub async fn wait_ready(url: &str, within: std::time::Duration) {
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
-    assert!(
-        wait_until(within, || async {
+    let client = client();
+    wait_for(
+        within,
+        &format!("the node at {url} to answer /readyz with 200"),
+        || async {
             client
                 .get(format!("{url}/readyz"))
                 .send()
                 .await
                 .is_ok_and(|r| r.status() == 200)
-        })
-        .await,
-        "node at {url} did not become ready within {within:?}"
-    );
+        },
+    )
+    .await;
 }
 
 /// `GET /v1/blobs/{key}` on the node at `url`: the status and the body.
 pub async fn download(url: &str, key: &str) -> (u16, Vec<u8>) {
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = client();
     let response = client
         .get(format!("{url}/v1/blobs/{key}"))
         .send()
@@ -156,7 +199,7 @@ pub async fn download(url: &str, key: &str) -> (u16, Vec<u8>) {
 /// `DELETE /v1/blobs/{key}` with the admin token `admin` on the node at `url`; the
 /// deletion must be acknowledged (204).
 pub async fn delete_blob(url: &str, key: &str, admin: &str) {
-    let client = reqwest::Client::builder().no_proxy().build().unwrap();
+    let client = client();
     let response = client
         .delete(format!("{url}/v1/blobs/{key}"))
         .bearer_auth(admin)
@@ -181,32 +224,4 @@ pub fn process_stopped(pid: u32) -> bool {
             Some(after == 'T')
         })
         .unwrap_or(false)
-}
-
-/// Wait until a `graviton` process started with `GRAVITON_TEST_PAUSE_AFTER=<step>`
-/// (piped stderr) prints its pause line; its other stderr lines are drained meanwhile
-/// (and afterwards, so it never blocks on a full pipe). Panics after 120 s, or with the
-/// process's log if it ends without pausing.
-pub fn wait_paused(child: &mut std::process::Child, step: &str) {
-    use std::io::BufRead;
-    let stderr = child.stderr.take().expect("stderr piped");
-    let wanted = format!("paused after {step} (GRAVITON_TEST_PAUSE_AFTER)");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut seen = Vec::new();
-        for line in std::io::BufReader::new(stderr).lines() {
-            let Ok(line) = line else { break };
-            if line.contains(&wanted) {
-                let _ = tx.send(Ok(()));
-                continue;
-            }
-            seen.push(line);
-        }
-        let _ = tx.send(Err(seen.join("\n")));
-    });
-    match rx.recv_timeout(std::time::Duration::from_secs(120)) {
-        Ok(Ok(())) => {}
-        Ok(Err(log)) => panic!("the process ended without pausing after {step}:\n{log}"),
-        Err(_) => panic!("no pause after {step} within 120 s"),
-    }
 }
