@@ -49,6 +49,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use graviton::actors::shard_manager::run_round;
+use graviton::actors::{Cluster, ClusterHandle, run_standalone_manager};
 use graviton::admission::{
     Admission, AdmissionConfig, AdmissionMetrics, Footprint, Operation, Outcome,
     RedisAdmissionConfig, TransferRequest,
@@ -56,7 +57,7 @@ use graviton::admission::{
 use graviton::config::{ByteSize, HumanDuration, Secret};
 use graviton::ids::NodeId;
 use graviton::ids::TenantId;
-use graviton::placement::{Cluster, ClusterConfig, ClusterHandle, run_standalone_manager};
+use graviton::placement::ClusterConfig;
 use graviton::storage::pg::PlacementStore;
 use sqlx::{Connection, Executor, PgConnection};
 
