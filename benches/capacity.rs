@@ -42,9 +42,11 @@
 //! No figure is asserted; a phase that does not converge within its deadline is printed as
 //! such, with the state reached.
 
-use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+#[path = "../tests/support/mod.rs"]
+#[allow(unused_imports)]
+mod support;
+
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -60,160 +62,14 @@ use graviton::ids::TenantId;
 use graviton::placement::ClusterConfig;
 use graviton::storage::pg::PlacementStore;
 use sqlx::{Connection, Executor, PgConnection};
+use support::postgres_server::{PostgresServer, Settings};
+use support::redis::RedisServer;
 
 fn env_or<T: std::str::FromStr>(key: &str, default: T) -> T {
     std::env::var(key)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-// ---------------------------------------------------------------------------------------
-// A private PostgreSQL server.
-
-struct PgServer {
-    bin: PathBuf,
-    dir: tempfile::TempDir,
-    port: u16,
-    as_postgres: bool,
-}
-
-impl PgServer {
-    fn start(max_connections: u32) -> Self {
-        let bin = find_pg_bin().expect("PostgreSQL server binaries (initdb, pg_ctl)");
-        let as_postgres = Command::new("id")
-            .arg("-u")
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-            .unwrap_or(false);
-        let dir = tempfile::Builder::new()
-            .prefix("graviton-capacity-pg-")
-            .tempdir()
-            .expect("tempdir");
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let server = Self {
-            bin,
-            dir,
-            port,
-            as_postgres,
-        };
-        std::fs::create_dir(server.data()).unwrap();
-        if as_postgres {
-            let ok = Command::new("chown")
-                .arg("postgres:postgres")
-                .arg(server.data())
-                .status()
-                .unwrap()
-                .success();
-            assert!(ok, "chown data dir");
-        }
-        let data = server.data().display().to_string();
-        server.run(
-            "initdb",
-            &[
-                "-D",
-                &data,
-                "-A",
-                "trust",
-                "-U",
-                "postgres",
-                "--no-instructions",
-            ],
-        );
-        let log = server.data().join("server.log").display().to_string();
-        let options = format!(
-            "-p {port} -c listen_addresses=127.0.0.1 -k {data} -c max_connections={max_connections}"
-        );
-        server.run(
-            "pg_ctl",
-            &[
-                "-D", &data, "-l", &log, "-o", &options, "-w", "-t", "60", "start",
-            ],
-        );
-        server
-    }
-
-    fn data(&self) -> PathBuf {
-        self.dir.path().join("data")
-    }
-
-    fn admin_url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-
-    fn postmaster_pid(&self) -> Option<u32> {
-        std::fs::read_to_string(self.data().join("postmaster.pid"))
-            .ok()?
-            .lines()
-            .next()?
-            .trim()
-            .parse()
-            .ok()
-    }
-
-    fn run(&self, program: &str, args: &[&str]) {
-        let binary = self.bin.join(program);
-        let mut command = if self.as_postgres {
-            let mut c = Command::new("runuser");
-            c.args(["-u", "postgres", "--"]).arg(&binary);
-            c
-        } else {
-            Command::new(&binary)
-        };
-        let out = command
-            .args(args)
-            .current_dir(self.dir.path())
-            .stdin(Stdio::null())
-            .output()
-            .unwrap_or_else(|e| panic!("{program}: {e}"));
-        assert!(
-            out.status.success(),
-            "{program} failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-}
-
-impl Drop for PgServer {
-    fn drop(&mut self) {
-        let data = self.data().display().to_string();
-        let binary = self.bin.join("pg_ctl");
-        let mut command = if self.as_postgres {
-            let mut c = Command::new("runuser");
-            c.args(["-u", "postgres", "--"]).arg(&binary);
-            c
-        } else {
-            Command::new(&binary)
-        };
-        let _ = command
-            .args(["-D", &data, "-m", "fast", "-w", "stop"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-    }
-}
-
-fn find_pg_bin() -> Option<PathBuf> {
-    if let Ok(explicit) = std::env::var("GRAVITON_PG_BIN") {
-        return Some(PathBuf::from(explicit));
-    }
-    let mut dirs: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let version = e.file_name().to_str()?.parse::<u32>().ok()?;
-            let bin = e.path().join("bin");
-            bin.join("initdb").is_file().then_some((version, bin))
-        })
-        .collect();
-    dirs.sort();
-    dirs.pop().map(|(_, bin)| bin)
 }
 
 /// CPU seconds (user + system) of `pid` and its direct children (the postmaster and its
@@ -575,19 +431,6 @@ async fn cell(admin_url: &str, pg_pid: Option<u32>, nodes: usize, shards: u32) {
 // ---------------------------------------------------------------------------------------
 // Redis admissions from nodes sharing one cell.
 
-struct RedisServer {
-    child: std::process::Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn redis_cli(port: u16, args: &[&str]) -> String {
     let out = Command::new("redis-cli")
         .args(["-p", &port.to_string()])
@@ -595,34 +438,6 @@ fn redis_cli(port: u16, args: &[&str]) -> String {
         .output()
         .expect("redis-cli");
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn start_redis() -> RedisServer {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let dir = tempfile::tempdir().unwrap();
-    let child = Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no", "--dir"])
-        .arg(dir.path())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("redis-server on PATH");
-    let server = RedisServer {
-        child,
-        port,
-        _dir: dir,
-    };
-    for _ in 0..500 {
-        if redis_cli(port, &["PING"]).trim() == "PONG" {
-            return server;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("redis-server did not start");
 }
 
 fn redis_cpu(port: u16) -> f64 {
@@ -734,7 +549,12 @@ fn main() {
         Err(_) => {
             // Up to four connections per node (placement pool 2, heartbeat 1, LISTEN 1),
             // the manager's, and headroom.
-            let server = PgServer::start((max_nodes as u32 * 11 / 10 + 2) * 4 + 40);
+            let settings = Settings {
+                max_connections: (max_nodes as u32 * 11 / 10 + 2) * 4 + 40,
+                fsync: true,
+            };
+            let server = PostgresServer::start_with("capacity bench", settings)
+                .expect("PostgreSQL server binaries (initdb, pg_ctl)");
             let url = server.admin_url();
             (Some(server), url)
         }
@@ -765,9 +585,9 @@ fn main() {
         .filter_map(|n| n.trim().parse().ok())
         .collect();
     if !redis_nodes.is_empty() {
-        let redis = start_redis();
+        let redis = RedisServer::start("capacity bench").expect("redis-server on PATH");
         runtime.block_on(redis_cells(
-            redis.port,
+            redis.port(),
             &redis_nodes,
             env_or("GRAVITON_CAPACITY_REDIS_OPS", 40_000),
         ));

@@ -41,6 +41,25 @@ pub struct PostgresServer {
     dir: tempfile::TempDir,
     as_postgres: bool,
     running: bool,
+    settings: Settings,
+}
+
+/// The server settings a caller may change. The tests' default is 60 connections with
+/// fsync off (their data need not survive the host); a benchmark that models production
+/// turns fsync on and sizes the connections to its nodes.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
+    pub max_connections: u32,
+    pub fsync: bool,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            max_connections: 60,
+            fsync: false,
+        }
+    }
 }
 
 impl PostgresServer {
@@ -48,6 +67,11 @@ impl PostgresServer {
     /// server binaries are absent. Panics instead of skipping when
     /// `GRAVITON_REQUIRE_SERVICES=1`.
     pub fn start(test: &str) -> Option<Self> {
+        Self::start_with(test, Settings::default())
+    }
+
+    /// [`start`](Self::start) with other [`Settings`].
+    pub fn start_with(test: &str, settings: Settings) -> Option<Self> {
         let Some(bin) = find_bin_dir() else {
             super::missing_service(
                 test,
@@ -69,6 +93,7 @@ impl PostgresServer {
             dir,
             as_postgres,
             running: false,
+            settings,
         };
         std::fs::create_dir(server.data()).expect("pg data dir");
         if as_postgres {
@@ -129,6 +154,17 @@ impl PostgresServer {
         self.start_server();
     }
 
+    /// The postmaster's pid (from `postmaster.pid`), while the server runs.
+    pub fn postmaster_pid(&self) -> Option<u32> {
+        std::fs::read_to_string(self.data().join("postmaster.pid"))
+            .ok()?
+            .lines()
+            .next()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     /// The server's log (for failure messages).
     pub fn log_tail(&self, lines: usize) -> String {
         let text = std::fs::read_to_string(self.log()).unwrap_or_default();
@@ -149,8 +185,10 @@ impl PostgresServer {
         let data = self.data().display().to_string();
         let log = self.log().display().to_string();
         let options = format!(
-            "-p {port} -c listen_addresses=127.0.0.1 -k {data} -c max_connections=60 -c fsync=off",
-            port = self.port
+            "-p {port} -c listen_addresses=127.0.0.1 -k {data} -c max_connections={max} -c fsync={fsync}",
+            port = self.port,
+            max = self.settings.max_connections,
+            fsync = if self.settings.fsync { "on" } else { "off" },
         );
         self.run(
             "pg_ctl",
